@@ -1,0 +1,144 @@
+"""``triton-disagg``: prepare the model, serve it on a real Triton server, and query it.
+
+  triton-disagg prepare [--model PATH]
+  triton-disagg serve [--mode aggregated|disagg] [--host H] [--http-port P] ...   (Ctrl-C stops)
+  triton-disagg demo                 serve, answer a sample prompt through Triton, stop
+  triton-disagg generate "prompt"    stream an answer from a running server
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger("triton_disagg.cli")
+SAMPLE_PROMPT = "What is the capital of France?"
+
+
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", choices=["aggregated", "disagg"], default="aggregated")
+    p.add_argument("--model", default=None, help="HF checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address for HTTP, gRPC and metrics")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--prefill-instances", type=int, default=1)
+    p.add_argument("--decode-instances", type=int, default=1)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a model parameter for every model (e.g. kv_cache_tokens=32768)")
+    p.add_argument("--log-file", default=None)
+
+
+def _overrides(items: list[str]) -> dict:
+    out = {}
+    for it in items:
+        if "=" not in it:
+            raise SystemExit(f"--set expects KEY=VALUE, got {it!r}")
+        k, v = it.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def start_server(args):
+    from backend.deployment import render_deployment
+    from backend.server import TritonServer
+    from build_scripts.prepare_model import ensure_model
+
+    model_dir = ensure_model(args.model)
+    repo = render_deployment(Path(tempfile.mkdtemp(prefix="triton-disagg-repo-")), mode=args.mode,
+                             model_path=str(model_dir), overrides=_overrides(args.set),
+                             prefill_instances=args.prefill_instances,
+                             decode_instances=args.decode_instances)
+    server = TritonServer(repo, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+                          metrics_port=args.metrics_port, log_file=args.log_file)
+    log.info("serving %s in %s mode from %s", model_dir, args.mode, repo)
+    return server.start()
+
+
+def cmd_prepare(args) -> int:
+    from build_scripts.prepare_model import ensure_model
+    print(ensure_model(args.model))
+    return 0
+
+
+def cmd_serve(args) -> int:
+    server = start_server(args)
+    print(f"Triton is serving model 'llm' on {args.host}: HTTP {server.http_port}, gRPC {server.grpc_port}, "
+          f"metrics {server.metrics_port}. Try:\n  triton-disagg generate --url {server.grpc_url} "
+          f"--chat \"{SAMPLE_PROMPT}\"\nCtrl-C stops.", flush=True)
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *a: stop.update(now=True))
+    try:
+        while not stop["now"] and server.proc.poll() is None:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("stopping tritonserver ...", flush=True)
+        server.stop()
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from backend.client import stream_generate
+    server = start_server(args)
+    try:
+        print(f"> {SAMPLE_PROMPT}", flush=True)
+        res = stream_generate(server.grpc_url, SAMPLE_PROMPT, 48, chat=True,
+                              on_text=lambda t: print(t, end="", flush=True))
+        print(flush=True)
+        if res.error:
+            print(f"error: {res.error}", file=sys.stderr)
+            return 1
+        print(f"[{len(res.token_ids)} tokens, time to first token {res.ttft:.3f}s, "
+              f"finish reason {res.finish_reason}]")
+    finally:
+        server.stop()
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from backend.client import stream_generate
+    res = stream_generate(args.url, args.prompt, args.max_tokens, model=args.model_name,
+                          chat=args.chat, temperature=args.temperature, seed=args.seed,
+                          stream=not args.no_stream, on_text=lambda t: print(t, end="", flush=True))
+    print(flush=True)
+    if res.error:
+        print(f"error: {res.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    p = argparse.ArgumentParser(prog="triton-disagg", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sp = sub.add_parser("prepare", help="convert the packaged GGUF model into a checkpoint dir")
+    sp.add_argument("--model", default=None)
+    sp.set_defaults(fn=cmd_prepare)
+    for name, fn, help_ in (("serve", cmd_serve, "run tritonserver until Ctrl-C"),
+                            ("demo", cmd_demo, "serve, answer a sample prompt, stop")):
+        sp = sub.add_parser(name, help=help_)
+        _add_server_args(sp)
+        sp.set_defaults(fn=fn)
+    sp = sub.add_parser("generate", help="stream an answer from a running server")
+    sp.add_argument("prompt")
+    sp.add_argument("--url", default="127.0.0.1:8001", help="gRPC address")
+    sp.add_argument("--model-name", default="llm")
+    sp.add_argument("--max-tokens", type=int, default=64)
+    sp.add_argument("--temperature", type=float, default=None)
+    sp.add_argument("--seed", type=int, default=None)
+    sp.add_argument("--chat", action="store_true", help="apply the model's chat template on the server")
+    sp.add_argument("--no-stream", action="store_true")
+    sp.set_defaults(fn=cmd_generate)
+    args = p.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,102 @@
+"""A small Triton client for our models: streamed generation over gRPC, and HTTP generate.
+
+Used by ``triton-disagg generate``, the tests and the benchmarks.
+"""
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+
+
+@dataclass
+class GenerationResult:
+    text: str = ""
+    token_ids: list = field(default_factory=list)
+    chunks: list = field(default_factory=list)        # text deltas as they arrived
+    times: list = field(default_factory=list)         # arrival time of each response (perf_counter)
+    t_start: float = 0.0
+    finish_reason: str = ""
+    error: Optional[str] = None
+
+    @property
+    def ttft(self) -> float:
+        return self.times[0] - self.t_start if self.times else float("nan")
+
+
+def build_inputs(grpcclient, prompt, max_tokens, *, stream=True, temperature=None, top_k=None,
+                 top_p=None, seed=None, end_id=None, stop_words=None, ignore_eos=None,
+                 chat=False, extra: Optional[dict] = None):
+    def tensor(name, arr, dtype):
+        t = grpcclient.InferInput(name, list(arr.shape), dtype)
+        t.set_data_from_numpy(arr)
+        return t
+    ins = [tensor("text_input", np.array([prompt.encode("utf-8") if isinstance(prompt, str) else prompt],
+                                         dtype=object), "BYTES"),
+           tensor("max_tokens", np.array([max_tokens], dtype=np.int32), "INT32"),
+           tensor("stream", np.array([stream], dtype=bool), "BOOL")]
+    optional = [("temperature", temperature, np.float32, "FP32"), ("top_k", top_k, np.int32, "INT32"),
+                ("top_p", top_p, np.float32, "FP32"), ("random_seed", seed, np.uint64, "UINT64"),
+                ("end_id", end_id, np.int32, "INT32"), ("ignore_eos", ignore_eos, bool, "BOOL"),
+                ("apply_chat_template", chat or None, bool, "BOOL")]
+    for name, value, np_t, tr_t in optional:
+        if value is not None:
+            ins.append(tensor(name, np.array([value], dtype=np_t), tr_t))
+    if stop_words:
+        ins.append(tensor("stop_words", np.array([w.encode() for w in stop_words], dtype=object), "BYTES"))
+    for name, (arr, tr_t) in (extra or {}).items():
+        ins.append(tensor(name, arr, tr_t))
+    return ins
+
+
+def stream_generate(url: str, prompt: str, max_tokens: int, *, model: str = "llm",
+                    on_text: Optional[Callable[[str], None]] = None, timeout_s: float = 300.0,
+                    cancel_after: Optional[int] = None, **kw) -> GenerationResult:
+    """Stream one request over gRPC; ``cancel_after=n`` stops the stream after n responses."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    res = GenerationResult()
+    q: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        client.start_stream(callback=lambda result, error: q.put((result, error, time.perf_counter())))
+        res.t_start = time.perf_counter()
+        client.async_stream_infer(model, build_inputs(grpcclient, prompt, max_tokens, **kw),
+                                  enable_empty_final_response=True)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                result, error, t = q.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                res.error = f"timed out after {timeout_s}s"
+                break
+            if error is not None:
+                res.error = error.message() if isinstance(error, InferenceServerException) else str(error)
+                break
+            resp = result.get_response()
+            out = result.as_numpy("text_output")
+            if out is not None and out.size:
+                delta = out.reshape(-1)[0].decode("utf-8")
+                ids = result.as_numpy("output_token_ids")
+                res.token_ids.extend([] if ids is None else ids.tolist())
+                res.chunks.append(delta)
+                res.times.append(t)
+                res.text += delta
+                fr = result.as_numpy("finish_reason")
+                if fr is not None and fr.size:
+                    res.finish_reason = fr.reshape(-1)[0].decode() or res.finish_reason
+                if on_text and delta:
+                    on_text(delta)
+                if cancel_after is not None and len(res.times) >= cancel_after:
+                    break
+            final = resp.parameters.get("triton_final_response")
+            if final is not None and final.bool_param:
+                break
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+    return res

