@@ -1,7 +1,7 @@
 """Sampling parameters and the sampler (greedy, or temperature / top-k / top-p with per-request seeds)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -23,7 +23,6 @@ class SamplingParams:
     end_ids: tuple[int, ...] = ()
     stop_token_ids: tuple[tuple[int, ...], ...] = ()
     ignore_eos: bool = False
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.end_ids, int):

@@ -34,12 +34,21 @@ ReleaseCallback = Callable[[str, int], None]
 
 @dataclass
 class RecvHandle:
-    """What the receiver sends to the sender with a request."""
+    """A request the receiver expects. ``req_id``, ``generation`` and ``slot`` go to the
+    sender; ``done`` is set (after ``ok``/``error``/``meta``) when the request completes or fails."""
 
     req_id: str
     generation: int
     slot: Optional[int]
     expected: int
+    done: threading.Event = field(default_factory=threading.Event, repr=False)
+    ok: Optional[bool] = None
+    error: Optional[str] = None
+    meta: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until done; return ``ok`` (False on timeout of this wait)."""
+        return bool(self.done.wait(timeout) and self.ok)
 
 
 @dataclass
@@ -53,6 +62,7 @@ class _Entry:
     landed: int = 0
     meta_floats: Optional[int] = None
     release_at: float = field(default=float("inf"))
+    meta_out: Optional[torch.Tensor] = None
 
 
 class CompletionTracker:
@@ -114,7 +124,7 @@ class CompletionTracker:
             entry.landed += n
             done = self._take_if_done(entry)
         if done:
-            self._fire(done, True, None, self._meta_copy(done))
+            self._fire(done, True, None, done.meta_out)
 
     def meta_landed(self, req_id: str, generation: int, n_floats: int) -> None:
         with self._lock:
@@ -124,7 +134,7 @@ class CompletionTracker:
             entry.meta_floats = n_floats
             done = self._take_if_done(entry)
         if done:
-            self._fire(done, True, None, self._meta_copy(done))
+            self._fire(done, True, None, done.meta_out)
 
     def sender_stopped(self, req_id: str, generation: int, reason: str = "sender stopped") -> None:
         """The sender has no write in flight for (req_id, generation) and will post no more."""
@@ -186,6 +196,8 @@ class CompletionTracker:
             log.warning("request %s: %d writes landed, expected %d", entry.handle.req_id,
                         entry.landed, entry.handle.expected)
         del self._active[entry.handle.req_id]
+        if entry.with_meta:  # copy before the slot can be handed out again
+            entry.meta_out = self._meta[entry.handle.slot, :entry.meta_floats].clone()
         self._free_slot(entry)
         return entry
 
@@ -197,16 +209,11 @@ class CompletionTracker:
         if entry.handle.slot is not None:
             self._free_slots.append(entry.handle.slot)
 
-    def _meta_copy(self, entry: _Entry) -> Optional[torch.Tensor]:
-        if not entry.with_meta:
-            return None
-        # Slot was just returned to the free list under the lock, but only this thread
-        # (the progress thread) can hand it out again after the callback's copy: expect()
-        # never writes the slot, only remote writes do, and those need a new generation.
-        return self._meta[entry.handle.slot, :entry.meta_floats].clone()
-
     @staticmethod
     def _fire(entry: _Entry, ok: bool, err: Optional[str], meta: Optional[torch.Tensor]) -> None:
+        h = entry.handle
+        h.ok, h.error, h.meta = ok, err, meta
+        h.done.set()
         if entry.on_done is None:
             return
         try:

@@ -1,0 +1,73 @@
+"""A request's state inside the engine: its tokens, how many have KV in the pool, and why it ended."""
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from backend.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """``token_ids`` = prompt + generated tokens; ``num_computed`` of them have their KV in the pool.
+
+    A prefill-only sequence (prefill role) computes its prompt and never samples. A sequence with
+    ``kv_ready`` starts with pages reserved earlier and ``num_computed`` tokens already written there
+    from outside (decode role).
+    """
+
+    def __init__(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 generator: torch.Generator | None, prefill_only: bool = False, kv_ready_tokens: int = 0):
+        self.req_id = req_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.params = params
+        self.generator = generator
+        self.prefill_only = prefill_only
+        self.kv_ready = kv_ready_tokens > 0
+        self.num_computed = kv_ready_tokens
+        self.status = SeqStatus.WAITING
+        self.finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    def kv_tokens_needed(self, max_model_len: int) -> int:
+        """Most tokens this sequence can ever hold KV for (the last sampled token never needs KV)."""
+        if self.prefill_only:
+            return self.num_prompt_tokens
+        return max(self.num_prompt_tokens,
+                   min(self.num_prompt_tokens + self.params.max_tokens, max_model_len) - 1)
+
+    def check_stop(self, max_model_len: int) -> str | None:
+        """Finish reason after a token was appended, or None to continue."""
+        params = self.params
+        last = self.token_ids[-1]
+        if not params.ignore_eos and last in params.end_ids:
+            return "stop"
+        output = self.token_ids[self.num_prompt_tokens:]
+        for stop in params.stop_token_ids:
+            if len(output) >= len(stop) and tuple(output[-len(stop):]) == stop:
+                return "stop"
+        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None
