@@ -35,7 +35,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ValueError("EngineConfig.model_path is required")
-        if self.device != "auto" and torch.device(self.device).type not in ("cpu", "cuda"):
+        if self.device != "auto" and not _is_cpu_or_cuda(self.device):
             raise ValueError(f"EngineConfig.device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
@@ -51,7 +51,7 @@ class EngineConfig:
         if not isinstance(self.num_threads, int) or self.num_threads < 0:
             raise ValueError(f"EngineConfig.num_threads must be >= 0 (0 = leave torch's default), "
                              f"got {self.num_threads!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("EngineConfig.device is 'cuda' but torch sees no GPU")
 
     @property
@@ -93,4 +93,13 @@ class EngineConfig:
                 kwargs[name] = int(raw)
             except (TypeError, ValueError):
                 raise ValueError(f"engine parameter {name!r} must be an integer, got {raw!r}") from None
+        if "model_path" not in kwargs:
+            raise ValueError("EngineConfig.model_path is required")
         return cls(**kwargs)
+
+
+def _is_cpu_or_cuda(device: str) -> bool:
+    try:
+        return torch.device(device).type in ("cpu", "cuda")
+    except RuntimeError:
+        return False

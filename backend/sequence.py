@@ -64,9 +64,8 @@ class Sequence:
         last = self.token_ids[-1]
         if not params.ignore_eos and last in params.end_ids:
             return "stop"
-        output = self.token_ids[self.num_prompt_tokens:]
         for stop in params.stop_token_ids:
-            if len(output) >= len(stop) and tuple(output[-len(stop):]) == stop:
+            if self.num_output_tokens >= len(stop) and tuple(self.token_ids[-len(stop):]) == stop:
                 return "stop"
         if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
             return "length"

@@ -84,11 +84,7 @@ class CompletionTracker:
         with self._lock:
             if req_id in self._active:
                 raise ValueError(f"request {req_id!r} is already expected")
-            slot = None
-            if with_meta:
-                if not self._free_slots:
-                    raise RuntimeError("no free meta slot (all in use or quarantined)")
-                slot = self._free_slots.pop(0)
+            slot = self._take_slot() if with_meta else None
             handle = RecvHandle(req_id, self._next_gen, slot, expected_writes)
             self._next_gen += 1
             self._active[req_id] = _Entry(handle, peer, time.monotonic() + timeout_s, with_meta,
@@ -104,6 +100,15 @@ class CompletionTracker:
             self._quarantine(entry)
         self._fire(entry, False, reason, None)
         return entry.peer, entry.handle.generation
+
+    def acquire_slot(self) -> int:
+        """Take a free meta slot for other use (the sender stages its meta block in one)."""
+        with self._lock:
+            return self._take_slot()
+
+    def release_slot(self, slot: int) -> None:
+        with self._lock:
+            self._free_slots.append(slot)
 
     def is_active(self, req_id: str) -> bool:
         with self._lock:
@@ -200,6 +205,11 @@ class CompletionTracker:
             entry.meta_out = self._meta[entry.handle.slot, :entry.meta_floats].clone()
         self._free_slot(entry)
         return entry
+
+    def _take_slot(self) -> int:
+        if not self._free_slots:
+            raise RuntimeError("no free meta slot (all in use or quarantined)")
+        return self._free_slots.pop(0)
 
     def _quarantine(self, entry: _Entry, now: Optional[float] = None) -> None:
         entry.release_at = (time.monotonic() if now is None else now) + self._quarantine_s

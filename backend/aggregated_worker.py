@@ -1,0 +1,61 @@
+"""Aggregated worker: one engine does chunked prefill and decode in the same batches."""
+from __future__ import annotations
+
+from backend.engine import EngineOutput, LLMEngine
+from backend.engine_config import EngineConfig
+from backend.engine_loop import EngineLoop
+from backend.generation import GenerationSession
+from backend.sampling import SamplingParams
+
+ENGINE_KEYS = ("device", "dtype", "page_size", "kv_cache_tokens", "num_pages", "max_num_seqs",
+               "max_num_batched_tokens", "max_model_len", "num_threads", "max_tokens_limit")
+
+
+def engine_config(model_path: str, params: dict) -> EngineConfig:
+    """EngineConfig from a model's (string) Triton parameters; other keys belong to the serving layer."""
+    return EngineConfig.from_dict({"model_path": model_path,
+                                   **{k: v for k, v in params.items() if k in ENGINE_KEYS}})
+
+
+def sampling_params(session: GenerationSession) -> SamplingParams:
+    r = session.request
+    return SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, top_k=r.top_k,
+                          top_p=r.top_p, seed=r.seed, end_ids=(r.end_id,) if r.end_id is not None else (),
+                          ignore_eos=r.ignore_eos)
+
+
+def deliver(session: GenerationSession, out: EngineOutput) -> None:
+    """Hand one engine output to the session (engine loop thread)."""
+    session.on_output(out.new_token_ids, out.finished, out.finish_reason, out.error)
+
+
+def pool_gauges(pool: dict) -> dict:
+    return {"kv_pages_total": pool["total"], "kv_pages_free": pool["free"], "kv_pages_used": pool["used"]}
+
+
+class AggregatedWorker:
+    def __init__(self, model_path: str, params: dict, name: str):
+        self.config = engine_config(model_path, params)
+        self.engine = LLMEngine(self.config)
+        self.loop = EngineLoop(self.engine, name=f"{name}-engine")
+        self.max_model_len = self.engine.max_model_len
+
+    def describe(self) -> str:
+        c = self.config
+        pool = self.engine.pool
+        return (f"device {c.torch_device}, dtype {c.dtype}, KV pool {c.num_pages} pages x {c.page_size} tokens "
+                f"({pool.tensor.numel() * pool.tensor.element_size() / 2**20:.0f} MiB, HND), "
+                f"max_model_len {self.max_model_len}, token budget {c.max_num_batched_tokens}/step")
+
+    def submit(self, session: GenerationSession) -> None:
+        self.loop.submit(session.req_id, session.prompt_ids, sampling_params(session),
+                         lambda out: deliver(session, out))
+
+    def cancel(self, req_id: str) -> None:
+        self.loop.cancel(req_id)
+
+    def stats(self) -> dict:
+        return pool_gauges(self.engine.pool_stats())
+
+    def shutdown(self) -> None:
+        self.loop.shutdown()

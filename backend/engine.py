@@ -1,0 +1,203 @@
+"""LLMEngine: synchronous continuous-batching engine (scheduler + model runner + sampler).
+
+Roles:
+- aggregated: ``add_request(req_id, prompt, params)`` then ``step()`` until finished;
+- prefill: ``add_request(..., prefill_only=True)`` computes the prompt in chunks and never samples;
+  its final output carries the last position's hidden state and logits; its pages stay held until
+  ``release(req_id)`` (a KV transfer may still read them), whatever the finish reason;
+- decode: ``reserve(req_id, n)`` takes pages for KV written from outside, then
+  ``add_request(..., kv_ready_tokens=n-1)`` starts straight at the last prompt token.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from backend.engine_config import EngineConfig
+from backend.model_runner import ModelRunner
+from backend.page_allocator import PageAllocator
+from backend.paged_attention import BatchEntry
+from backend.sampling import SamplingParams, make_generator, sample
+from backend.scheduler import ChunkInfo, ScheduledChunk, Scheduler, StepBatch
+from backend.sequence import Sequence
+
+log = logging.getLogger("triton_disagg.engine")
+
+PREFILL_DONE = "prefill_done"
+
+
+@dataclass
+class EngineOutput:
+    """New tokens of one request from one step; ``finished`` with ``finish_reason`` in
+    {"stop", "length", "abort", "error", "prefill_done"}; prefill-only results carry
+    ``hidden_state`` [hidden] and ``logits`` [vocab] of the last prompt position."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    hidden_state: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.max_model_len = config.resolve_max_model_len()
+        self.runner = ModelRunner(config)
+        self.allocator = PageAllocator(config.num_pages, config.page_size)
+        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len)
+        self.default_end_ids = self.runner.end_token_ids()
+        self.on_chunk_scheduled: Callable[[StepBatch], None] | None = None
+        self._seqs: dict[str, Sequence] = {}
+
+    @property
+    def pool(self):
+        return self.runner.pool
+
+    def set_layer_hook(self, hook: Callable[[int, StepBatch], None] | None) -> None:
+        """``hook(layer_idx, step_batch)`` runs right after each layer wrote this step's KV."""
+        self.runner.on_layer_kv_written = hook
+
+    def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    prefill_only: bool = False, kv_ready_tokens: int = 0) -> None:
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt_token_ids]
+        self._validate(req_id, prompt, params, prefill_only, kv_ready_tokens)
+        if not params.end_ids and not params.ignore_eos:
+            params = dataclasses.replace(params, end_ids=self.default_end_ids)
+        seq = Sequence(req_id, prompt, params, make_generator(params, self.runner.device),
+                       prefill_only=prefill_only, kv_ready_tokens=kv_ready_tokens)
+        self._seqs[req_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, req_id: str) -> EngineOutput | None:
+        """Stop a request now; returns its final output, or None if it is not active."""
+        seq = self._seqs.get(req_id)
+        if seq is None:
+            return None
+        return self._finish(seq, "abort", [])
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def pool_stats(self) -> dict:
+        return self.allocator.stats()
+
+    def reserve(self, req_id: str, n_tokens: int) -> list[int]:
+        """Decode role: pin pages for ``n_tokens`` tokens of KV written from outside.
+        Raises PoolFullError when the pool cannot hold them now."""
+        if req_id in self._seqs:
+            raise ValueError(f"request {req_id!r} is already active")
+        if not 0 < n_tokens < self.max_model_len:
+            raise ValueError(f"reserve: n_tokens must be in [1, {self.max_model_len}), got {n_tokens}")
+        return self.allocator.allocate(req_id, n_tokens)
+
+    def cancel_reservation(self, req_id: str) -> None:
+        if req_id in self._seqs:
+            raise ValueError(f"request {req_id!r} is running; abort it instead")
+        self.allocator.free(req_id)
+
+    def release(self, req_id: str) -> int:
+        """Prefill role: free the pages a finished prefill-only request still holds; returns how many."""
+        if req_id in self._seqs:
+            raise ValueError(f"request {req_id!r} is still running; abort it first")
+        return self.allocator.free(req_id) if self.allocator.has(req_id) else 0
+
+    def step(self) -> list[EngineOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        hooks_set = self.on_chunk_scheduled is not None or self.runner.on_layer_kv_written is not None
+        step_batch = self._step_batch(chunks) if hooks_set else None
+        rows = [i for i, c in enumerate(chunks) if c.is_last_chunk and not c.seq.prefill_only]
+        sampled_chunks = [chunks[i] for i in rows]
+        try:
+            if self.on_chunk_scheduled is not None and step_batch.prefill_only_chunks:
+                self.on_chunk_scheduled(step_batch)
+            result = self.runner.run(
+                [BatchEntry(c.seq.token_ids[c.start: c.start + c.num_tokens], c.start, c.page_table)
+                 for c in chunks], hook_arg=step_batch)
+            new_tokens = sample(result.logits[rows], [c.seq.params for c in sampled_chunks],
+                                [c.seq.generator for c in sampled_chunks]) if rows else []
+        except Exception as exc:
+            log.exception("engine step failed; failing its %d request(s)", len(chunks))
+            return self.fail([c.seq.req_id for c in chunks], f"{type(exc).__name__}: {exc}")
+        outputs = []
+        for i, chunk in enumerate(chunks):
+            seq = chunk.seq
+            seq.num_computed += chunk.num_tokens
+            if chunk.is_last_chunk and seq.prefill_only:
+                outputs.append(self._finish(seq, PREFILL_DONE, [], hidden=result.hidden[i],
+                                            logits=result.logits[i]))
+        for chunk, token in zip(sampled_chunks, new_tokens):
+            seq = chunk.seq
+            seq.token_ids.append(token)
+            reason = seq.check_stop(self.max_model_len)
+            if reason is None:
+                outputs.append(EngineOutput(seq.req_id, [token], num_prompt_tokens=seq.num_prompt_tokens,
+                                            num_output_tokens=seq.num_output_tokens))
+            else:
+                outputs.append(self._finish(seq, reason, [token]))
+        return outputs
+
+    def fail(self, req_ids: list[str], message: str) -> list[EngineOutput]:
+        """Finish the given active requests with finish_reason "error" and free their pages."""
+        return [self._finish(self._seqs[r], "error", [], error=message) for r in req_ids if r in self._seqs]
+
+    def active_request_ids(self) -> list[str]:
+        return list(self._seqs)
+
+    def _finish(self, seq: Sequence, reason: str, new_tokens: list[int], error: str | None = None,
+                hidden: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> EngineOutput:
+        self.scheduler.remove(seq)
+        seq.finish_reason = reason
+        del self._seqs[seq.req_id]
+        if not seq.prefill_only and self.allocator.has(seq.req_id):
+            self.allocator.free(seq.req_id)
+        return EngineOutput(seq.req_id, new_tokens, finished=True, finish_reason=reason, error=error,
+                            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+                            hidden_state=hidden, logits=logits)
+
+    def _step_batch(self, chunks: list[ScheduledChunk]) -> StepBatch:
+        page_size = self.config.page_size
+        return StepBatch([ChunkInfo(c.seq.req_id, c.start, c.num_tokens, c.touched_page_ids(page_size),
+                                    c.is_last_chunk, c.seq.prefill_only) for c in chunks])
+
+    def _validate(self, req_id, prompt, params, prefill_only, kv_ready_tokens) -> None:
+        if req_id in self._seqs:
+            raise ValueError(f"request {req_id!r} is already active")
+        if not prompt:
+            raise ValueError("prompt_token_ids must not be empty")
+        vocab = self.runner.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len} "
+                             "(the prompt must leave room for one more token)")
+        if params.max_tokens > self.config.max_tokens_limit:
+            raise ValueError(f"max_tokens {params.max_tokens} exceeds the limit {self.config.max_tokens_limit}")
+        probe = Sequence(req_id, prompt, params, None, prefill_only=prefill_only)
+        needed = self.allocator.pages_for(probe.kv_tokens_needed(self.max_model_len))
+        if needed > self.allocator.num_pages:
+            raise ValueError(f"request needs up to {needed} KV pages; the pool has {self.allocator.num_pages}")
+        if kv_ready_tokens:
+            if prefill_only:
+                raise ValueError("kv_ready_tokens and prefill_only are exclusive")
+            if not 0 < kv_ready_tokens < len(prompt):
+                raise ValueError(f"kv_ready_tokens must be in [1, {len(prompt) - 1}], got {kv_ready_tokens}")
+            if not self.allocator.has(req_id):
+                raise ValueError(f"request {req_id!r} has no reserved pages; call reserve() first")
+            held = len(self.allocator.page_table(req_id)) * self.config.page_size
+            if held < kv_ready_tokens:
+                raise ValueError(f"reserved pages hold {held} tokens < kv_ready_tokens {kv_ready_tokens}")
+        elif self.allocator.has(req_id):
+            raise ValueError(f"request {req_id!r} still holds pages (reserved or unreleased)")

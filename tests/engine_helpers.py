@@ -1,0 +1,71 @@
+"""Shared helpers for the engine tests: a tiny random Llama checkpoint, the real checkpoint, and
+running an engine until its requests finish."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from backend.engine import EngineOutput, LLMEngine  # noqa: E402
+from backend.engine_config import EngineConfig  # noqa: E402
+
+REAL_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct"
+TINY_VOCAB = 256
+
+
+def build_tiny_llama(path: Path) -> Path:
+    """Random 2-layer Llama (hidden 64, 4 heads, 2 KV heads, vocab 256) saved as a checkpoint."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(1234)
+    config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # sharper logits than the default init, so greedy choices are not near-ties
+        model.lm_head.weight.mul_(20)
+    model.save_pretrained(path)
+    return path
+
+
+def real_model_dir() -> Path:
+    if not (REAL_MODEL_DIR / "config.json").is_file():
+        try:
+            from build_scripts.prepare_model import ensure_model
+            return ensure_model()
+        except Exception as exc:  # the checkpoint cannot be made on this machine
+            print(f"SKIP: real model unavailable: {exc}")
+            pytest.skip(f"real model checkpoint unavailable: {exc}")
+    return REAL_MODEL_DIR
+
+
+def make_engine(model_dir: Path, **overrides) -> LLMEngine:
+    settings = dict(model_path=str(model_dir), kv_cache_tokens=2048, max_num_batched_tokens=64,
+                    max_model_len=512)
+    settings.update(overrides)
+    return LLMEngine(EngineConfig(**settings))
+
+
+def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, list[EngineOutput]]:
+    """Step until idle; outputs grouped by request id."""
+    outputs: dict[str, list[EngineOutput]] = {}
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return outputs
+        for out in engine.step():
+            outputs.setdefault(out.req_id, []).append(out)
+    raise AssertionError(f"engine still busy after {max_steps} steps")
+
+
+def tokens_of(outputs: list[EngineOutput]) -> list[int]:
+    return [t for out in outputs for t in out.new_token_ids]
+
+
+def assert_pool_idle(engine: LLMEngine) -> None:
+    stats = engine.pool_stats()
+    assert stats["free"] == stats["total"], f"pages leaked: {stats}"
+    assert stats["requests"] == 0 and stats["committed"] == 0, stats
+    assert not engine.has_work() and not engine.active_request_ids()

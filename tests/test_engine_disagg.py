@@ -1,0 +1,173 @@
+"""Disaggregation hooks inside one process: a prefill-only engine fills pages, a per-layer hook copies
+them into pages reserved in a decode engine (standing in for the NIXL writes), and the decode engine
+continues from the last prompt token. Must equal the aggregated engine token for token."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_helpers import (assert_pool_idle, build_tiny_llama, make_engine, real_model_dir, run_to_completion,
+                            tokens_of)
+
+from backend.engine import PREFILL_DONE
+from backend.paged_attention import BatchEntry
+from backend.sampling import SamplingParams
+
+LOGIT_TOLERANCE = 1e-3
+
+
+class PageStreamer:
+    """Per-layer hook of the prefill engine: copies each chunk's touched pages of that layer into the
+    decode engine's reserved pages, as the transfer engine will (one copy per page per layer)."""
+
+    def __init__(self, prefill_engine, decode_engine):
+        self.src = prefill_engine
+        self.dst = decode_engine
+        self.dst_pages: dict[str, list[int]] = {}
+        self.scheduled = []
+        self.page_writes = 0
+        prefill_engine.on_chunk_scheduled = self.scheduled.append
+        prefill_engine.set_layer_hook(self.on_layer)
+
+    def on_layer(self, layer_idx, step_batch):
+        page_size = self.src.config.page_size
+        for chunk in step_batch.prefill_only_chunks:
+            first_logical = chunk.start // page_size
+            dst = self.dst_pages[chunk.req_id][first_logical: first_logical + len(chunk.page_ids)]
+            for src_page, dst_page in zip(chunk.page_ids, dst):
+                self.dst.pool.layer(layer_idx)[dst_page].copy_(self.src.pool.layer(layer_idx)[src_page])
+                self.page_writes += 1
+
+
+def disaggregated_generate(prefill, decode, streamer, requests: dict[str, tuple[list[int], SamplingParams]],
+                           before_decode=None):
+    """Run requests through prefill -> page copy -> decode; returns (decode outputs, prefill outputs)."""
+    for req_id, (prompt, _) in requests.items():
+        streamer.dst_pages[req_id] = decode.reserve(req_id, len(prompt))
+        prefill.add_request(req_id, prompt[:-1], prefill_only=True)
+    prefill_outputs = run_to_completion(prefill)
+    for req_id, (prompt, params) in requests.items():
+        assert prefill_outputs[req_id][-1].finish_reason == PREFILL_DONE
+        assert prefill.release(req_id) == -(-(len(prompt) - 1) // prefill.config.page_size)
+        if before_decode is not None:
+            before_decode(req_id, prompt)
+        decode.add_request(req_id, prompt, params, kv_ready_tokens=len(prompt) - 1)
+    return run_to_completion(decode), prefill_outputs
+
+
+# --- tiny model: hook mechanics ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama_disagg"))
+
+
+def test_chunk_hook_reports_chunks_and_pages(tiny_dir):
+    engine = make_engine(tiny_dir, max_num_batched_tokens=16, page_size=8, kv_cache_tokens=512)
+    seen, layer_calls = [], []
+    engine.on_chunk_scheduled = lambda batch: seen.append(batch.prefill_only_chunks)
+    engine.set_layer_hook(lambda layer, batch: layer_calls.append((layer, len(batch.chunks))))
+    engine.add_request("agg", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+    run_to_completion(engine)
+    assert seen == [] and layer_calls == [(0, 1), (1, 1)] * 2  # aggregated requests: no chunk hook
+
+    engine.add_request("pf", list(range(3, 43)), prefill_only=True)
+    outputs = run_to_completion(engine)["pf"]
+    pages = engine.allocator.page_table("pf")
+    assert [[(c.req_id, c.start, c.num_tokens, c.page_ids, c.is_last_chunk) for c in chunks] for chunks in seen] == [
+        [("pf", 0, 16, pages[0:2], False)], [("pf", 16, 16, pages[2:4], False)], [("pf", 32, 8, pages[4:5], True)]]
+    assert len(layer_calls) == 2 * 2 + 3 * 2
+    out = outputs[-1]
+    assert len(outputs) == 1 and out.finished and out.new_token_ids == [] and out.finish_reason == PREFILL_DONE
+    assert out.hidden_state.shape == (64,) and out.logits.shape == (256,)
+    assert engine.pool_stats()["used"] == 5  # held until release
+    assert engine.release("pf") == 5 and engine.release("pf") == 0
+    assert_pool_idle(engine)
+
+
+def test_prefill_only_abort_keeps_pages_until_release(tiny_dir):
+    engine = make_engine(tiny_dir, max_num_batched_tokens=16, page_size=8, kv_cache_tokens=512)
+    engine.add_request("pf", list(range(3, 60)), prefill_only=True)
+    engine.step()
+    assert engine.abort("pf").finish_reason == "abort"
+    assert engine.pool_stats()["used"] > 0  # a transfer may still be reading these pages
+    with pytest.raises(ValueError, match="kv_ready_tokens and prefill_only"):
+        engine.add_request("x", [1, 2, 3], prefill_only=True, kv_ready_tokens=1)
+    engine.release("pf")
+    assert_pool_idle(engine)
+
+
+def test_tiny_disaggregated_equals_aggregated(tiny_dir):
+    prompts = {"a": list(range(3, 60)), "b": [9, 8, 7, 6], "c": list(range(100, 133))}
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    aggregated = make_engine(tiny_dir, max_num_batched_tokens=16, page_size=8)
+    for req_id, prompt in prompts.items():
+        aggregated.add_request(req_id, prompt, params)
+    expected = {r: tokens_of(o) for r, o in run_to_completion(aggregated).items()}
+    prefill = make_engine(tiny_dir, max_num_batched_tokens=16, page_size=8)
+    decode = make_engine(tiny_dir, max_num_batched_tokens=16, page_size=8)
+    streamer = PageStreamer(prefill, decode)
+    decode_outputs, _ = disaggregated_generate(prefill, decode, streamer,
+                                               {r: (p, params) for r, p in prompts.items()})
+    assert {r: tokens_of(o) for r, o in decode_outputs.items()} == expected
+    assert streamer.page_writes > 0
+    for engine in (prefill, decode):
+        assert_pool_idle(engine)
+
+
+# --- real model: prefill engine -> decode engine ----------------------------------------------
+
+def test_real_disaggregated_equals_aggregated_and_hidden_state_matches():
+    model_dir = real_model_dir()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    long_question = ("Summarise the following notes in one sentence. The meeting covered the quarterly budget, "
+                     "the hiring plan for the data team, the migration of the build servers to the new cluster, "
+                     "and the schedule for the security audit. Everyone agreed to send comments by Friday.")
+    prompts = {
+        "long": tokenizer.apply_chat_template([{"role": "user", "content": long_question}],
+                                              add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"],
+        "short": tokenizer("The capital of Italy is")["input_ids"],
+    }
+    budget = 32
+    assert len(prompts["long"]) - 1 > 2 * budget  # three or more prefill chunks
+    params = SamplingParams(max_tokens=16)
+
+    aggregated = make_engine(model_dir, max_num_batched_tokens=budget)
+    for req_id, prompt in prompts.items():
+        aggregated.add_request(req_id, prompt, params)
+    expected = {r: tokens_of(o) for r, o in run_to_completion(aggregated).items()}
+    del aggregated
+
+    prefill = make_engine(model_dir, max_num_batched_tokens=budget)
+    decode = make_engine(model_dir, max_num_batched_tokens=budget)
+    streamer = PageStreamer(prefill, decode)
+    checks = {}
+
+    def recompute_on_decode_side(req_id, prompt):  # before decoding starts: position n-2 over copied pages
+        pages = streamer.dst_pages[req_id]
+        checks[req_id] = decode.runner.run([BatchEntry([prompt[-2]], len(prompt) - 2, pages)])
+
+    decode_outputs, prefill_outputs = disaggregated_generate(prefill, decode, streamer,
+                                                             {r: (p, params) for r, p in prompts.items()},
+                                                             before_decode=recompute_on_decode_side)
+    assert {r: tokens_of(o) for r, o in decode_outputs.items()} == expected
+    assert "Rome" in tokenizer.decode(expected["short"])
+    long_chunks = [c for batch in streamer.scheduled for c in batch.prefill_only_chunks if c.req_id == "long"]
+    assert len(long_chunks) >= 3 and long_chunks[-1].is_last_chunk
+
+    # The prefill side's hidden state / logits at the last position of prompt[:-1] equal what the decode
+    # side computes for that position from the copied pages, and transformers' forward there.
+    for req_id, prompt in prompts.items():
+        pos = len(prompt) - 2
+        check = checks[req_id]
+        out = prefill_outputs[req_id][-1]
+        assert (out.logits - check.logits[0]).abs().max().item() < LOGIT_TOLERANCE
+        assert (out.hidden_state - check.hidden[0]).abs().max().item() < LOGIT_TOLERANCE
+        with torch.inference_mode():
+            reference = hf_model.model(torch.tensor([prompt[:-1]])).last_hidden_state[0, pos]
+        assert (out.hidden_state - reference).abs().max().item() < LOGIT_TOLERANCE
+    for engine in (prefill, decode):
+        assert_pool_idle(engine)

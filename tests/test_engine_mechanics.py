@@ -1,0 +1,208 @@
+"""Engine mechanics on a tiny random Llama: chunked prefill, batching, stops, aborts, errors, pages."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_helpers import (TINY_VOCAB, assert_pool_idle, build_tiny_llama, make_engine, run_to_completion,
+                            tokens_of)
+
+from backend.page_allocator import PoolFullError
+from backend.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tiny_dir):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def engine(tiny_dir):
+    engine = make_engine(tiny_dir, max_num_batched_tokens=16, kv_cache_tokens=1024, page_size=8)
+    yield engine
+    assert_pool_idle(engine)
+
+
+def prompt_of(length: int, seed: int = 0) -> list[int]:
+    return torch.randint(3, TINY_VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Reference greedy decoding by full recomputation (no KV cache, no EOS handling)."""
+    tokens = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
+def test_batched_chunked_greedy_matches_full_recompute(engine, hf_tiny):
+    prompts = [prompt_of(n, seed=n) for n in (5, 23, 50, 1, 16)]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+    outputs = run_to_completion(engine)
+    for i, prompt in enumerate(prompts):
+        assert tokens_of(outputs[f"r{i}"]) == hf_greedy(hf_tiny, prompt, 12), f"prompt {i}"
+        assert outputs[f"r{i}"][-1].finish_reason == "length"
+        assert all(len(o.new_token_ids) == 1 for o in outputs[f"r{i}"])
+
+
+def test_step_respects_token_budget_and_decodes_first(engine):
+    engine.add_request("short", prompt_of(3), SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.step()  # "short" prefilled, now decoding
+    engine.add_request("long", prompt_of(40), SamplingParams(max_tokens=2, ignore_eos=True))
+    chunk_sizes = []
+    while engine.has_work():
+        chunks = engine.scheduler.schedule()
+        assert sum(c.num_tokens for c in chunks) <= 16
+        if any(c.seq.req_id == "short" for c in chunks):
+            assert chunks[0].seq.req_id == "short" and chunks[0].num_tokens == 1
+        chunk_sizes += [c.num_tokens for c in chunks if c.seq.req_id == "long"]
+        # put the schedule back and run the real step
+        for c in chunks:
+            engine.allocator.extend(c.seq.req_id, c.start + c.num_tokens)
+        engine.step()
+    assert chunk_sizes[:3] == [15, 15, 10], chunk_sizes  # 40-token prompt over three steps beside a decode
+
+
+def test_stop_conditions(engine):
+    prompt = prompt_of(7)
+    engine.add_request("ref", prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+    reference = tokens_of(run_to_completion(engine)["ref"])
+    end = reference[4]
+    engine.add_request("end", prompt, SamplingParams(max_tokens=12, end_ids=(end,)))
+    stop_seq = reference[5:7]
+    engine.add_request("stopseq", prompt, SamplingParams(max_tokens=12, stop_token_ids=[stop_seq], ignore_eos=True))
+    engine.add_request("max", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    outputs = run_to_completion(engine)
+    assert tokens_of(outputs["end"]) == reference[: reference.index(end) + 1]
+    assert outputs["end"][-1].finish_reason == "stop"
+    got = tokens_of(outputs["stopseq"])
+    assert got[-2:] == stop_seq and got == reference[: len(got)] and len(got) <= 7
+    assert outputs["stopseq"][-1].finish_reason == "stop"
+    assert tokens_of(outputs["max"]) == reference[:3] and outputs["max"][-1].finish_reason == "length"
+
+
+def test_max_model_len_ends_request(tiny_dir):
+    engine = make_engine(tiny_dir, max_model_len=12, kv_cache_tokens=256)
+    engine.add_request("a", prompt_of(9), SamplingParams(max_tokens=50, ignore_eos=True))
+    outputs = run_to_completion(engine)["a"]
+    assert len(tokens_of(outputs)) == 3 and outputs[-1].finish_reason == "length"
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("b", prompt_of(12))
+    assert_pool_idle(engine)
+
+
+def test_abort_mid_prefill_and_mid_decode_frees_pages(engine):
+    engine.add_request("decoding", prompt_of(4), SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.add_request("prefilling", prompt_of(60), SamplingParams(max_tokens=5))
+    engine.step()
+    engine.step()
+    assert engine.pool_stats()["used"] > 0
+    prefilling = engine._seqs["prefilling"]
+    assert 0 < prefilling.num_computed < prefilling.num_prompt_tokens
+    out = engine.abort("prefilling")
+    assert out.finished and out.finish_reason == "abort"
+    assert engine._seqs["decoding"].num_output_tokens >= 1
+    out = engine.abort("decoding")
+    assert out.finish_reason == "abort" and engine.abort("decoding") is None
+    assert_pool_idle(engine)
+
+
+def test_abort_waiting_request(engine):
+    engine.add_request("w", prompt_of(4))
+    assert engine.abort("w").finish_reason == "abort"
+    assert engine.step() == []
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_k=50, top_p=0.95, seed=7, ignore_eos=True)
+    engine.add_request("a", prompt_of(6), params)
+    alone = tokens_of(run_to_completion(engine)["a"])
+    engine.add_request("other", prompt_of(30, seed=3), SamplingParams(max_tokens=9, temperature=0.8, seed=1))
+    engine.add_request("a", prompt_of(6), params)
+    engine.add_request("b", prompt_of(6), SamplingParams(max_tokens=16, temperature=1.0, top_k=50, top_p=0.95,
+                                                         seed=8, ignore_eos=True))
+    outputs = run_to_completion(engine)
+    assert tokens_of(outputs["a"]) == alone
+    assert tokens_of(outputs["b"]) != alone
+    engine.add_request("g", prompt_of(6), SamplingParams(max_tokens=16, ignore_eos=True))
+    assert tokens_of(run_to_completion(engine)["g"]) != alone  # sampling really is not greedy here
+
+
+def test_request_waits_when_pool_cannot_commit(tiny_dir):
+    engine = make_engine(tiny_dir, kv_cache_tokens=64, page_size=8, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    engine.add_request("a", prompt_of(20), params)  # commits 39 tokens = 5 of 8 pages
+    engine.add_request("b", prompt_of(20, seed=1), params)
+    engine.step()
+    assert [s.req_id for s in engine.scheduler.running] == ["a"]
+    assert [s.req_id for s in engine.scheduler.waiting] == ["b"]
+    outputs = run_to_completion(engine)
+    assert outputs["a"][-1].num_output_tokens == 20 and len(tokens_of(outputs["b"])) == 20
+    assert_pool_idle(engine)
+
+
+def test_invalid_requests_are_rejected_clearly(engine):
+    with pytest.raises(ValueError, match="must not be empty"):
+        engine.add_request("x", [])
+    with pytest.raises(ValueError, match="token ids must be in"):
+        engine.add_request("x", [1, TINY_VOCAB])
+    with pytest.raises(ValueError, match="exceeds the limit"):
+        engine.add_request("x", [5], SamplingParams(max_tokens=10_000))
+    engine.add_request("x", [5])
+    with pytest.raises(ValueError, match="already active"):
+        engine.add_request("x", [6])
+    engine.abort("x")
+
+
+def test_request_larger_than_pool_is_rejected(tiny_dir):
+    engine = make_engine(tiny_dir, kv_cache_tokens=32, page_size=8)
+    with pytest.raises(ValueError, match="pool has 4"):
+        engine.add_request("big", prompt_of(30), SamplingParams(max_tokens=10))
+
+
+def test_exception_in_step_fails_its_requests_and_frees_pages(engine, monkeypatch):
+    engine.add_request("a", prompt_of(5), SamplingParams(max_tokens=4))
+    engine.add_request("b", prompt_of(9), SamplingParams(max_tokens=4))
+    real_run = engine.runner.run
+
+    def broken_run(*args, **kwargs):
+        raise RuntimeError("simulated device failure")
+
+    monkeypatch.setattr(engine.runner, "run", broken_run)
+    outputs = engine.step()
+    assert sorted(o.req_id for o in outputs) == ["a", "b"]
+    assert all(o.finish_reason == "error" and "simulated device failure" in o.error for o in outputs)
+    assert_pool_idle(engine)
+    monkeypatch.setattr(engine.runner, "run", real_run)
+    engine.add_request("c", prompt_of(5), SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(tokens_of(run_to_completion(engine)["c"])) == 4
+
+
+def test_reservation_errors(engine):
+    pages = engine.reserve("r", 20)
+    assert len(pages) == 3 and engine.pool_stats()["used"] == 3
+    with pytest.raises(ValueError, match="still holds pages"):
+        engine.add_request("r", prompt_of(21))
+    with pytest.raises(ValueError, match="kv_ready_tokens must be in"):
+        engine.add_request("r", prompt_of(20), kv_ready_tokens=20)
+    with pytest.raises(ValueError, match="no reserved pages"):
+        engine.add_request("q", prompt_of(20), kv_ready_tokens=19)
+    with pytest.raises(ValueError, match="n_tokens must be in"):
+        engine.reserve("huge", 1000)
+    engine.reserve("big1", 400)  # 50 pages each; the pool has 128
+    engine.reserve("big2", 400)
+    with pytest.raises(PoolFullError):
+        engine.reserve("big3", 400)
+    for req_id in ("r", "big1", "big2"):
+        engine.cancel_reservation(req_id)
+    with pytest.raises(KeyError):
+        engine.cancel_reservation("r")

@@ -1,0 +1,163 @@
+"""Unit tests without a model: config, KV pool layout, page allocator, sampling."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from backend.engine_config import EngineConfig
+from backend.kv_pool import KVPool
+from backend.page_allocator import PageAllocator, PoolFullError
+from backend.sampling import SamplingParams, make_generator, sample
+from backend.sequence import Sequence
+
+
+# --- EngineConfig -----------------------------------------------------------------------------
+
+def test_config_defaults_and_pages_from_tokens():
+    config = EngineConfig(model_path="/m", kv_cache_tokens=1000, page_size=16)
+    assert config.num_pages == 63 and config.dtype == "float32"
+    assert config.torch_device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_config_from_string_dict():
+    config = EngineConfig.from_dict({"model_path": "/m", "page_size": "32", "num_pages": "10",
+                                     "max_num_batched_tokens": " 128 ", "device": "cpu", "num_threads": ""})
+    assert (config.page_size, config.num_pages, config.max_num_batched_tokens, config.num_threads) == (32, 10, 128, 0)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"model_path": "/m", "page_size": "0"}, "page_size must be a positive integer"),
+    ({"model_path": "/m", "page_size": "abc"}, "'page_size' must be an integer"),
+    ({"model_path": "/m", "dtype": "int8"}, "dtype must be one of"),
+    ({"model_path": "/m", "device": "tpu"}, "device must be"),
+    ({"model_path": "/m", "bogus": "1"}, "unknown engine parameter"),
+    ({"model_path": ""}, "model_path is required"),
+])
+def test_config_rejects_bad_values(values, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_dict(values)
+
+
+def test_config_max_model_len_capped_by_checkpoint(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 300}))
+    assert EngineConfig(model_path=str(tmp_path), max_model_len=4096).resolve_max_model_len() == 300
+    assert EngineConfig(model_path=str(tmp_path), max_model_len=100).resolve_max_model_len() == 100
+
+
+# --- KVPool -----------------------------------------------------------------------------------
+
+def test_kv_pool_hnd_layout_pages_are_contiguous():
+    pool = KVPool(num_layers=3, num_pages=5, num_kv_heads=2, page_size=4, head_dim=8,
+                  dtype=torch.float32, device=torch.device("cpu"))
+    assert pool.tensor.shape == (3, 5, 2, 2, 4, 8) and pool.tensor.is_contiguous()
+    assert pool.layer(1).is_contiguous() and pool.layer(1).data_ptr() == pool.tensor.data_ptr() + pool.bytes_per_layer
+    page = pool.layer(2)[3]
+    assert page.is_contiguous() and pool.bytes_per_page_per_layer == 2 * 2 * 4 * 8 * 4
+    assert page.data_ptr() - pool.tensor.data_ptr() == pool.page_byte_offset(2, 3)
+    assert pool.layout() == {"layout": "HND", "num_layers": 3, "num_pages": 5, "page_size": 4, "num_kv_heads": 2,
+                             "head_dim": 8, "dtype": "float32", "bytes_per_page_per_layer": 512}
+
+
+# --- PageAllocator ----------------------------------------------------------------------------
+
+def test_allocator_allocate_extend_free():
+    alloc = PageAllocator(num_pages=8, page_size=4)
+    pages = alloc.allocate("a", 5)
+    assert len(pages) == 2 and alloc.stats()["used"] == 2
+    added = alloc.extend("a", 13)
+    assert len(added) == 2 and alloc.page_table("a") == pages + added
+    assert alloc.extend("a", 16) == []
+    assert set(alloc.page_table("a")).isdisjoint(alloc.allocate("b", 4))
+    assert alloc.stats() == {"total": 8, "free": 3, "used": 5, "requests": 2, "committed": 5, "page_size": 4}
+    assert alloc.free("a") == 4
+    assert alloc.stats()["free"] == 7
+    alloc.free("b")
+    assert alloc.stats() == {"total": 8, "free": 8, "used": 0, "requests": 0, "committed": 0, "page_size": 4}
+
+
+def test_allocator_double_free_and_unknown_are_errors():
+    alloc = PageAllocator(num_pages=4, page_size=4)
+    alloc.allocate("a", 4)
+    alloc.free("a")
+    with pytest.raises(KeyError, match="unknown or already freed"):
+        alloc.free("a")
+    with pytest.raises(KeyError):
+        alloc.extend("nobody", 3)
+    alloc.allocate("a", 1)
+    with pytest.raises(ValueError, match="already holds pages"):
+        alloc.allocate("a", 1)
+
+
+def test_allocator_commitments_protect_running_requests():
+    alloc = PageAllocator(num_pages=6, page_size=4)
+    alloc.allocate("a", 4, commit_tokens=16)  # holds 1 page, may grow to 4
+    assert alloc.stats()["used"] == 1 and alloc.uncommitted_pages() == 2
+    with pytest.raises(PoolFullError):
+        alloc.allocate("b", 12)  # 3 pages: only 2 uncommitted although 5 are free
+    alloc.allocate("b", 8)
+    alloc.extend("a", 16)  # within its commitment: always succeeds
+    with pytest.raises(PoolFullError):
+        alloc.extend("b", 9)  # beyond its commitment and the pool is fully committed
+    with pytest.raises(PoolFullError):
+        alloc.commit("b", 12)
+    alloc.free("a")
+    alloc.commit("b", 12)
+    alloc.extend("b", 12)
+    assert alloc.stats()["committed"] == 3
+
+
+# --- SamplingParams / sampler ----------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"), ({"top_k": -2}, "top_k"),
+    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"seed": -1}, "seed"),
+    ({"stop_token_ids": [[]]}, "empty sequence"),
+])
+def test_sampling_params_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_normalises_ids():
+    params = SamplingParams(end_ids=7, stop_token_ids=[[1, 2], (3,)])
+    assert params.end_ids == (7,) and params.stop_token_ids == ((1, 2), (3,))
+
+
+def test_sampler_greedy_and_seeded():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    greedy = SamplingParams()
+    assert sample(logits, [greedy] * 3, [None] * 3) == logits.argmax(-1).tolist()
+    params = SamplingParams(temperature=1.5, seed=42)
+    draws = [sample(logits[:1], [params], [make_generator(params, torch.device("cpu"))])[0] for _ in range(2)]
+    assert draws[0] == draws[1]
+    generator = make_generator(params, torch.device("cpu"))
+    seq = [sample(logits[:1], [params], [generator])[0] for _ in range(30)]
+    assert len(set(seq)) > 1  # a real random draw, not argmax
+
+
+def test_sampler_top_k_and_top_p_restrict_support():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0, -1.0, -2.0]])
+    top_k = SamplingParams(temperature=1.0, top_k=2, seed=1)
+    gen = make_generator(top_k, torch.device("cpu"))
+    assert {sample(logits, [top_k], [gen])[0] for _ in range(200)} == {0, 1}
+    top_p = SamplingParams(temperature=1.0, top_p=0.5, seed=1)  # token 0 alone has ~0.66 probability
+    gen = make_generator(top_p, torch.device("cpu"))
+    assert {sample(logits, [top_p], [gen])[0] for _ in range(50)} == {0}
+
+
+def test_sequence_stop_conditions():
+    seq = Sequence("s", [5, 6], SamplingParams(max_tokens=10, end_ids=(9,), stop_token_ids=[[3, 4]]), None)
+    for token, expected in [(1, None), (3, None), (4, "stop")]:
+        seq.token_ids.append(token)
+        assert seq.check_stop(max_model_len=100) == expected
+    seq = Sequence("s", [3], SamplingParams(max_tokens=10, end_ids=(9,), ignore_eos=True,
+                                            stop_token_ids=[[3, 4]]), None)
+    seq.token_ids.append(9)
+    assert seq.check_stop(100) is None  # ignore_eos; the prompt's 3 does not count toward the stop sequence
+    seq.token_ids.append(4)
+    assert seq.check_stop(100) is None
+    seq.token_ids.append(1)
+    assert seq.check_stop(max_model_len=4) == "length"
