@@ -1,6 +1,8 @@
 """Aggregated worker: one engine does chunked prefill and decode in the same batches."""
 from __future__ import annotations
 
+import os
+
 from backend.engine import EngineOutput, LLMEngine
 from backend.engine_config import EngineConfig
 from backend.engine_loop import EngineLoop
@@ -9,6 +11,18 @@ from backend.sampling import SamplingParams
 
 ENGINE_KEYS = ("device", "dtype", "page_size", "kv_cache_tokens", "num_pages", "max_num_seqs",
                "max_num_batched_tokens", "max_model_len", "num_threads", "max_tokens_limit")
+
+
+def apply_cpu_affinity(params: dict) -> None:
+    """Pin this instance's process to the cores in ``cpu_affinity`` ("0", "0,1", "2-3"), if set."""
+    spec = (params.get("cpu_affinity") or "").strip()
+    if not spec:
+        return
+    cores = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    os.sched_setaffinity(0, cores)
 
 
 def engine_config(model_path: str, params: dict) -> EngineConfig:
@@ -35,6 +49,7 @@ def pool_gauges(pool: dict) -> dict:
 
 class AggregatedWorker:
     def __init__(self, model_path: str, params: dict, name: str):
+        apply_cpu_affinity(params)
         self.config = engine_config(model_path, params)
         self.engine = LLMEngine(self.config)
         self.loop = EngineLoop(self.engine, name=f"{name}-engine")

@@ -85,6 +85,9 @@ def cmd_serve(args) -> int:
 
 def cmd_demo(args) -> int:
     from backend.client import stream_generate
+    if args.log_file is None:
+        args.log_file = str(Path(tempfile.mkdtemp(prefix="triton-disagg-")) / "tritonserver.log")
+        print(f"tritonserver log: {args.log_file}", flush=True)
     server = start_server(args)
     try:
         print(f"> {SAMPLE_PROMPT}", flush=True)

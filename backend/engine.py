@@ -126,7 +126,8 @@ class LLMEngine:
             result = self.runner.run(
                 [BatchEntry(c.seq.token_ids[c.start: c.start + c.num_tokens], c.start, c.page_table)
                  for c in chunks], hook_arg=step_batch)
-            new_tokens = sample(result.logits[rows], [c.seq.params for c in sampled_chunks],
+            logits = result.logits if len(rows) == len(chunks) else result.logits[rows]
+            new_tokens = sample(logits, [c.seq.params for c in sampled_chunks],
                                 [c.seq.generator for c in sampled_chunks]) if rows else []
         except Exception as exc:
             log.exception("engine step failed; failing its %d request(s)", len(chunks))

@@ -51,7 +51,8 @@ class PagedBatch:
     write_offsets: torch.Tensor  # [T]
     num_decode: int
     decode_pages: torch.Tensor | None  # [num_decode * max_pages] padded page table, flattened
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_pages * page_size]
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_pages * page_size]; None if equal contexts
+    decode_context: int | None  # the common context length when decode_mask is None
     prefills: list[PrefillSlice]
     last_token_index: torch.Tensor  # [num_entries], in the caller's entry order
     on_layer_kv_written: Callable[[int, object], None] | None = None
@@ -90,14 +91,17 @@ def build_paged_batch(entries: list[BatchEntry], pool: KVPool, device: torch.dev
             prefills.append(PrefillSlice(offset, offset + n, context_len, used, mask))
         offset += n
     position_ids = torch.cat(positions)
-    decode_pages = decode_mask = None
+    decode_pages = decode_mask = decode_context = None
     if decode_tables:
         max_pages = max(t.numel() for t in decode_tables)
         padded = torch.zeros(len(decode_tables), max_pages, dtype=torch.long)
         for row, table in enumerate(decode_tables):
             padded[row, : table.numel()] = table
-        key_pos = torch.arange(max_pages * page_size)
-        decode_mask = (key_pos[None, :] < torch.tensor(decode_lens)[:, None])[:, None, None, :].to(device)
+        if min(decode_lens) == max(decode_lens):  # equal contexts: slice the keys instead of masking
+            decode_context = decode_lens[0]
+        else:
+            key_pos = torch.arange(max_pages * page_size)
+            decode_mask = (key_pos[None, :] < torch.tensor(decode_lens)[:, None])[:, None, None, :].to(device)
         decode_pages = padded.flatten().to(device)
     return PagedBatch(
         pool=pool,
@@ -108,6 +112,7 @@ def build_paged_batch(entries: list[BatchEntry], pool: KVPool, device: torch.dev
         num_decode=len(decode_tables),
         decode_pages=decode_pages,
         decode_mask=decode_mask,
+        decode_context=decode_context,
         prefills=prefills,
         last_token_index=torch.tensor(last_index, dtype=torch.long, device=device),
     )
@@ -141,7 +146,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
             out = F.scaled_dot_product_attention(q_chunk, k_chunk[None], v_chunk[None],
                                                  attn_mask=chunk.mask, scale=scaling, enable_gqa=True)
         outputs.append(out[0].transpose(0, 1))
-    return torch.cat(outputs, dim=0)[None], None
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0))[None], None
 
 
 def _gather_kv(layer_pool: torch.Tensor, page_ids: torch.Tensor, context_len: int):
@@ -159,6 +164,8 @@ def _decode_attention(q: torch.Tensor, layer_pool: torch.Tensor, batch: PagedBat
     _, _, heads, page_size, head_dim = pages.shape
     pages = pages.view(num_seqs, -1, 2, heads, page_size, head_dim)
     kv = pages.permute(2, 0, 3, 1, 4, 5).reshape(2, num_seqs, heads, -1, head_dim)
+    if batch.decode_mask is None:
+        kv = kv[:, :, :, : batch.decode_context]
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[:, :, None], kv[0], kv[1],
                                          attn_mask=batch.decode_mask, scale=scaling, enable_gqa=True)
     return out[:, :, 0]

@@ -1,7 +1,7 @@
 """Triton custom metrics (``pb_utils.MetricFamily``) of one model instance, on the metrics port.
 
-Gauges are refreshed by a small background thread from a ``stats()`` callable; counters are
-bumped by the serving code. Names start with ``triton_disagg_``.
+A small background thread refreshes gauges from a ``stats()`` callable and advances counters
+that ``stats()`` reports as running totals; the serving code bumps the others with ``add``. Names start with ``triton_disagg_``.
 """
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ class InstanceMetrics:
                 self._families.append(fam)
                 store[name] = fam.Metric(labels=labels)
         self._stats = stats
+        self._last_totals: dict[str, float] = {}
         self._period = period_s
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -59,6 +60,9 @@ class InstanceMetrics:
                     for k, v in stats.items():
                         if k in self.gauges:
                             self.gauges[k].set(float(v))
+                        elif k in self.counters and v > self._last_totals.get(k, 0.0):
+                            self.counters[k].increment(float(v) - self._last_totals.get(k, 0.0))
+                            self._last_totals[k] = float(v)
             except Exception as e:  # metrics must never take serving down
                 log.debug("metrics refresh failed: %s", e)
 

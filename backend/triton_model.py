@@ -1,8 +1,9 @@
-"""Triton Python-backend model for the client-facing roles (aggregated ``llm``).
+"""Triton Python-backend model for the client-facing roles (aggregated ``llm``, ``decode``).
 
 ``execute()`` only parses, validates, tokenizes and enqueues; the engine loop thread streams
 responses through each request's response sender (decoupled model). The role parameter picks
-the worker that generates tokens: ``aggregated`` (one engine, chunked prefill + decode).
+the worker that generates tokens: ``aggregated`` (one engine, chunked prefill + decode) or
+``decode`` (KV from prefill instances, see ``backend/decode_worker.py``).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import logging
 import os
 import sys
 import threading
+import uuid
 
 import numpy as np
 
@@ -86,6 +88,7 @@ class TritonPythonModel:
         self.sessions: dict[str, GenerationSession] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        self._tag = uuid.uuid4().hex[:6]   # request ids stay unique across servers and restarts
         from backend.triton_metrics import InstanceMetrics
         self.metrics = InstanceMetrics(pb_utils, {"model": cfg["name"], "instance": self.instance},
                                        self._stats)
@@ -117,7 +120,7 @@ class TritonPythonModel:
                 if len(self.sessions) >= self.max_queue:
                     raise RequestError(f"overloaded: {len(self.sessions)} requests in flight "
                                        f"(max_queue_size {self.max_queue}); retry later")
-                req_id = f"{self.instance}-{next(self._ids)}"
+                req_id = f"{self.instance}-{self._tag}-{next(self._ids)}"
                 session = GenerationSession(
                     req_id, req, prompt_ids, sink,
                     IncrementalDetokenizer(self.tokenizer, req.stop_words),

@@ -6,4 +6,7 @@ def make_worker(role: str, model_path: str, params: dict, name: str):
     if role == "aggregated":
         from backend.aggregated_worker import AggregatedWorker
         return AggregatedWorker(model_path, params, name)
-    raise ValueError(f"unknown role {role!r} for a client-facing model; expected 'aggregated'")
+    if role == "decode":
+        from backend.decode_worker import DecodeWorker
+        return DecodeWorker(model_path, params, name)
+    raise ValueError(f"unknown role {role!r} for a client-facing model; expected 'aggregated' or 'decode'")

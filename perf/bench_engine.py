@@ -1,0 +1,150 @@
+"""Benchmark: our paged engine vs transformers on the same checkpoint, in one process.
+
+Measures prefill tokens/s of a 512-token prompt (engine vs transformers' forward), decode tokens/s
+at batch 1 (engine vs ``generate`` with its own KV cache) and the engine's aggregate decode tokens/s
+at batch 16 with a 256-token context (vs transformers' batch-1 decode; transformers' batch-16
+``generate`` is shown for reference). Each figure is the best of ``--repeats`` runs, since the
+machine is shared. Prints a markdown table; writes JSON to perf/results/.
+
+    python -m perf.bench_engine [--model DIR] [--threads 2] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from backend.engine import LLMEngine  # noqa: E402
+from backend.engine_config import EngineConfig  # noqa: E402
+from backend.sampling import SamplingParams  # noqa: E402
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+TARGETS = {"prefill": 0.8, "decode_b1": 1.0, "decode_b16": 4.0}
+
+
+def best_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(10, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def engine_prefill(engine: LLMEngine, prompt: list[int]) -> None:
+    engine.add_request("prefill", prompt, prefill_only=True)
+    while engine.has_work():
+        engine.step()
+    engine.release("prefill")
+
+
+def engine_decode_rate(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> float:
+    """Aggregate decode tokens/s once every request is past its prefill."""
+    params = SamplingParams(max_tokens=new_tokens + 1, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"d{i}", prompt, params)
+    while any(s.num_computed < s.num_prompt_tokens for s in engine.scheduler.running + list(engine.scheduler.waiting)):
+        engine.step()
+    start, produced = time.perf_counter(), 0
+    while engine.has_work():
+        produced += sum(len(o.new_token_ids) for o in engine.step())
+    return produced / (time.perf_counter() - start)
+
+
+def hf_decode_rate(model, prompts: list[list[int]], new_tokens: int, repeats: int) -> float:
+    """Decode tokens/s of ``generate``: (time for N+1 tokens - time for 1 token) / N, per batch."""
+    ids = torch.tensor(prompts)
+    mask = torch.ones_like(ids)
+
+    def generate(n):
+        model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                       pad_token_id=0)
+
+    first = best_time(lambda: generate(1), repeats)
+    full = best_time(lambda: generate(new_tokens + 1), repeats)
+    return len(prompts) * new_tokens / (full - first)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="checkpoint dir (default: the prepared SmolLM2)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_num_threads(args.threads)
+    if args.model is None:
+        from build_scripts.prepare_model import ensure_model
+        args.model = str(ensure_model())
+
+    from transformers import AutoModelForCausalLM
+    engine = LLMEngine(EngineConfig(model_path=args.model, num_threads=args.threads, kv_cache_tokens=16 * 320,
+                                    max_num_batched_tokens=4096, max_num_seqs=16))
+    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    vocab = hf.config.vocab_size
+    load_before = os.getloadavg()
+    results = {}
+    with torch.inference_mode():
+        prompt512 = random_prompt(512, vocab, 0)
+        ids = torch.tensor([prompt512])
+        hf_forward = best_time(lambda: hf(ids, logits_to_keep=1), args.repeats)
+        ours = best_time(lambda: engine_prefill(engine, prompt512), args.repeats)
+        results["prefill"] = {"ours_tok_s": 512 / ours, "hf_tok_s": 512 / hf_forward,
+                              "baseline": "transformers forward, 512 tokens, logits of the last position"}
+
+        n = args.decode_tokens
+        b1 = [random_prompt(32, vocab, 1)]
+        ours_b1 = max(engine_decode_rate(engine, b1, n) for _ in range(args.repeats))
+        hf_b1 = hf_decode_rate(hf, b1, n, args.repeats)
+        results["decode_b1"] = {"ours_tok_s": ours_b1, "hf_tok_s": hf_b1,
+                                "baseline": f"transformers generate, batch 1, context 32, {n} tokens"}
+
+        b16 = [random_prompt(256, vocab, 2 + i) for i in range(16)]
+        ours_b16 = max(engine_decode_rate(engine, b16, n) for _ in range(args.repeats))
+        hf_b16 = hf_decode_rate(hf, b16, n, 1)
+        results["decode_b16"] = {"ours_tok_s": ours_b16, "hf_tok_s": hf_b1, "hf_batch16_tok_s": hf_b16,
+                                 "baseline": "transformers generate, batch 1 (target: 4x); "
+                                             "hf_batch16_tok_s: generate at batch 16, context 256"}
+    for name, row in results.items():
+        row["ratio"] = row["ours_tok_s"] / row["hf_tok_s"]
+        row["target"] = TARGETS[name]
+        row["met"] = row["ratio"] >= TARGETS[name]
+    report = {"results": results, "threads": args.threads, "repeats": args.repeats, "model": args.model,
+              "torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
+              "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+              "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    print_table(report)
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"bench_engine_{time.strftime('%Y%m%d_%H%M%S')}.json"
+    path.write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {path}")
+    return report
+
+
+def print_table(report: dict) -> None:
+    print(f"\nthreads={report['threads']} best of {report['repeats']}; load average before/after "
+          f"{report['loadavg_before'][0]:.1f}/{report['loadavg_after'][0]:.1f} on {report['cpus']} CPUs\n")
+    print("| measure | ours tok/s | transformers tok/s | ratio | target | met |")
+    print("|---|---:|---:|---:|---:|---|")
+    for name, row in report["results"].items():
+        print(f"| {name} | {row['ours_tok_s']:.1f} | {row['hf_tok_s']:.1f} | {row['ratio']:.2f}x | "
+              f">= {row['target']}x | {'yes' if row['met'] else 'NO'} |")
+    b16 = report["results"]["decode_b16"]
+    print(f"\n(transformers generate at batch 16, context 256: {b16['hf_batch16_tok_s']:.1f} tok/s)")
+
+
+if __name__ == "__main__":
+    main()
