@@ -54,8 +54,10 @@ def build_inputs(grpcclient, prompt, max_tokens, *, stream=True, temperature=Non
 
 def stream_generate(url: str, prompt: str, max_tokens: int, *, model: str = "llm",
                     on_text: Optional[Callable[[str], None]] = None, timeout_s: float = 300.0,
-                    cancel_after: Optional[int] = None, **kw) -> GenerationResult:
-    """Stream one request over gRPC; ``cancel_after=n`` stops the stream after n responses."""
+                    cancel_after: Optional[int] = None, cancel_after_s: Optional[float] = None,
+                    **kw) -> GenerationResult:
+    """Stream one request over gRPC; ``cancel_after=n`` cancels it after n responses,
+    ``cancel_after_s`` after that many seconds (responses or not)."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
@@ -67,12 +69,13 @@ def stream_generate(url: str, prompt: str, max_tokens: int, *, model: str = "llm
         res.t_start = time.perf_counter()
         client.async_stream_infer(model, build_inputs(grpcclient, prompt, max_tokens, **kw),
                                   enable_empty_final_response=True)
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + (timeout_s if cancel_after_s is None else cancel_after_s)
         while True:
             try:
                 result, error, t = q.get(timeout=max(0.01, deadline - time.monotonic()))
             except queue.Empty:
-                res.error = f"timed out after {timeout_s}s"
+                if cancel_after_s is None:
+                    res.error = f"timed out after {timeout_s}s"
                 break
             if error is not None:
                 res.error = error.message() if isinstance(error, InferenceServerException) else str(error)

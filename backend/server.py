@@ -118,6 +118,21 @@ class TritonServer:
         self.proc.wait()
         self.proc = None
 
+    def instance_pids(self) -> dict[str, int]:
+        """Python-backend stub processes of this server: model instance name -> pid."""
+        import psutil
+        out = {}
+        if self.proc is None:
+            return out
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                args = child.cmdline()
+            except psutil.Error:
+                continue
+            if args and args[0].endswith("triton_python_backend_stub") and len(args) > 8:
+                out[args[-2]] = child.pid
+        return out
+
     def __enter__(self):
         return self.start()
 

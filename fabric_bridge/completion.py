@@ -182,6 +182,10 @@ class CompletionTracker:
             self._release(e)
         return [(e.handle.req_id, e.peer, e.handle.generation) for e in late]
 
+    def expecting(self) -> bool:
+        """True while some request waits for writes (the agent then polls faster)."""
+        return bool(self._active)
+
     def pending(self) -> int:
         with self._lock:
             return len(self._active) + len(self._quarantined)

@@ -97,6 +97,10 @@ class HandshakeServer:
                     log.warning("handshake connection failed: %s", e)
 
     def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        except OSError:
+            pass
         self._sock.close()
         self._thread.join(timeout=5)
 

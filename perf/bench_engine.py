@@ -3,8 +3,8 @@
 Measures prefill tokens/s of a 512-token prompt (engine vs transformers' forward), decode tokens/s
 at batch 1 (engine vs ``generate`` with its own KV cache) and the engine's aggregate decode tokens/s
 at batch 16 with a 256-token context (vs transformers' batch-1 decode; transformers' batch-16
-``generate`` is shown for reference). Each figure is the best of ``--repeats`` runs, since the
-machine is shared. Prints a markdown table; writes JSON to perf/results/.
+``generate`` is shown for reference). Each figure is the best of ``--repeats`` runs, ours and transformers'
+interleaved, since the machine is shared. Prints a markdown table; writes JSON to perf/results/.
 
     python -m perf.bench_engine [--model DIR] [--threads 2] [--repeats 3]
 """
@@ -30,13 +30,10 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TARGETS = {"prefill": 0.8, "decode_b1": 1.0, "decode_b16": 4.0}
 
 
-def best_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
@@ -63,18 +60,22 @@ def engine_decode_rate(engine: LLMEngine, prompts: list[list[int]], new_tokens: 
     return produced / (time.perf_counter() - start)
 
 
-def hf_decode_rate(model, prompts: list[list[int]], new_tokens: int, repeats: int) -> float:
-    """Decode tokens/s of ``generate``: (time for N+1 tokens - time for 1 token) / N, per batch."""
+def hf_generate_time(model, prompts: list[list[int]], new_tokens: int) -> float:
     ids = torch.tensor(prompts)
-    mask = torch.ones_like(ids)
+    return timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                        min_new_tokens=new_tokens, do_sample=False, pad_token_id=0))
 
-    def generate(n):
-        model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                       pad_token_id=0)
 
-    first = best_time(lambda: generate(1), repeats)
-    full = best_time(lambda: generate(new_tokens + 1), repeats)
-    return len(prompts) * new_tokens / (full - first)
+def compare_decode(engine, hf, prompts: list[list[int]], new_tokens: int, repeats: int, hf_repeats: int):
+    """Best-of decode tokens/s, ours and transformers' interleaved so load drift hits both alike.
+    transformers: (time for N+1 tokens - time for 1 token) / N, times the batch size."""
+    ours, hf_first, hf_full = [], [], []
+    for r in range(repeats):
+        ours.append(engine_decode_rate(engine, prompts, new_tokens))
+        if r < hf_repeats:
+            hf_first.append(hf_generate_time(hf, prompts, 1))
+            hf_full.append(hf_generate_time(hf, prompts, new_tokens + 1))
+    return max(ours), len(prompts) * new_tokens / (min(hf_full) - min(hf_first))
 
 
 def main(argv=None) -> dict:
@@ -100,21 +101,20 @@ def main(argv=None) -> dict:
     with torch.inference_mode():
         prompt512 = random_prompt(512, vocab, 0)
         ids = torch.tensor([prompt512])
-        hf_forward = best_time(lambda: hf(ids, logits_to_keep=1), args.repeats)
-        ours = best_time(lambda: engine_prefill(engine, prompt512), args.repeats)
-        results["prefill"] = {"ours_tok_s": 512 / ours, "hf_tok_s": 512 / hf_forward,
+        ours, theirs = [], []
+        for _ in range(args.repeats):
+            theirs.append(timed(lambda: hf(ids, logits_to_keep=1)))
+            ours.append(timed(lambda: engine_prefill(engine, prompt512)))
+        results["prefill"] = {"ours_tok_s": 512 / min(ours), "hf_tok_s": 512 / min(theirs),
                               "baseline": "transformers forward, 512 tokens, logits of the last position"}
 
         n = args.decode_tokens
-        b1 = [random_prompt(32, vocab, 1)]
-        ours_b1 = max(engine_decode_rate(engine, b1, n) for _ in range(args.repeats))
-        hf_b1 = hf_decode_rate(hf, b1, n, args.repeats)
+        ours_b1, hf_b1 = compare_decode(engine, hf, [random_prompt(32, vocab, 1)], n, args.repeats, args.repeats)
         results["decode_b1"] = {"ours_tok_s": ours_b1, "hf_tok_s": hf_b1,
                                 "baseline": f"transformers generate, batch 1, context 32, {n} tokens"}
 
         b16 = [random_prompt(256, vocab, 2 + i) for i in range(16)]
-        ours_b16 = max(engine_decode_rate(engine, b16, n) for _ in range(args.repeats))
-        hf_b16 = hf_decode_rate(hf, b16, n, 1)
+        ours_b16, hf_b16 = compare_decode(engine, hf, b16, n, args.repeats, 1)
         results["decode_b16"] = {"ours_tok_s": ours_b16, "hf_tok_s": hf_b1, "hf_batch16_tok_s": hf_b16,
                                  "baseline": "transformers generate, batch 1 (target: 4x); "
                                              "hf_batch16_tok_s: generate at batch 16, context 256"}

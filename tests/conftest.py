@@ -73,3 +73,60 @@ def aggregated_server(model_dir, tmp_path_factory):
     finally:
         server.stop()
         print(f"tritonserver log: {tmp / 'tritonserver.log'}")
+
+
+# Prompts shared by the end-to-end tests: varied lengths; the last two are long enough for
+# several prefill chunks at a 64-token budget.
+PROMPTS = [
+    "What is the capital of France?",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "List three fruits:",
+    "The theory of relativity says that",
+    "Translate to French: I like apples.",
+    "Summarize: " + "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 16,
+    "Read the text and answer. " + " ".join(f"Item {i} costs {i * 3} dollars." for i in range(40))
+    + " Which item is the most expensive?",
+]
+
+DISAGG_MODELS = ["prefill_0", "prefill_1", "decode_0", "decode_1", "decode_2", "llm_aggregated"]
+
+
+@pytest.fixture(scope="session")
+def disagg_server(model_dir, tmp_path_factory):
+    """One tritonserver with 2 prefill + 3 decode instances, the front ``llm`` (routing to
+    decode_0 and decode_1), and ``llm_aggregated``. decode_2 has a tiny pool for overload tests."""
+    from backend.deployment import render_deployment
+    from backend.server import TritonServer
+
+    tmp = tmp_path_factory.mktemp("disagg")
+    repo = render_deployment(
+        tmp / "repo", mode="disagg", model_path=str(model_dir), prefill_instances=2, decode_instances=3,
+        with_aggregated=True,
+        overrides={"kv_cache_tokens": "4096", "max_num_batched_tokens": "64", "max_tokens_limit": "256",
+                   "num_threads": "1", "kv_transfer_timeout_s": "15", "kv_quarantine_s": "2"},
+        per_model={"front": {"decode_models": "decode_0,decode_1"},
+                   "decode_2": {"kv_cache_tokens": "512", "max_waiting_for_pages": "1",
+                                "page_wait_timeout_s": "4"}})
+    server = TritonServer(repo, log_file=tmp / "tritonserver.log")
+    try:
+        server.start(timeout_s=400)
+        yield server
+    finally:
+        server.stop()
+        print(f"tritonserver log: {tmp / 'tritonserver.log'}")
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """Reference: n greedy tokens from transformers (its own forward and KV cache), EOS not special."""
+    import torch
+    out, past = [], None
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        for _ in range(n):
+            r = model(input_ids=x, cache=past, use_cache=True)
+            past = r.past_key_values
+            tok = int(r.logits[0, -1].argmax())
+            out.append(tok)
+            x = torch.tensor([[tok]])
+    return out

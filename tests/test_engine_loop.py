@@ -4,6 +4,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from engine_helpers import assert_pool_idle, build_tiny_llama, make_engine, run_to_completion, tokens_of
 
@@ -148,3 +149,38 @@ def test_shutdown_aborts_active_requests(tiny_dir):
     assert_pool_idle(loop.engine)
     with pytest.raises(RuntimeError, match="shut down"):
         loop.submit("y", [1], SamplingParams(), Collector())
+
+
+def test_prefill_and_decode_roles_through_two_loops(tiny_dir):
+    """Prefill loop streams pages (per-layer hook) into pages reserved through the decode loop."""
+    settings = dict(max_num_batched_tokens=16, kv_cache_tokens=1024, page_size=8)
+    prefill = EngineLoop(make_engine(tiny_dir, **settings), name="prefill-loop")
+    decode = EngineLoop(make_engine(tiny_dir, **settings), name="decode-loop")
+    reference = make_engine(tiny_dir, **settings)
+    prompt = list(range(20, 61))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    reference.add_request("r", prompt, params)
+    expected = tokens_of(run_to_completion(reference)["r"])
+
+    dst_pages = decode.reserve("r", len(prompt))
+
+    def copy_layer(layer_idx, step_batch):
+        for chunk in step_batch.prefill_only_chunks:
+            first = chunk.start // 8
+            dst = torch.tensor(dst_pages[first: first + len(chunk.page_ids)])
+            decode.engine.pool.layer(layer_idx)[dst] = prefill.engine.pool.layer(layer_idx)[chunk.page_ids]
+
+    prefill.engine.set_layer_hook(copy_layer)
+    done = Collector()
+    prefill.submit("r", prompt[:-1], None, done, prefill_only=True)
+    out = done.wait().last
+    assert out.finish_reason == "prefill_done" and out.hidden_state is not None and out.new_token_ids == []
+    assert prefill.release("r") == 5
+    tokens = Collector()
+    decode.submit("r", prompt, params, tokens, kv_ready_tokens=len(prompt) - 1)
+    assert tokens.wait().tokens == expected and tokens.last.finish_reason == "length"
+    decode.reserve("unused", 10)
+    decode.cancel_reservation("unused")
+    for loop in (prefill, decode):
+        loop.shutdown()
+        assert_pool_idle(loop.engine)

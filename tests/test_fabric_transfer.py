@@ -60,7 +60,12 @@ def connect_pair(worker, local, src, dst, tag, **kw):
     return f"dst{tag}"
 
 
-@pytest.mark.parametrize("shard,lay,dtype", CASES, ids=lambda v: str(v).replace(" ", ""))
+def case_id(case):
+    (src_tp, dst_tp, heads), lay, dtype = case
+    return f"tp{src_tp}to{dst_tp}_h{heads}-{lay if isinstance(lay, str) else '2'.join(lay)}-{dtype}"
+
+
+@pytest.mark.parametrize("shard,lay,dtype", CASES, ids=[case_id(c) for c in CASES])
 def test_byte_exact_pages(sides, shard, lay, dtype):
     worker, local = sides
     src_tp, dst_tp, heads = shard

@@ -1,0 +1,72 @@
+"""Unit tests of the receiver's completion tracker: counters, generations, meta slots,
+timeouts and quarantine (no NIXL; time is passed in explicitly)."""
+
+import time
+
+import pytest
+import torch
+
+from fabric_bridge.completion import CompletionTracker
+
+
+def tracker(slots=2, quarantine_s=5.0):
+    return CompletionTracker(torch.zeros(slots, 8), quarantine_s)
+
+
+def test_count_and_meta_complete_once():
+    t, calls = tracker(), []
+    h = t.expect("a", 6, on_done=lambda *a: calls.append(a), with_meta=True)
+    t.writes_landed("a", h.generation, 4)
+    t._meta[h.slot, :3] = torch.tensor([1.0, 2.0, 3.0])
+    t.meta_landed("a", h.generation, 3)
+    assert not h.done.is_set() and t.counts("a") == (4, 6)
+    t.writes_landed("a", h.generation, 2)
+    assert h.wait(0) and calls[0][:3] == ("a", True, None)
+    assert calls[0][3].tolist() == [1.0, 2.0, 3.0]
+    t.writes_landed("a", h.generation, 2)  # after completion: ignored, no second callback
+    assert len(calls) == 1 and t.pending() == 0
+
+
+def test_stale_generation_is_ignored():
+    t = tracker()
+    old = t.expect("r", 2)
+    t.cancel("r")
+    new = t.expect("r", 2)
+    assert new.generation != old.generation
+    t.writes_landed("r", old.generation, 2)  # late notification of the cancelled request
+    assert t.counts("r") == (0, 2) and not new.done.is_set()
+    t.writes_landed("r", new.generation, 2)
+    assert new.wait(0)
+
+
+def test_timeout_quarantines_slot_until_sender_confirms():
+    t, released = tracker(slots=1), []
+    h = t.expect("r", 3, timeout_s=1.0, with_meta=True, peer="p", on_release=lambda *a: released.append(a))
+    now = time.monotonic()
+    assert t.tick(now) == []
+    assert t.tick(now + 2) == [("r", "p", h.generation)]
+    assert h.done.is_set() and not h.ok and "timeout: 0/3 writes, meta no" in h.error
+    with pytest.raises(RuntimeError, match="no free meta slot"):
+        t.expect("other", 1, with_meta=True)  # the slot is quarantined, not reusable yet
+    t.sender_stopped("r", h.generation)
+    assert released == [("r", h.generation)]
+    assert t.expect("other", 1, with_meta=True).slot == h.slot
+
+
+def test_quarantine_expires_without_confirmation():
+    t, released = tracker(quarantine_s=5.0), []
+    h = t.expect("r", 3, on_release=lambda *a: released.append(a))
+    assert t.cancel("r") == (None, h.generation)
+    assert h.error == "cancelled" and t.cancel("r") is None
+    now = time.monotonic()
+    t.tick(now + 4)
+    assert released == []
+    t.tick(now + 6)
+    assert released == [("r", h.generation)] and t.pending() == 0
+
+
+def test_sender_stop_fails_active_request_and_releases_at_once():
+    t, released = tracker(), []
+    h = t.expect("r", 3, on_release=lambda *a: released.append(a))
+    t.sender_stopped("r", h.generation)
+    assert not h.ok and h.error == "sender stopped" and released == [("r", h.generation)]
