@@ -19,7 +19,7 @@ from build_scripts.render_repository import render
 def _prefill_models(n: int, common: dict, host: str, bind: str, per_model: dict) -> tuple[dict, list[str]]:
     models, endpoints = {}, []
     for i in range(n):
-        port = free_port(bind if bind != "0.0.0.0" else "127.0.0.1")
+        port = free_port()   # picked here; the bind address may belong to another host/namespace
         name = f"prefill_{i}"
         models[name] = {"source": "prefill", "count": 1,
                         "params": {**common, "messenger_host": bind, "messenger_port": port,

@@ -151,7 +151,8 @@ class LLMEngine:
         return outputs
 
     def fail(self, req_ids: list[str], message: str) -> list[EngineOutput]:
-        """Finish the given active requests with finish_reason "error" and free their pages."""
+        """Finish the given active requests with finish_reason "error" and free their pages
+        (a prefill-only request keeps its pages until ``release``)."""
         return [self._finish(self._seqs[r], "error", [], error=message) for r in req_ids if r in self._seqs]
 
     def active_request_ids(self) -> list[str]:

@@ -31,6 +31,7 @@ class TritonServer:
                  extra_env: dict | None = None, log_verbose: int = 0, netns: str | None = None):
         self.repo = Path(model_repository).resolve()
         self.host = host
+        # ports are picked on loopback: ``host`` may live in another network namespace
         self.http_port = http_port or free_port()
         self.grpc_port = grpc_port or free_port()
         self.metrics_port = metrics_port or free_port()

@@ -486,34 +486,39 @@ class FabricAgent:
                 log.exception("fabric callback raised")
 
     def _reap(self, fired: list) -> None:
-        now = time.monotonic()
-        keep = []
-        for x in self._inflight:
-            st = x.send
+        """Check in-flight xfers without holding the agent lock (NIXL itself is thread-safe in
+        STRICT mode), then retire the finished ones under the lock."""
+        with self._lock:
+            batch = list(self._inflight)
+        states = []
+        for x in batch:
             try:
-                state = self._nixl.check_xfer_state(x.handle)
+                states.append((x, self._nixl.check_xfer_state(x.handle), None))
             except Exception as e:  # e.g. nixlRemoteDisconnectError: the peer is gone
-                state = "ERR"
-                self._fail(x.req_id, st, f"transfer to {st.peer} failed: {type(e).__name__}: {e}", fired)
-            if state == "PROC":
-                if now - x.posted_at <= self._xfer_timeout_s:
-                    keep.append(x)
-                    continue
-                self._fail(x.req_id, st, f"transfer still in progress after {self._xfer_timeout_s}s", fired)
-            elif state == "ERR":
-                self._fail(x.req_id, st, f"transfer to {st.peer} failed (ERR)", fired)
-            try:
-                x.handle.release()  # for a stuck transfer NIXL aborts it if it can
-            except Exception as e:
-                log.warning("releasing xfer of %s (%s): %s", x.req_id, state, e)
+                states.append((x, "ERR", f"{type(e).__name__}: {e}"))
+        now, retired = time.monotonic(), set()
+        with self._lock:
+            for x, state, exc in states:
+                st = x.send
                 if state == "PROC":
-                    keep.append(x)  # still in flight: keep its pages quarantined
-                    continue
-            if x.stage_slot is not None:
-                self._tracker.release_slot(x.stage_slot)
-            st.inflight -= 1
-            self._settle(x.req_id, st, fired)
-        self._inflight = keep
+                    if now - x.posted_at <= self._xfer_timeout_s:
+                        continue
+                    self._fail(x.req_id, st, f"transfer still in progress after {self._xfer_timeout_s}s", fired)
+                elif state == "ERR":
+                    self._fail(x.req_id, st, f"transfer to {st.peer} failed: {exc or 'ERR state'}", fired)
+                try:
+                    x.handle.release()  # for a stuck transfer NIXL aborts it if it can
+                except Exception as e:
+                    log.warning("releasing xfer of %s (%s): %s", x.req_id, state, e)
+                    if state == "PROC":
+                        continue  # still in flight: keep its pages quarantined
+                if x.stage_slot is not None:
+                    self._tracker.release_slot(x.stage_slot)
+                retired.add(id(x))
+                st.inflight -= 1
+                self._settle(x.req_id, st, fired)
+            if retired:
+                self._inflight = [x for x in self._inflight if id(x) not in retired]
 
     def _on_notif(self, sender: str, msg: bytes, fired: list) -> None:
         try:
@@ -541,10 +546,9 @@ class FabricAgent:
         while not self._closing.is_set():
             fired, busy = [], False
             try:
-                with self._lock:
-                    self._reap(fired)
-                    notifs = self._nixl.get_new_notifs()
-                    busy = bool(self._inflight or notifs or self._tracker.expecting())
+                self._reap(fired)
+                notifs = self._nixl.get_new_notifs()
+                busy = bool(self._inflight or notifs or self._tracker.expecting())
                 for sender, msgs in notifs.items():
                     sender = sender.decode() if isinstance(sender, bytes) else sender
                     for m in msgs:

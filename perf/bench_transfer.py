@@ -59,7 +59,7 @@ def _receiver(conn, layers: int, pages: int) -> None:
     agent = FabricAgent("bench_dst", lay, [pool])
     server = control.serve(agent)
     raw = _raw_agent("bench_raw_dst")
-    raw_buf = torch.zeros(layers * pages * lay.page_bytes // 4)
+    raw_buf = torch.zeros(layers * 2 * pages * lay.page_bytes // 4)  # room for scattered pages
     raw.register_memory(raw_buf)
     conn.send((server.port, raw.get_agent_metadata(), raw_buf.data_ptr(), raw_buf.numel() * 4))
     raw.add_remote_agent(conn.recv())

@@ -1,0 +1,90 @@
+"""Prefill and decode in different Triton servers on different "hosts": two network
+namespaces' worth of separation made by the test (the root namespace and a new one, joined
+by a veth pair), KV over NIXL/UCX TCP on the veth, the client talking only to the decode side."""
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+
+import pytest
+
+from backend.client import stream_generate
+from tests.conftest import PROMPTS, hf_greedy, wait_pool_free
+
+
+def _ip(*args, check=True):
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    """Yield (prefill_ip, prefill_netns, prefill_dev, decode_dev), or loopback when netns can't be made."""
+    tag = uuid.uuid4().hex[:6]
+    ns, dev_root, dev_ns = f"tdis-{tag}", f"tdr{tag}", f"tdn{tag}"
+    octet = int(tag[:2], 16) % 200 + 20
+    ip_ns, ip_root = f"10.{octet}.77.1", f"10.{octet}.77.2"
+    try:
+        _ip("netns", "add", ns)
+    except (OSError, subprocess.CalledProcessError) as e:
+        reason = getattr(e, "stderr", None) or str(e)
+        print(f"network namespaces unavailable ({reason.strip()}); running both servers on loopback")
+        yield ("127.0.0.1", None, None, None)
+        return
+    try:
+        _ip("link", "add", dev_root, "type", "veth", "peer", "name", dev_ns)
+        _ip("link", "set", dev_ns, "netns", ns)
+        _ip("addr", "add", f"{ip_root}/24", "dev", dev_root)
+        _ip("link", "set", dev_root, "up")
+        _ip("netns", "exec", ns, "ip", "addr", "add", f"{ip_ns}/24", "dev", dev_ns)
+        _ip("netns", "exec", ns, "ip", "link", "set", dev_ns, "up")
+        _ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        print(f"prefill host: netns {ns} at {ip_ns} ({dev_ns}); decode host: root namespace at {ip_root} ({dev_root})")
+        yield (ip_ns, ns, dev_ns, dev_root)
+    finally:
+        _ip("link", "del", dev_root, check=False)
+        _ip("netns", "del", ns, check=False)
+
+
+@pytest.fixture(scope="module")
+def split_servers(two_hosts, model_dir, tmp_path_factory):
+    from backend.deployment import prefill_endpoints_of, render_deployment
+    from backend.server import TritonServer
+    ip_ns, ns, dev_ns, dev_root = two_hosts
+    tmp = tmp_path_factory.mktemp("xhost")
+    common = {"kv_cache_tokens": "2048", "max_num_batched_tokens": "64", "num_threads": "1",
+              "kv_transfer_timeout_s": "20"}
+    prefill_repo = render_deployment(tmp / "prefill", mode="prefill", model_path=str(model_dir),
+                                     overrides=common, messenger_host=ip_ns)
+    decode_repo = render_deployment(tmp / "decode", mode="decode", model_path=str(model_dir), overrides=common,
+                                    prefill_endpoints=prefill_endpoints_of(prefill_repo))
+    env_p = {"UCX_TLS": "tcp"} | ({"UCX_NET_DEVICES": dev_ns} if dev_ns else {})
+    env_d = {"UCX_TLS": "tcp"} | ({"UCX_NET_DEVICES": dev_root} if dev_root else {})
+    prefill = TritonServer(prefill_repo, host=ip_ns, netns=ns, extra_env=env_p, log_file=tmp / "prefill.log")
+    decode = TritonServer(decode_repo, extra_env=env_d, log_file=tmp / "decode.log")
+    try:
+        prefill.start(timeout_s=300)
+        decode.start(timeout_s=300)
+        yield prefill, decode
+    finally:
+        decode.stop()
+        prefill.stop()
+        print(f"logs: {tmp}")
+
+
+def test_cross_host_disaggregated_generation(split_servers, model_dir, tokenizer):
+    import torch
+    from transformers import AutoModelForCausalLM
+    prefill, decode = split_servers
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    for prompt in (PROMPTS[0], PROMPTS[6]):
+        res = stream_generate(decode.grpc_url, prompt, 8, ignore_eos=True)
+        assert res.error is None, res.error
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        assert res.token_ids == hf_greedy(model, ids, 8)
+    chat = stream_generate(decode.grpc_url, "What is the capital of France?", 24, chat=True)
+    assert "Paris" in chat.text
+    log = (prefill.log_file.read_text())
+    assert "sent:" in log and "writes" in log, "the prefill server should have streamed the KV"
+    wait_pool_free(prefill.metrics_url, "prefill_0")
+    wait_pool_free(decode.metrics_url, "decode_0")
