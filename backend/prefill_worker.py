@@ -69,7 +69,8 @@ class PrefillWorker:
         self.jobs: dict[str, PrefillJob] = {}
         self._lock = threading.Lock()
         self._rng = random.Random()
-        self.totals = {"kv_writes_total": 0, "kv_transfer_bytes_total": 0}
+        self.totals = {"kv_writes_total": 0, "kv_transfer_bytes_total": 0, "prefills_total": 0,
+                       "prefill_compute_seconds_total": 0.0, "kv_transfer_tail_seconds_total": 0.0}
         self.engine.on_chunk_scheduled = self._on_chunk_scheduled
         self.engine.set_layer_hook(self._on_layer_kv_written if self.stream_layers else None)
         self.loop = EngineLoop(self.engine, name=f"{name}-engine")
@@ -180,6 +181,9 @@ class PrefillWorker:
         freed = self.loop.release(req_id)
         if job is not None:
             now = time.perf_counter()
+            self.totals["prefills_total"] += 1
+            self.totals["prefill_compute_seconds_total"] += job.t_compute_done - job.t_start
+            self.totals["kv_transfer_tail_seconds_total"] += now - job.t_compute_done
             log.info("prefill %s %s: %d tokens, %d writes, compute %.3fs, transfer tail %.3fs, "
                      "%d pages freed%s", req_id, "sent" if ok else "failed", job.n_tokens, job.writes,
                      job.t_compute_done - job.t_start, now - job.t_compute_done, freed,

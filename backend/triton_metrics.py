@@ -27,6 +27,9 @@ COUNTERS = {
     "kv_transfer_seconds_total": "sum of KV transfer time over requests",
     "kv_transfer_bytes_total": "KV bytes transferred",
     "kv_writes_total": "KV page writes posted or received",
+    "prefill_compute_seconds_total": "prefill instance: time from request arrival to its last chunk computed",
+    "kv_transfer_tail_seconds_total": "prefill instance: time from last chunk computed to all KV writes done",
+    "prefills_total": "prefill instance: prefills finished (sent or failed)",
 }
 
 

@@ -28,6 +28,7 @@ block of n floats landed), ``X`` (receiver cancelled: stop sending) and ``S`` (s
 nothing in flight: the receiver may reuse the request's pages, see ``completion.py``).
 Errors (peer gone, ``ERR`` state, transfer stuck past ``xfer_timeout_s``) fail the request
 through ``on_send_error`` and ``finish_send``'s callback; they never raise into the engine.
+``agent.stats`` counts xfers and writes posted and the time spent posting.
 """
 
 from __future__ import annotations

@@ -222,15 +222,30 @@ def run(reps: int, tokens: int, layers: int) -> dict:
 
 
 def ucx_protocols() -> list[str]:
-    """Re-run a tiny transfer with UCX_PROTO_INFO=y and return the protocol lines."""
+    """Re-run a tiny transfer with UCX_PROTO_INFO=y; return one line per distinct UCX
+    protocol table: operation, then the size ranges with the protocol and transport used."""
     env = dict(os.environ, UCX_PROTO_INFO="y")
     out = subprocess.run([sys.executable, "-m", "perf.bench_transfer", "--reps", "1", "--layers", "2",
-                          "--no-probe", "--no-save"], env=env, capture_output=True, text=True, timeout=300,
-                         cwd=Path(__file__).resolve().parent.parent)
-    lines = (out.stdout + out.stderr).splitlines()
-    keep = [ln.strip() for ln in lines if re.search(r"\b(rma|put|am|rndv|copy|zcopy)\b", ln)
-            and "|" in ln and re.search(r"(tcp|posix|sysv|cma|knem|xpmem|self|rc|ud|dc|ib)", ln)]
-    return sorted(set(keep))[:40] or [ln for ln in lines if "proto" in ln.lower()][:20]
+                          "--no-probe", "--no-save"], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    cells = [re.sub(r"^\[[^]]*\] \[[^]]*\]\s*", "", ln).strip() for ln in (out.stdout + out.stderr).splitlines()]
+    summary, block = set(), []
+
+    def flush():
+        if len(block) > 3:  # [agent cfg], [operation], [header], rows...
+            rows = "; ".join(f"{r[0]}: {r[1]} via {r[2]}" for r in block[3:] if len(r) == 3)
+            summary.add(f"{block[1][0]} -> {rows}")
+
+    for cell in cells:
+        if not cell.startswith("|"):
+            continue
+        parts = [c.strip() for c in cell.strip("|").split("|")]
+        if len(parts) == 1 and "cfg#" in parts[0]:
+            flush()
+            block = []
+        block.append(parts)
+    flush()
+    return sorted(summary)
 
 
 def table(r: dict) -> str:
