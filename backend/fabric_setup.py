@@ -27,6 +27,6 @@ def make_agent(engine: LLMEngine, name: str, params: dict, meta_slots: int, on_s
     return FabricAgent(name, kv_layout(engine), [engine.pool.tensor], meta_slots=meta_slots,
                        meta_slot_floats=meta_floats(engine),
                        backend=params.get("fabric_backend", "UCX") or "UCX",
-                       quarantine_s=float(params.get("kv_quarantine_s", "5") or 5),
-                       xfer_timeout_s=float(params.get("kv_xfer_timeout_s", "30") or 30),
+                       quarantine_s=float(params.get("kv_quarantine_s", "12") or 12),
+                       xfer_timeout_s=float(params.get("kv_xfer_timeout_s", "10") or 10),
                        on_send_error=on_send_error)

@@ -142,28 +142,28 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
             out = F.scaled_dot_product_attention(q_chunk, k_chunk, v_chunk, is_causal=True,
                                                  scale=scaling, enable_gqa=True)
         else:
-            k_chunk, v_chunk = _gather_kv(layer_pool, chunk.page_ids, chunk.context_len)
-            out = F.scaled_dot_product_attention(q_chunk, k_chunk[None], v_chunk[None],
+            kv = _gather_kv(layer_pool, chunk.page_ids)[:, None, :, : chunk.context_len]
+            out = F.scaled_dot_product_attention(q_chunk, kv[0], kv[1],
                                                  attn_mask=chunk.mask, scale=scaling, enable_gqa=True)
         outputs.append(out[0].transpose(0, 1))
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0))[None], None
 
 
-def _gather_kv(layer_pool: torch.Tensor, page_ids: torch.Tensor, context_len: int):
-    """K, V of one sequence as [Hkv, context_len, D] each."""
-    pages = layer_pool.index_select(0, page_ids)  # [n_pages, 2, Hkv, S, D]
-    n_pages, _, heads, page_size, head_dim = pages.shape
-    kv = pages.permute(1, 2, 0, 3, 4).reshape(2, heads, n_pages * page_size, head_dim)
-    return kv[0, :, :context_len], kv[1, :, :context_len]
+def _gather_kv(layer_pool: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
+    """Pages of one layer gathered as [2 (K, V), Hkv, len(page_ids) * page_size, D] in one copy.
+
+    Indexing the page dim of the (2, Hkv, pages, S, D) view yields each head's tokens contiguous,
+    so no permute-and-copy follows the gather."""
+    _, _, heads, page_size, head_dim = layer_pool.shape
+    gathered = layer_pool.permute(1, 2, 0, 3, 4).index_select(2, page_ids)
+    return gathered.view(2, heads, page_ids.numel() * page_size, head_dim)
 
 
 def _decode_attention(q: torch.Tensor, layer_pool: torch.Tensor, batch: PagedBatch, scaling):
     """q [H, B, D] (one token per sequence) -> [B, H, D]."""
     num_seqs = batch.num_decode
-    pages = layer_pool.index_select(0, batch.decode_pages)
-    _, _, heads, page_size, head_dim = pages.shape
-    pages = pages.view(num_seqs, -1, 2, heads, page_size, head_dim)
-    kv = pages.permute(2, 0, 3, 1, 4, 5).reshape(2, num_seqs, heads, -1, head_dim)
+    kv = _gather_kv(layer_pool, batch.decode_pages)
+    kv = kv.view(2, kv.shape[1], num_seqs, -1, kv.shape[-1]).transpose(1, 2)  # [2, B, Hkv, L, D]
     if batch.decode_mask is None:
         kv = kv[:, :, :, : batch.decode_context]
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[:, :, None], kv[0], kv[1],

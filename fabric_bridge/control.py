@@ -20,7 +20,7 @@ import logging
 import socket
 import struct
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 log = logging.getLogger("triton_disagg.fabric")
 

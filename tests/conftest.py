@@ -104,7 +104,8 @@ def disagg_server(model_dir, tmp_path_factory):
         tmp / "repo", mode="disagg", model_path=str(model_dir), prefill_instances=2, decode_instances=3,
         with_aggregated=True,
         overrides={"kv_cache_tokens": "4096", "max_num_batched_tokens": "64", "max_tokens_limit": "256",
-                   "num_threads": "1", "kv_transfer_timeout_s": "15", "kv_quarantine_s": "2"},
+                   "num_threads": "1", "kv_transfer_timeout_s": "15", "kv_quarantine_s": "4",
+                   "kv_xfer_timeout_s": "3"},
         per_model={"front": {"decode_models": "decode_0,decode_1"},
                    "decode_2": {"kv_cache_tokens": "512", "max_waiting_for_pages": "1",
                                 "page_wait_timeout_s": "4"}})
