@@ -3,14 +3,15 @@ namespaces' worth of separation made by the test (the root namespace and a new o
 by a veth pair), KV over NIXL/UCX TCP on the veth, the client talking only to the decode side."""
 from __future__ import annotations
 
-import os
 import subprocess
+import threading
+import time
 import uuid
 
 import pytest
 
 from backend.client import stream_generate
-from tests.conftest import PROMPTS, hf_greedy, wait_pool_free
+from tests.conftest import PROMPTS, hf_greedy, metric_values, wait_pool_free
 
 
 def _ip(*args, check=True):
@@ -57,7 +58,7 @@ def split_servers(two_hosts, model_dir, tmp_path_factory):
     prefill_repo = render_deployment(tmp / "prefill", mode="prefill", model_path=str(model_dir),
                                      overrides=common, messenger_host=ip_ns)
     decode_repo = render_deployment(tmp / "decode", mode="decode", model_path=str(model_dir), overrides=common,
-                                    prefill_endpoints=prefill_endpoints_of(prefill_repo))
+                                    decode_instances=2, prefill_endpoints=prefill_endpoints_of(prefill_repo))
     env_p = {"UCX_TLS": "tcp"} | ({"UCX_NET_DEVICES": dev_ns} if dev_ns else {})
     env_d = {"UCX_TLS": "tcp"} | ({"UCX_NET_DEVICES": dev_root} if dev_root else {})
     prefill = TritonServer(prefill_repo, host=ip_ns, netns=ns, extra_env=env_p, log_file=tmp / "prefill.log")
@@ -72,19 +73,30 @@ def split_servers(two_hosts, model_dir, tmp_path_factory):
         print(f"logs: {tmp}")
 
 
-def test_cross_host_disaggregated_generation(split_servers, model_dir, tokenizer):
+def test_cross_host_one_prefill_two_decode(split_servers, model_dir, tokenizer):
     import torch
     from transformers import AutoModelForCausalLM
     prefill, decode = split_servers
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    for prompt in (PROMPTS[0], PROMPTS[6]):
-        res = stream_generate(decode.grpc_url, prompt, 8, ignore_eos=True)
+    prompts = [PROMPTS[0], PROMPTS[6], PROMPTS[7], PROMPTS[2]]
+    results = [None] * len(prompts)
+
+    def run(i):
+        results[i] = stream_generate(decode.grpc_url, prompts[i], 8, ignore_eos=True)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    [t.start() for t in threads]
+    [t.join(300) for t in threads]
+    for prompt, res in zip(prompts, results):
         assert res.error is None, res.error
         ids = tokenizer.encode(prompt, add_special_tokens=False)
         assert res.token_ids == hf_greedy(model, ids, 8)
+    time.sleep(0.6)
+    for m in ("decode_0", "decode_1"):   # the front spread the requests over both decode instances
+        assert metric_values(decode.metrics_url, "triton_disagg_requests_total", model=m)[0] > 0, m
     chat = stream_generate(decode.grpc_url, "What is the capital of France?", 24, chat=True)
     assert "Paris" in chat.text
     log = (prefill.log_file.read_text())
     assert "sent:" in log and "writes" in log, "the prefill server should have streamed the KV"
     wait_pool_free(prefill.metrics_url, "prefill_0")
     wait_pool_free(decode.metrics_url, "decode_0")
+    wait_pool_free(decode.metrics_url, "decode_1")
