@@ -20,7 +20,9 @@ SAMPLE_PROMPT = "What is the capital of France?"
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", choices=["aggregated", "disagg"], default="aggregated")
+    p.add_argument("--mode", choices=["aggregated", "disagg", "prefill", "decode"], default="aggregated",
+                   help="disagg: prefill + decode + front in this server; prefill/decode: one side of a "
+                        "deployment split across servers or hosts")
     p.add_argument("--model", default=None, help="HF checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1", help="bind address for HTTP, gRPC and metrics")
     p.add_argument("--http-port", type=int, default=8000)
@@ -28,6 +30,11 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=8002)
     p.add_argument("--prefill-instances", type=int, default=1)
     p.add_argument("--decode-instances", type=int, default=1)
+    p.add_argument("--messenger-host", default="127.0.0.1",
+                   help="prefill side: address decode instances reach its KV messenger on")
+    p.add_argument("--prefill-endpoints", default=None,
+                   help="decode side: comma-separated host:port of the prefill instances' messengers")
+    p.add_argument("--with-aggregated", action="store_true", help="also serve llm_aggregated for comparison")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a model parameter for every model (e.g. kv_cache_tokens=32768)")
     p.add_argument("--log-file", default=None)
@@ -52,11 +59,17 @@ def start_server(args):
     repo = render_deployment(Path(tempfile.mkdtemp(prefix="triton-disagg-repo-")), mode=args.mode,
                              model_path=str(model_dir), overrides=_overrides(args.set),
                              prefill_instances=args.prefill_instances,
-                             decode_instances=args.decode_instances)
+                             decode_instances=args.decode_instances, messenger_host=args.messenger_host,
+                             prefill_endpoints=args.prefill_endpoints.split(",") if args.prefill_endpoints else None,
+                             with_aggregated=args.with_aggregated)
     server = TritonServer(repo, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                           metrics_port=args.metrics_port, log_file=args.log_file)
     log.info("serving %s in %s mode from %s", model_dir, args.mode, repo)
-    return server.start()
+    server.start()
+    if args.mode in ("disagg", "prefill"):
+        from backend.deployment import prefill_endpoints_of
+        print(f"prefill messenger endpoints: {','.join(prefill_endpoints_of(repo))}", flush=True)
+    return server
 
 
 def cmd_prepare(args) -> int:
@@ -67,7 +80,7 @@ def cmd_prepare(args) -> int:
 
 def cmd_serve(args) -> int:
     server = start_server(args)
-    print(f"Triton is serving model 'llm' on {args.host}: HTTP {server.http_port}, gRPC {server.grpc_port}, "
+    print(f"Triton is serving ({args.mode}) on {args.host}: HTTP {server.http_port}, gRPC {server.grpc_port}, "
           f"metrics {server.metrics_port}. Try:\n  triton-disagg generate --url {server.grpc_url} "
           f"--chat \"{SAMPLE_PROMPT}\"\nCtrl-C stops.", flush=True)
     stop = {"now": False}

@@ -143,8 +143,10 @@ class PrefillEndpoint:
                 self.peer = self.agent.add_peer(reply["fabric"])
                 self.layout = KVLayout.from_dict(reply["fabric"]["layout"])
             except Exception as e:
-                self.last_error = f"{type(e).__name__}: {e}"
-                log.warning("prefill endpoint %s unavailable: %s", self.address, self.last_error)
+                error = f"{type(e).__name__}: {e}"
+                if error != self.last_error:   # log changes, not every retry
+                    log.warning("prefill endpoint %s unavailable: %s", self.address, error)
+                self.last_error = error
                 return False
             self._conn = Connection(sock, lambda m: self._on_message(self, m), self._closed,
                                     f"prefill@{self.address}").start()

@@ -3,8 +3,8 @@
 Measures prefill tokens/s of a 512-token prompt (engine vs transformers' forward), decode tokens/s
 at batch 1 (engine vs ``generate`` with its own KV cache) and the engine's aggregate decode tokens/s
 at batch 16 with a 256-token context (vs transformers' batch-1 decode; transformers' batch-16
-``generate`` is shown for reference). Each figure is the best of ``--repeats`` runs, ours and transformers'
-interleaved, since the machine is shared. Prints a markdown table; writes JSON to perf/results/.
+``generate`` is shown for reference). The machine is shared, so prefill is the best of ``--repeats``
+runs and decode rates come from the median step time; ours and transformers' runs are interleaved. Prints a markdown table; writes JSON to perf/results/.
 
     python -m perf.bench_engine [--model DIR] [--threads 2] [--repeats 3]
 """
@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -47,35 +48,54 @@ def engine_prefill(engine: LLMEngine, prompt: list[int]) -> None:
     engine.release("prefill")
 
 
-def engine_decode_rate(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> float:
-    """Aggregate decode tokens/s once every request is past its prefill."""
+def engine_decode_step_times(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> list[float]:
+    """Durations of the engine's decode steps (every request past its prefill)."""
     params = SamplingParams(max_tokens=new_tokens + 1, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"d{i}", prompt, params)
-    while any(s.num_computed < s.num_prompt_tokens for s in engine.scheduler.running + list(engine.scheduler.waiting)):
-        engine.step()
-    start, produced = time.perf_counter(), 0
+    engine.step()  # all prefills fit in one step's budget
+    times = []
     while engine.has_work():
-        produced += sum(len(o.new_token_ids) for o in engine.step())
-    return produced / (time.perf_counter() - start)
+        start = time.perf_counter()
+        outputs = engine.step()
+        times.append(time.perf_counter() - start)
+        assert len(outputs) == len(prompts), "benchmark expects every request to decode each step"
+    return times
 
 
-def hf_generate_time(model, prompts: list[list[int]], new_tokens: int) -> float:
+class StepClock:
+    """A logits processor that timestamps every generate step (called once per new token)."""
+
+    def __init__(self):
+        self.stamps = []
+
+    def __call__(self, input_ids, scores):
+        self.stamps.append(time.perf_counter())
+        return scores
+
+    def step_times(self) -> list[float]:
+        return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+
+
+def hf_decode_step_times(model, prompts: list[list[int]], new_tokens: int) -> list[float]:
+    from transformers import LogitsProcessorList
     ids = torch.tensor(prompts)
-    return timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                        min_new_tokens=new_tokens, do_sample=False, pad_token_id=0))
+    clock = StepClock()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens + 1,
+                   min_new_tokens=new_tokens + 1, do_sample=False, pad_token_id=0,
+                   logits_processor=LogitsProcessorList([clock]))
+    return clock.step_times()
 
 
 def compare_decode(engine, hf, prompts: list[list[int]], new_tokens: int, repeats: int, hf_repeats: int):
-    """Best-of decode tokens/s, ours and transformers' interleaved so load drift hits both alike.
-    transformers: (time for N+1 tokens - time for 1 token) / N, times the batch size."""
-    ours, hf_first, hf_full = [], [], []
+    """Decode tokens/s from the median step time (robust to stalls on a shared machine), ours and
+    transformers' runs interleaved. Returns (ours, transformers) tokens/s for the whole batch."""
+    ours, theirs = [], []
     for r in range(repeats):
-        ours.append(engine_decode_rate(engine, prompts, new_tokens))
+        ours += engine_decode_step_times(engine, prompts, new_tokens)
         if r < hf_repeats:
-            hf_first.append(hf_generate_time(hf, prompts, 1))
-            hf_full.append(hf_generate_time(hf, prompts, new_tokens + 1))
-    return max(ours), len(prompts) * new_tokens / (min(hf_full) - min(hf_first))
+            theirs += hf_decode_step_times(hf, prompts, new_tokens)
+    return len(prompts) / statistics.median(ours), len(prompts) / statistics.median(theirs)
 
 
 def main(argv=None) -> dict:
@@ -135,8 +155,9 @@ def main(argv=None) -> dict:
 
 
 def print_table(report: dict) -> None:
-    print(f"\nthreads={report['threads']} best of {report['repeats']}; load average before/after "
-          f"{report['loadavg_before'][0]:.1f}/{report['loadavg_after'][0]:.1f} on {report['cpus']} CPUs\n")
+    print(f"\nthreads={report['threads']}, {report['repeats']} runs (prefill: best run; decode: median step); "
+          f"load average before/after {report['loadavg_before'][0]:.1f}/{report['loadavg_after'][0]:.1f} "
+          f"on {report['cpus']} CPUs\n")
     print("| measure | ours tok/s | transformers tok/s | ratio | target | met |")
     print("|---|---:|---:|---:|---:|---|")
     for name, row in report["results"].items():
