@@ -53,22 +53,23 @@ def test_batched_chunked_greedy_matches_full_recompute(engine, hf_tiny):
         assert all(len(o.new_token_ids) == 1 for o in outputs[f"r{i}"])
 
 
-def test_step_respects_token_budget_and_decodes_first(engine):
+def test_step_respects_token_budget_and_decodes_first(engine, monkeypatch):
     engine.add_request("short", prompt_of(3), SamplingParams(max_tokens=20, ignore_eos=True))
     engine.step()  # "short" prefilled, now decoding
     engine.add_request("long", prompt_of(40), SamplingParams(max_tokens=2, ignore_eos=True))
-    chunk_sizes = []
-    while engine.has_work():
-        chunks = engine.scheduler.schedule()
-        assert sum(c.num_tokens for c in chunks) <= 16
-        if any(c.seq.req_id == "short" for c in chunks):
-            assert chunks[0].seq.req_id == "short" and chunks[0].num_tokens == 1
-        chunk_sizes += [c.num_tokens for c in chunks if c.seq.req_id == "long"]
-        # put the schedule back and run the real step
-        for c in chunks:
-            engine.allocator.extend(c.seq.req_id, c.start + c.num_tokens)
-        engine.step()
-    assert chunk_sizes[:3] == [15, 15, 10], chunk_sizes  # 40-token prompt over three steps beside a decode
+    schedules = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        chunks = schedule()
+        schedules.append([(c.seq.req_id, c.num_tokens) for c in chunks])
+        return chunks
+
+    monkeypatch.setattr(engine.scheduler, "schedule", recording_schedule)
+    run_to_completion(engine)
+    assert all(sum(n for _, n in step) <= 16 for step in schedules)
+    assert schedules[:4] == [[("short", 1), ("long", 15)], [("short", 1), ("long", 15)],
+                             [("short", 1), ("long", 10)], [("short", 1), ("long", 1)]], schedules[:4]
 
 
 def test_stop_conditions(engine):
