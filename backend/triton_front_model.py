@@ -8,22 +8,17 @@ cancels the BLS request, so the decode instance stops and frees its pages.
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 
-from backend.triton_model import model_parameters, setup_logging
+from backend.triton_model import init_model
 
 log = logging.getLogger("triton_disagg.front")
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        import triton_python_backend_utils as pb_utils
-        setup_logging()
-        self.pb = pb_utils
-        cfg = json.loads(args["model_config"])
-        params = model_parameters(cfg)
+        self.pb, cfg, params, _ = init_model(args)
         self.targets = [m.strip() for m in params.get("decode_models", "").split(",") if m.strip()]
         if not self.targets:
             raise ValueError("front model: parameter 'decode_models' lists no decode model")

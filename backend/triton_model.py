@@ -66,18 +66,23 @@ def model_parameters(model_config: dict) -> dict:
     return {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
 
 
+def init_model(args: dict):
+    """Common start of every model's ``initialize``: logging, pb_utils, config, parameters,
+    instance name. Returns ``(pb_utils, model_config, parameters, instance_name)``."""
+    import triton_python_backend_utils as pb_utils
+    setup_logging()
+    cfg = json.loads(args["model_config"])
+    return pb_utils, cfg, model_parameters(cfg), args.get("model_instance_name", cfg["name"])
+
+
 class TritonPythonModel:
     def initialize(self, args):
-        import triton_python_backend_utils as pb_utils
         from transformers import AutoTokenizer
         from build_scripts.prepare_model import ensure_model
         from backend.worker_factory import make_worker
 
-        setup_logging()
+        pb_utils, cfg, params, self.instance = init_model(args)
         self.pb = pb_utils
-        cfg = json.loads(args["model_config"])
-        params = model_parameters(cfg)
-        self.instance = args.get("model_instance_name", cfg["name"])
         self.role = params.get("role", "aggregated")
         model_path = ensure_model(params.get("model_path") or None)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))

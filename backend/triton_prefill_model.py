@@ -6,26 +6,21 @@ Triton inference requests; ``execute`` answers any direct request with a clear e
 """
 from __future__ import annotations
 
-import json
 import logging
 
-from backend.triton_model import model_parameters, setup_logging
+from backend.triton_model import init_model
 
 log = logging.getLogger("triton_disagg.model")
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        import triton_python_backend_utils as pb_utils
         from build_scripts.prepare_model import ensure_model
         from backend.prefill_worker import PrefillWorker
         from backend.triton_metrics import InstanceMetrics
 
-        setup_logging()
+        pb_utils, cfg, params, self.instance = init_model(args)
         self.pb = pb_utils
-        cfg = json.loads(args["model_config"])
-        params = model_parameters(cfg)
-        self.instance = args.get("model_instance_name", cfg["name"])
         self.worker = PrefillWorker(str(ensure_model(params.get("model_path") or None)), params, self.instance)
         self.metrics = InstanceMetrics(pb_utils, {"model": cfg["name"], "instance": self.instance},
                                        self.worker.stats)

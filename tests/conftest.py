@@ -1,6 +1,7 @@
 """Shared fixtures: the real model checkpoint and real Triton servers (stopped by PID)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -56,23 +57,30 @@ def wait_pool_free(url: str, model: str, timeout_s: float = 30.0) -> None:
         time.sleep(0.2)
 
 
+@contextlib.contextmanager
+def running_server(repo, log_file, timeout_s: float = 400, **kw):
+    """A started TritonServer that is stopped (whole process group) however the block ends."""
+    from backend.server import TritonServer
+    server = TritonServer(repo, log_file=log_file, **kw)
+    try:
+        server.start(timeout_s=timeout_s)
+        yield server
+    finally:
+        server.stop()
+        print(f"tritonserver log: {log_file}")
+
+
 @pytest.fixture(scope="session")
 def aggregated_server(model_dir, tmp_path_factory):
     """A real tritonserver with the aggregated ``llm`` model, small limits for the fault tests."""
     from backend.deployment import render_deployment
-    from backend.server import TritonServer
 
     tmp = tmp_path_factory.mktemp("agg")
     repo = render_deployment(tmp / "repo", mode="aggregated", model_path=str(model_dir), overrides={
         "kv_cache_tokens": "4096", "max_tokens_limit": "256", "max_queue_size": "16",
         "max_num_batched_tokens": "128", "num_threads": "2"})
-    server = TritonServer(repo, log_file=tmp / "tritonserver.log")
-    try:
-        server.start(timeout_s=300)
+    with running_server(repo, tmp / "tritonserver.log", timeout_s=300) as server:
         yield server
-    finally:
-        server.stop()
-        print(f"tritonserver log: {tmp / 'tritonserver.log'}")
 
 
 # Prompts shared by the end-to-end tests: varied lengths; the last two are long enough for
@@ -97,7 +105,6 @@ def disagg_server(model_dir, tmp_path_factory):
     """One tritonserver with 2 prefill + 3 decode instances, the front ``llm`` (routing to
     decode_0 and decode_1), and ``llm_aggregated``. decode_2 has a tiny pool for overload tests."""
     from backend.deployment import render_deployment
-    from backend.server import TritonServer
 
     tmp = tmp_path_factory.mktemp("disagg")
     repo = render_deployment(
@@ -109,13 +116,8 @@ def disagg_server(model_dir, tmp_path_factory):
         per_model={"front": {"decode_models": "decode_0,decode_1"},
                    "decode_2": {"kv_cache_tokens": "512", "max_waiting_for_pages": "1",
                                 "page_wait_timeout_s": "4"}})
-    server = TritonServer(repo, log_file=tmp / "tritonserver.log")
-    try:
-        server.start(timeout_s=400)
+    with running_server(repo, tmp / "tritonserver.log", timeout_s=400) as server:
         yield server
-    finally:
-        server.stop()
-        print(f"tritonserver log: {tmp / 'tritonserver.log'}")
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:

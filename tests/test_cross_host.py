@@ -11,7 +11,7 @@ import uuid
 import pytest
 
 from backend.client import stream_generate
-from tests.conftest import PROMPTS, hf_greedy, metric_values, wait_pool_free
+from tests.conftest import PROMPTS, hf_greedy, metric_values, running_server, wait_pool_free
 
 
 def _ip(*args, check=True):
@@ -50,7 +50,6 @@ def two_hosts():
 @pytest.fixture(scope="module")
 def split_servers(two_hosts, model_dir, tmp_path_factory):
     from backend.deployment import prefill_endpoints_of, render_deployment
-    from backend.server import TritonServer
     ip_ns, ns, dev_ns, dev_root = two_hosts
     tmp = tmp_path_factory.mktemp("xhost")
     common = {"kv_cache_tokens": "2048", "max_num_batched_tokens": "64", "num_threads": "1",
@@ -61,16 +60,9 @@ def split_servers(two_hosts, model_dir, tmp_path_factory):
                                     decode_instances=2, prefill_endpoints=prefill_endpoints_of(prefill_repo))
     env_p = {"UCX_TLS": "tcp"} | ({"UCX_NET_DEVICES": dev_ns} if dev_ns else {})
     env_d = {"UCX_TLS": "tcp"} | ({"UCX_NET_DEVICES": dev_root} if dev_root else {})
-    prefill = TritonServer(prefill_repo, host=ip_ns, netns=ns, extra_env=env_p, log_file=tmp / "prefill.log")
-    decode = TritonServer(decode_repo, extra_env=env_d, log_file=tmp / "decode.log")
-    try:
-        prefill.start(timeout_s=300)
-        decode.start(timeout_s=300)
+    with running_server(prefill_repo, tmp / "prefill.log", host=ip_ns, netns=ns, extra_env=env_p) as prefill, \
+            running_server(decode_repo, tmp / "decode.log", extra_env=env_d) as decode:
         yield prefill, decode
-    finally:
-        decode.stop()
-        prefill.stop()
-        print(f"logs: {tmp}")
 
 
 def test_cross_host_one_prefill_two_decode(split_servers, model_dir, tokenizer):
