@@ -136,7 +136,7 @@ class DecodeWorker:
         wait.endpoint.outstanding.discard(req_id)
         session = wait.session
         if not ok:
-            if session.sink.is_cancelled():
+            if session.is_cancelled():
                 session.on_output([], True, "cancelled")
             else:
                 session.on_output([], True, "error",
@@ -180,7 +180,7 @@ class DecodeWorker:
 
     def _check_cancelled(self) -> None:
         with self._lock:
-            gone = [w for w in self.waiting_kv.values() if not w.cancel_sent and w.session.sink.is_cancelled()]
+            gone = [w for w in self.waiting_kv.values() if not w.cancel_sent and w.session.is_cancelled()]
             for w in gone:
                 w.cancel_sent = True
         for w in gone:
@@ -196,7 +196,7 @@ class DecodeWorker:
         with self._lock:
             while self.waiting_pages:
                 session, deadline = self.waiting_pages[0]
-                if session.sink.is_cancelled() or deadline <= now:
+                if session.is_cancelled() or deadline <= now:
                     self.waiting_pages.popleft()
                     failed.append(session)
                 elif self._try_start(session):
@@ -204,7 +204,7 @@ class DecodeWorker:
                 else:
                     break
         for s in failed:
-            if s.sink.is_cancelled():
+            if s.is_cancelled():
                 s.on_output([], True, "cancelled")
             else:
                 s.on_output([], True, "error", f"overloaded: no KV pages free on the decode instance "

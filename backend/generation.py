@@ -36,8 +36,13 @@ class GenerationSession:
     t_first: Optional[float] = None
     n_output: int = 0
     done: bool = False
+    cancelled: bool = False        # set when a cancel arrives by another path than the sink
+    triton_id: str = ""            # the Triton request id, when the sender set one
     _pending_text: list = field(default_factory=list)
     _pending_ids: list = field(default_factory=list)
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled or self.sink.is_cancelled()
 
     def on_output(self, token_ids: list[int], finished: bool, finish_reason: Optional[str],
                   error: Optional[str] = None) -> None:
@@ -47,7 +52,7 @@ class GenerationSession:
         if error:
             self._finish_error(error)
             return
-        if self.sink.is_cancelled():
+        if self.is_cancelled():
             log.info("request %s cancelled by the client after %d tokens", self.req_id, self.n_output)
             self.cancel_engine(self.req_id)
             self._close("cancelled")

@@ -4,12 +4,16 @@ Clients call it with the same tensors as the aggregated ``llm`` model. It sends 
 to one decode model (least requests in flight; the decode models are listed in the
 ``decode_models`` parameter) with a decoupled BLS call and streams the responses back as they
 arrive. A response whose ``finish_reason`` is set is the last one. A client that cancels
-cancels the BLS request, so the decode instance stops and frees its pages.
+gets its request cancelled on the decode model by a control request (``cancel_request_id``),
+so the decode instance (and the prefill instance working for it) stop and free their pages.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import uuid
+
+import numpy as np
 
 from backend.triton_model import init_model
 
@@ -40,30 +44,14 @@ class TritonPythonModel:
     def _forward(self, sender, target: str, inputs) -> None:
         pb = self.pb
         final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        done = False
+        stop = threading.Event()
+        request_id = f"front-{uuid.uuid4().hex}"
+        # exec() below blocks until the first response; the watcher must run already
+        threading.Thread(target=self._watch_cancel, args=(sender, target, request_id, stop), daemon=True).start()
         try:
-            responses = pb.InferenceRequest(model_name=target, inputs=inputs,
+            responses = pb.InferenceRequest(model_name=target, inputs=inputs, request_id=request_id,
                                             requested_output_names=self.outputs).exec(decoupled=True)
-            for resp in responses:
-                if sender.is_cancelled():
-                    responses.cancel()
-                    log.info("client cancelled; cancelled the request on %s", target)
-                    done = True
-                    break
-                if resp.has_error():
-                    sender.send(pb.InferenceResponse(error=resp.error()), flags=final)
-                    done = True
-                    break
-                tensors = resp.output_tensors()
-                if not tensors:
-                    continue
-                reason = pb.get_output_tensor_by_name(resp, "finish_reason")
-                last = reason is not None and reason.as_numpy().reshape(-1)[0] not in (b"", "")
-                sender.send(pb.InferenceResponse(output_tensors=tensors), flags=final if last else 0)
-                if last:
-                    done = True
-                    break
-            if not done and not sender.is_cancelled():
+            if not self._relay(sender, responses) and not sender.is_cancelled():
                 sender.send(flags=final)
         except Exception as e:
             log.exception("forwarding to %s failed", target)
@@ -72,8 +60,47 @@ class TritonPythonModel:
             except Exception:
                 pass
         finally:
+            stop.set()
             with self._lock:
                 self.inflight[target] -= 1
+
+    def _relay(self, sender, responses) -> bool:
+        """Pass responses on until the last one; True if a final response was sent."""
+        pb = self.pb
+        final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        for resp in responses:
+            if sender.is_cancelled():
+                return False
+            if resp.has_error():
+                sender.send(pb.InferenceResponse(error=resp.error()), flags=final)
+                return True
+            tensors = resp.output_tensors()
+            if not tensors:
+                continue
+            reason = pb.get_output_tensor_by_name(resp, "finish_reason")
+            last = reason is not None and reason.as_numpy().reshape(-1)[0] not in (b"", "")
+            sender.send(pb.InferenceResponse(output_tensors=tensors), flags=final if last else 0)
+            if last:
+                return True
+        return False
+
+    def _watch_cancel(self, sender, target: str, request_id: str, stop: threading.Event) -> None:
+        """When the client cancels, tell the decode model to cancel ``request_id`` at once, even
+        before any token (e.g. while its prefill runs), so both sides free their pages. (This
+        Triton's BLS response iterator has no cancel(); a control request does the job.)"""
+        pb = self.pb
+        while not stop.wait(0.05):
+            if not sender.is_cancelled():
+                continue
+            control = pb.Tensor("cancel_request_id", np.array([request_id.encode()], dtype=object))
+            try:
+                for _ in pb.InferenceRequest(model_name=target, inputs=[control],
+                                             requested_output_names=[]).exec(decoupled=True):
+                    pass
+                log.info("client cancelled %s; cancelled it on %s", request_id, target)
+            except Exception as e:
+                log.warning("could not cancel %s on %s: %s", request_id, target, e)
+            return
 
     def finalize(self):
         pass

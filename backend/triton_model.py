@@ -91,6 +91,7 @@ class TritonPythonModel:
         self.worker = make_worker(self.role, str(model_path), params, self.instance)
         self.max_model_len = self.worker.max_model_len
         self.sessions: dict[str, GenerationSession] = {}
+        self.by_triton_id: dict[str, str] = {}   # Triton request id -> our request id
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._tag = uuid.uuid4().hex[:6]   # request ids stay unique across servers and restarts
@@ -118,6 +119,11 @@ class TritonPythonModel:
         def get(name):
             t = pb.get_input_tensor_by_name(request, name)
             return None if t is None else t.as_numpy()
+        cancel_id = get("cancel_request_id")
+        if cancel_id is not None:   # a control request: cancel another request (see the front model)
+            self._cancel_by_triton_id(cancel_id.reshape(-1)[0].decode())
+            sink.sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
         try:
             req = parse_request(get, max_tokens_limit=self.max_tokens_limit)
             prompt_ids = self._tokenize(req)
@@ -131,6 +137,9 @@ class TritonPythonModel:
                     IncrementalDetokenizer(self.tokenizer, req.stop_words),
                     cancel_engine=self.worker.cancel, on_done=self._on_done)
                 self.sessions[req_id] = session
+                session.triton_id = request.request_id()
+                if session.triton_id:
+                    self.by_triton_id[session.triton_id] = req_id
             self.worker.submit(session)
         except RequestError as e:
             log.info("rejected request: %s", e)
@@ -155,9 +164,19 @@ class TritonPythonModel:
             req.end_id = self.tokenizer.eos_token_id
         return ids
 
+    def _cancel_by_triton_id(self, triton_id: str) -> None:
+        with self._lock:
+            session = self.sessions.get(self.by_triton_id.get(triton_id, ""))
+        if session is None:
+            return
+        log.info("request %s (%s) cancelled by its sender", session.req_id, triton_id)
+        session.cancelled = True
+        self.worker.cancel(session.req_id)
+
     def _on_done(self, session: GenerationSession, reason: str) -> None:
         with self._lock:
             self.sessions.pop(session.req_id, None)
+            self.by_triton_id.pop(session.triton_id, None)
         self.metrics.add("requests_total", 1)
         self.metrics.add("output_tokens_total", session.n_output)
         if reason == "error":

@@ -91,6 +91,10 @@ def test_client_cancel_during_prefill_frees_both_sides(disagg_server):
     long_prompt = "Describe this list. " + " ".join(f"entry {i}" for i in range(400))
     res = stream_generate(disagg_server.grpc_url, long_prompt, 32, model="llm", cancel_after_s=0.4)
     assert not res.token_ids, "the prefill should still have been running when the client cancelled"
+    deadline = time.monotonic() + 10
+    while "cancelled by the client while its prefill runs" not in disagg_server.log_file.read_text():
+        assert time.monotonic() < deadline, "the cancel did not reach the decode instance during the prefill"
+        time.sleep(0.2)
     for m in DISAGG_MODELS:
         wait_pool_free(disagg_server.metrics_url, m, timeout_s=30)
     again = run_concurrently(disagg_server.grpc_url, PROMPTS[:2], "llm")
