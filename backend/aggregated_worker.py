@@ -9,8 +9,10 @@ from backend.engine_loop import EngineLoop
 from backend.generation import GenerationSession
 from backend.sampling import SamplingParams
 
+DEFAULT_DRAFT_METHOD = "lookup"
 ENGINE_KEYS = ("device", "dtype", "page_size", "kv_cache_tokens", "num_pages", "max_num_seqs",
-               "max_num_batched_tokens", "max_model_len", "num_threads", "max_tokens_limit")
+               "max_num_batched_tokens", "max_model_len", "num_threads", "max_tokens_limit",
+               "tensor_parallel_size")
 
 
 def apply_cpu_affinity(params: dict) -> None:
@@ -31,11 +33,22 @@ def engine_config(model_path: str, params: dict) -> EngineConfig:
                                    **{k: v for k, v in params.items() if k in ENGINE_KEYS}})
 
 
-def sampling_params(session: GenerationSession) -> SamplingParams:
+def speculation_defaults(params: dict) -> tuple[int, str]:
+    """(num_draft_tokens, draft_method) for requests that do not set them: model parameters
+    ``speculative_k`` (0 = off) and ``draft_method``."""
+    k = int(params.get("speculative_k", "0") or 0)
+    method = (params.get("draft_method") or DEFAULT_DRAFT_METHOD).strip()
+    SamplingParams(num_draft_tokens=k, draft_method=method)   # validates both
+    return k, method
+
+
+def sampling_params(session: GenerationSession, defaults: tuple[int, str] = (0, DEFAULT_DRAFT_METHOD)) -> SamplingParams:
     r = session.request
+    k = defaults[0] if r.num_draft_tokens is None else r.num_draft_tokens
     return SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, top_k=r.top_k,
                           top_p=r.top_p, seed=r.seed, end_ids=(r.end_id,) if r.end_id is not None else (),
-                          ignore_eos=r.ignore_eos)
+                          ignore_eos=r.ignore_eos, num_draft_tokens=k,
+                          draft_method=r.draft_method or defaults[1], grammar=r.grammar)
 
 
 def deliver(session: GenerationSession, out: EngineOutput) -> None:
@@ -54,6 +67,7 @@ class AggregatedWorker:
         self.engine = LLMEngine(self.config)
         self.loop = EngineLoop(self.engine, name=f"{name}-engine")
         self.max_model_len = self.engine.max_model_len
+        self.spec_defaults = speculation_defaults(params)
 
     def describe(self) -> str:
         c = self.config
@@ -63,7 +77,7 @@ class AggregatedWorker:
                 f"max_model_len {self.max_model_len}, token budget {c.max_num_batched_tokens}/step")
 
     def submit(self, session: GenerationSession) -> None:
-        self.loop.submit(session.req_id, session.prompt_ids, sampling_params(session),
+        self.loop.submit(session.req_id, session.prompt_ids, sampling_params(session, self.spec_defaults),
                          lambda out: deliver(session, out))
 
     def cancel(self, req_id: str) -> None:

@@ -21,7 +21,8 @@ from typing import Optional
 
 from fabric_bridge.plan import expected_writes
 
-from backend.aggregated_worker import apply_cpu_affinity, deliver, engine_config, pool_gauges, sampling_params
+from backend.aggregated_worker import (apply_cpu_affinity, deliver, engine_config, pool_gauges, sampling_params,
+                                       speculation_defaults)
 from backend.engine import LLMEngine
 from backend.engine_loop import EngineLoop
 from backend.fabric_setup import kv_layout, make_agent
@@ -53,6 +54,7 @@ class DecodeWorker:
         self.kv_timeout_s = float(params.get("kv_transfer_timeout_s", "20") or 20)
         self.max_waiting = int(params.get("max_waiting_for_pages", "32") or 32)
         self.page_wait_s = float(params.get("page_wait_timeout_s", "10") or 10)
+        self.spec_defaults = speculation_defaults(params)
         self.agent = make_agent(self.engine, name, params, int(params.get("meta_slots", "64") or 64))
         self.loop = EngineLoop(self.engine, name=f"{name}-engine")
         self.endpoints = [PrefillEndpoint(h, p, self.agent, self._on_message, self._on_lost)
@@ -73,8 +75,12 @@ class DecodeWorker:
 
     # ------------------------------------------------------------ admission
     def submit(self, session: GenerationSession) -> None:
+        down = getattr(self.engine.runner, "failed", None)   # a tensor-parallel instance that lost a rank
+        if down:
+            session.on_output([], True, "error", f"decode instance {self.name}: {down}")
+            return
         if len(session.prompt_ids) == 1:   # nothing to prefill: the first decode step is the prompt
-            self.loop.submit(session.req_id, session.prompt_ids, sampling_params(session),
+            self.loop.submit(session.req_id, session.prompt_ids, sampling_params(session, self.spec_defaults),
                              lambda out: deliver(session, out))
             return
         with self._lock:
@@ -145,9 +151,18 @@ class DecodeWorker:
         dt = time.perf_counter() - wait.t_start
         self.totals["kv_transfer_seconds_total"] += dt
         self.totals["kv_writes_total"] += wait.expected
-        self.totals["kv_transfer_bytes_total"] += wait.n_pages * self.layout.num_layers * self.layout.page_bytes
-        self.loop.submit(req_id, session.prompt_ids, sampling_params(session), lambda out: deliver(session, out),
-                         kv_ready_tokens=len(session.prompt_ids) - 1)
+        self.totals["kv_transfer_bytes_total"] += (wait.n_pages * self.layout.num_layers * self.layout.page_bytes
+                                                   * self.layout.tp_size)
+        self.loop.submit(req_id, session.prompt_ids, sampling_params(session, self.spec_defaults),
+                         lambda out: deliver(session, out), kv_ready_tokens=len(session.prompt_ids) - 1,
+                         prefill_state=self.split_meta(meta))
+
+    def split_meta(self, meta):
+        """The meta block (fp32 hidden ++ logits of the last prefilled position) as (hidden, logits)."""
+        if meta is None:
+            return None
+        hidden_size = self.engine.runner.hf_config.hidden_size
+        return meta[:hidden_size], meta[hidden_size: hidden_size + self.engine.runner.vocab_size]
 
     def _on_release(self, req_id: str, generation: int) -> None:
         """A failed request's pages can take no more writes: give them back."""

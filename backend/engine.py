@@ -6,7 +6,13 @@ Roles:
   its final output carries the last position's hidden state and logits; its pages stay held until
   ``release(req_id)`` (a KV transfer may still read them), whatever the finish reason;
 - decode: ``reserve(req_id, n)`` takes pages for KV written from outside, then
-  ``add_request(..., kv_ready_tokens=n-1)`` starts straight at the last prompt token.
+  ``add_request(..., kv_ready_tokens=n-1)`` starts straight at the last prompt token (with the
+  prefill's last hidden state and logits as ``prefill_hidden`` / ``prefill_logits`` if sent).
+
+Decode side (aggregated and decode roles): speculative decoding (a decoding sequence runs its
+last token plus draft tokens in one chunk; the accepted drafts and one target token are
+appended, the rejected ones rolled back: ``num_computed`` and pages) and grammar-constrained
+sampling, both per request (``SamplingParams``; see ``backend/decode_sampler.py``).
 """
 from __future__ import annotations
 
@@ -17,13 +23,14 @@ from typing import Callable
 
 import torch
 
+from backend.decode_sampler import DecodeSampler
 from backend.engine_config import EngineConfig
-from backend.model_runner import ModelRunner
 from backend.page_allocator import PageAllocator
 from backend.paged_attention import BatchEntry
 from backend.sampling import SamplingParams, make_generator, sample
 from backend.scheduler import ChunkInfo, ScheduledChunk, Scheduler, StepBatch
 from backend.sequence import Sequence
+from backend.tp_runner import make_runner
 
 log = logging.getLogger("triton_disagg.engine")
 
@@ -51,13 +58,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.max_model_len = config.resolve_max_model_len()
-        self.runner = ModelRunner(config)
+        self.runner = make_runner(config)   # TP > 1: the lead of the instance's rank processes
         self.allocator = PageAllocator(config.num_pages, config.page_size)
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
         self.default_end_ids = self.runner.end_token_ids()
         self.on_chunk_scheduled: Callable[[StepBatch], None] | None = None
         self._seqs: dict[str, Sequence] = {}
+        self.decode_sampler = DecodeSampler(self.max_model_len)
 
     @property
     def pool(self):
@@ -68,7 +76,8 @@ class LLMEngine:
         self.runner.on_layer_kv_written = hook
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    prefill_only: bool = False, kv_ready_tokens: int = 0) -> None:
+                    prefill_only: bool = False, kv_ready_tokens: int = 0,
+                    prefill_hidden: torch.Tensor | None = None, prefill_logits: torch.Tensor | None = None) -> None:
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_token_ids]
         self._validate(req_id, prompt, params, prefill_only, kv_ready_tokens)
@@ -76,6 +85,10 @@ class LLMEngine:
             params = dataclasses.replace(params, end_ids=self.default_end_ids)
         seq = Sequence(req_id, prompt, params, make_generator(params, self.runner.device),
                        prefill_only=prefill_only, kv_ready_tokens=kv_ready_tokens)
+        seq.last_hidden, seq.last_logits = prefill_hidden, prefill_logits
+        if params.grammar is not None:
+            from backend.structured_output import GrammarState
+            seq.grammar = GrammarState(params.grammar)
         self._seqs[req_id] = seq
         self.scheduler.add(seq)
 
@@ -113,22 +126,22 @@ class LLMEngine:
         return self.allocator.free(req_id) if self.allocator.has(req_id) else 0
 
     def step(self) -> list[EngineOutput]:
+        self.decode_sampler.propose([s for s in (*self.scheduler.running, *self.scheduler.waiting)
+                                     if s.params.num_draft_tokens and s.num_uncomputed == 1])
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
         hooks_set = self.on_chunk_scheduled is not None or self.runner.on_layer_kv_written is not None
         step_batch = self._step_batch(chunks) if hooks_set else None
         rows = [i for i, c in enumerate(chunks) if c.is_last_chunk and not c.seq.prefill_only]
-        sampled_chunks = [chunks[i] for i in rows]
+        speculating = any(c.draft_token_ids for c in chunks)
         try:
             if self.on_chunk_scheduled is not None and step_batch.prefill_only_chunks:
                 self.on_chunk_scheduled(step_batch)
-            result = self.runner.run(
-                [BatchEntry(c.seq.token_ids[c.start: c.start + c.num_tokens], c.start, c.page_table)
-                 for c in chunks], hook_arg=step_batch)
-            logits = result.logits if len(rows) == len(chunks) else result.logits[rows]
-            new_tokens = sample(logits, [c.seq.params for c in sampled_chunks],
-                                [c.seq.generator for c in sampled_chunks]) if rows else []
+            extra = {"num_logits": [1 + len(c.draft_token_ids) for c in chunks]} if speculating else {}
+            result = self.runner.run([BatchEntry(c.input_token_ids, c.start, c.page_table) for c in chunks],
+                                     hook_arg=step_batch, **extra)
+            new_tokens = self._pick(chunks, rows, result)
         except Exception as exc:
             log.exception("engine step failed; failing its %d request(s)", len(chunks))
             return self.fail([c.seq.req_id for c in chunks], f"{type(exc).__name__}: {exc}")
@@ -139,16 +152,53 @@ class LLMEngine:
             if chunk.is_last_chunk and seq.prefill_only:
                 outputs.append(self._finish(seq, PREFILL_DONE, [], hidden=result.hidden[i],
                                             logits=result.logits[i]))
-        for chunk, token in zip(sampled_chunks, new_tokens):
-            seq = chunk.seq
-            seq.token_ids.append(token)
-            reason = seq.check_stop(self.max_model_len)
-            if reason is None:
-                outputs.append(EngineOutput(seq.req_id, [token], num_prompt_tokens=seq.num_prompt_tokens,
-                                            num_output_tokens=seq.num_output_tokens))
-            else:
-                outputs.append(self._finish(seq, reason, [token]))
+        for i in rows:
+            outputs.append(self._append(chunks[i], new_tokens[i], result, i))
         return outputs
+
+    def _pick(self, chunks: list[ScheduledChunk], rows: list[int], result) -> dict[int, list[int]]:
+        """New tokens per sampled chunk: one batched sample for plain rows; drafts and grammars
+        go through the decode sampler row by row."""
+        plain = [i for i in rows if not chunks[i].draft_token_ids and chunks[i].seq.grammar is None]
+        picked = {}
+        if plain:
+            logits = result.logits if len(plain) == len(chunks) else result.logits[plain]
+            tokens = sample(logits, [chunks[i].seq.params for i in plain], [chunks[i].seq.generator for i in plain])
+            picked = {i: [t] for i, t in zip(plain, tokens)}
+        for i in rows:
+            if i not in picked:
+                logits = result.position_logits[i] if result.position_logits is not None else result.logits[i:i + 1]
+                picked[i] = self.decode_sampler.pick(chunks[i], logits)
+        return picked
+
+    def _append(self, chunk: ScheduledChunk, tokens: list[int], result, row: int) -> EngineOutput:
+        """Append a sampled chunk's accepted drafts + target token (stopping early where a stop
+        condition holds), keep the last hidden state, roll back the rejected drafts."""
+        seq = chunk.seq
+        accepted = len(tokens) - 1
+        seq.num_computed += accepted
+        if result.position_hidden is not None:
+            seq.last_hidden, seq.last_logits = result.position_hidden[row][accepted], result.position_logits[row][accepted]
+        else:
+            seq.last_hidden, seq.last_logits = result.hidden[row], result.logits[row]
+        emitted, reason = [], None
+        for token in tokens:
+            seq.token_ids.append(token)
+            emitted.append(token)
+            reason = seq.check_stop(self.max_model_len)
+            if reason is not None:
+                break
+        if seq.grammar is not None:
+            seq.grammar.advance(emitted)
+            if reason is None and seq.grammar.done:
+                reason = "stop"
+        self.decode_sampler.clear(seq)
+        if reason is not None:
+            return self._finish(seq, reason, emitted)
+        if chunk.draft_token_ids:
+            self.allocator.shrink(seq.req_id, seq.num_tokens)
+        return EngineOutput(seq.req_id, emitted, num_prompt_tokens=seq.num_prompt_tokens,
+                            num_output_tokens=seq.num_output_tokens)
 
     def fail(self, req_ids: list[str], message: str) -> list[EngineOutput]:
         """Finish the given active requests with finish_reason "error" and free their pages
@@ -191,6 +241,8 @@ class LLMEngine:
         needed = self.allocator.pages_for(probe.kv_tokens_needed(self.max_model_len))
         if needed > self.allocator.num_pages:
             raise ValueError(f"request needs up to {needed} KV pages; the pool has {self.allocator.num_pages}")
+        if prefill_only and (params.grammar is not None or params.num_draft_tokens):
+            raise ValueError("a prefill-only request never samples: no grammar or draft tokens")
         if kv_ready_tokens:
             if prefill_only:
                 raise ValueError("kv_ready_tokens and prefill_only are exclusive")

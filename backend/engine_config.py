@@ -15,6 +15,9 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 class EngineConfig:
     """Settings of one engine instance.
 
+    ``tensor_parallel_size`` > 1 runs the instance as that many rank processes (see
+    ``backend/tp_runner.py``).
+
     ``num_pages`` defaults to ``ceil(kv_cache_tokens / page_size)``. ``max_model_len`` is capped by
     the model's ``max_position_embeddings`` once the checkpoint's config is read
     (:meth:`resolve_max_model_len`).
@@ -31,6 +34,7 @@ class EngineConfig:
     max_model_len: int = 4096
     num_threads: int = 0
     max_tokens_limit: int = 4096
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -40,7 +44,7 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("page_size", "kv_cache_tokens", "max_num_seqs", "max_num_batched_tokens",
-                     "max_model_len", "max_tokens_limit"):
+                     "max_model_len", "max_tokens_limit", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")

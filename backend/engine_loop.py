@@ -30,12 +30,14 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, req_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None,
-               on_output: OutputCallback, prefill_only: bool = False, kv_ready_tokens: int = 0) -> None:
-        """Queue a request; an invalid one is answered through ``on_output`` with finish_reason "error"."""
+               on_output: OutputCallback, prefill_only: bool = False, kv_ready_tokens: int = 0,
+               prefill_state: tuple | None = None) -> None:
+        """Queue a request; an invalid one is answered through ``on_output`` with finish_reason "error".
+        ``prefill_state``: (hidden, logits) of the last prefilled position, sent with the KV."""
         if self._stopping.is_set():
             raise RuntimeError("EngineLoop is shut down")
         self._commands.put(("submit", req_id, list(prompt_token_ids), sampling_params, on_output,
-                            prefill_only, kv_ready_tokens))
+                            prefill_only, kv_ready_tokens, prefill_state))
 
     def cancel(self, req_id: str) -> None:
         """Abort a request; its callback gets finish_reason "abort" (nothing if it already ended)."""
@@ -108,14 +110,16 @@ class EngineLoop:
     def _apply(self, command: tuple) -> None:
         kind = command[0]
         if kind == "submit":
-            _, req_id, prompt, params, on_output, prefill_only, kv_ready_tokens = command
+            _, req_id, prompt, params, on_output, prefill_only, kv_ready_tokens, prefill_state = command
+            hidden, logits = prefill_state or (None, None)
             if req_id in self._callbacks:
                 self._call(on_output, EngineOutput(req_id, [], finished=True, finish_reason="error",
                                                    error=f"request {req_id!r} is already active"))
                 return
             try:
                 self.engine.add_request(req_id, prompt, params, prefill_only=prefill_only,
-                                        kv_ready_tokens=kv_ready_tokens)
+                                        kv_ready_tokens=kv_ready_tokens, prefill_hidden=hidden,
+                                        prefill_logits=logits)
             except Exception as exc:
                 self._call(on_output, EngineOutput(req_id, [], finished=True, finish_reason="error",
                                                    error=f"{type(exc).__name__}: {exc}"))

@@ -221,6 +221,10 @@ class MessengerServer:
         log.info("decode instance %s connected from %s:%d", peer, addr[0], addr[1])
 
     def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)   # wakes accept(); close() alone leaves it listening
+        except OSError:
+            pass
         self._sock.close()
         for c in self._conns:
             c.close("shutdown")

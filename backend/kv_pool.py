@@ -14,7 +14,8 @@ class KVPool:
     """Owns the KV tensor; knows nothing about which request holds which page."""
 
     def __init__(self, num_layers: int, num_pages: int, num_kv_heads: int, page_size: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device):
+                 head_dim: int, dtype: torch.dtype, device: torch.device, tensor: torch.Tensor | None = None):
+        """``tensor``: an existing zeroed tensor of the pool's shape to use (e.g. shared memory)."""
         self.num_layers = num_layers
         self.num_pages = num_pages
         self.num_kv_heads = num_kv_heads
@@ -22,8 +23,10 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        self.tensor = torch.zeros(num_layers, num_pages, 2, num_kv_heads, page_size, head_dim,
-                                  dtype=dtype, device=self.device)
+        shape = (num_layers, num_pages, 2, num_kv_heads, page_size, head_dim)
+        if tensor is not None and (tuple(tensor.shape) != shape or tensor.dtype != dtype):
+            raise ValueError(f"KV pool tensor is {tuple(tensor.shape)} {tensor.dtype}, expected {shape} {dtype}")
+        self.tensor = torch.zeros(shape, dtype=dtype, device=self.device) if tensor is None else tensor
 
     def layer(self, layer_idx: int) -> torch.Tensor:
         """View ``[num_pages, 2, num_kv_heads, page_size, head_dim]`` of one layer (contiguous)."""

@@ -68,6 +68,17 @@ class PageAllocator:
             table.extend(added)
             return added
 
+    def shrink(self, req_id: str, n_tokens: int) -> int:
+        """Free ``req_id``'s pages beyond those ``n_tokens`` tokens need (rejected draft tokens);
+        its commitment stays, so it can grow again. Returns how many pages were freed."""
+        with self._lock:
+            table = self._table(req_id)
+            keep = self.pages_for(n_tokens)
+            freed = table[keep:]
+            del table[keep:]
+            self._free.extend(freed)
+            return len(freed)
+
     def commit(self, req_id: str, commit_tokens: int) -> None:
         """Raise ``req_id``'s commitment to ``commit_tokens`` tokens (PoolFullError if it can't)."""
         with self._lock:

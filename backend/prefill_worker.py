@@ -78,6 +78,8 @@ class PrefillWorker:
                                       int(params.get("messenger_port", "0") or 0), self._on_message,
                                       self._on_peer_lost, name)
         self.max_model_len = self.engine.max_model_len
+        if hasattr(self.engine.runner, "on_failure"):   # tensor-parallel: a lost rank takes us out
+            self.engine.runner.on_failure.append(self._out_of_service)
 
     def describe(self) -> str:
         c = self.config
@@ -149,7 +151,8 @@ class PrefillWorker:
             n = job.plan.writes(positions)
             job.writes += n
             self.totals["kv_writes_total"] += n
-            self.totals["kv_transfer_bytes_total"] += n * min(self.layout.page_bytes, job.dst_layout.page_bytes)
+            self.totals["kv_transfer_bytes_total"] += len(positions) * sum(int(p.length.sum())
+                                                                           for p in job.plan.pairs)
 
     # ------------------------------------------------------------ engine outputs (loop thread)
     def _on_output(self, out: EngineOutput) -> None:
@@ -192,6 +195,17 @@ class PrefillWorker:
     def _on_send_error(self, req_id: str, generation: int, err: str) -> None:
         log.warning("prefill %s: transfer error %s; aborting it", req_id, err)
         self.loop.cancel(req_id)
+
+    def _out_of_service(self, reason: str) -> None:
+        """Fail every job with ``reason`` and stop listening, so decode instances route elsewhere."""
+        with self._lock:
+            jobs = list(self.jobs.values())
+        for job in jobs:
+            try:
+                job.conn.send({"type": "error", "req_id": job.req_id, "message": reason})
+            except ConnectionError:
+                pass
+        self.server.close()
 
     # ------------------------------------------------------------ serving-layer interface
     def stats(self) -> dict:

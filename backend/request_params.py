@@ -29,6 +29,11 @@ class ClientRequest:
     stop_words: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     apply_chat_template: bool = False
+    num_draft_tokens: Optional[int] = None   # None: the model's default (parameter speculative_k)
+    draft_method: Optional[str] = None       # None: the model's default (parameter draft_method)
+    guided_json: Optional[str] = None
+    guided_regex: Optional[str] = None
+    grammar: object = None                   # compiled from guided_json / guided_regex at admission
 
 
 Getter = Callable[[str], Optional[np.ndarray]]
@@ -44,6 +49,7 @@ _SCALARS = {
     "end_id": ("iu", int),
     "ignore_eos": ("b", bool),
     "apply_chat_template": ("b", bool),
+    "num_draft_tokens": ("iu", int),
 }
 
 
@@ -115,4 +121,27 @@ def parse_request(get: Getter, *, max_tokens_limit: int) -> ClientRequest:
     stops = _strings(get, "stop_words")
     if stops:
         req.stop_words = [s for s in stops if s]
+    _parse_decode_options(get, req)
     return req
+
+
+def _parse_decode_options(get: Getter, req: ClientRequest) -> None:
+    """Speculative decoding and structured-output inputs (checked here; grammars compile later)."""
+    from backend.sampling import DRAFT_METHODS, MAX_DRAFT_TOKENS
+    req.num_draft_tokens = _scalar(get, "num_draft_tokens")
+    if req.num_draft_tokens is not None and not 0 <= req.num_draft_tokens <= MAX_DRAFT_TOKENS:
+        raise RequestError(f"'num_draft_tokens' must be in [0, {MAX_DRAFT_TOKENS}] (0 = off), "
+                           f"got {req.num_draft_tokens}")
+    for name in ("draft_method", "guided_json", "guided_regex"):
+        values = _strings(get, name)
+        if values is not None:
+            if len(values) != 1:
+                raise RequestError(f"input '{name}' must hold exactly one string, got {len(values)}")
+            setattr(req, name, values[0])
+    if req.draft_method is not None and req.draft_method not in DRAFT_METHODS:
+        raise RequestError(f"'draft_method' must be one of {list(DRAFT_METHODS)}, got {req.draft_method!r}")
+    if req.guided_json is not None and req.guided_regex is not None:
+        raise RequestError("give at most one of 'guided_json' and 'guided_regex'")
+    for name in ("guided_json", "guided_regex"):
+        if getattr(req, name) is not None and not getattr(req, name).strip():
+            raise RequestError(f"input '{name}' is empty")

@@ -5,6 +5,9 @@ from dataclasses import dataclass
 
 import torch
 
+DRAFT_METHODS = ("lookup", "hidden")
+MAX_DRAFT_TOKENS = 16
+
 
 @dataclass
 class SamplingParams:
@@ -13,6 +16,9 @@ class SamplingParams:
     ``stop_token_ids``: token sequences that end the request when the output ends with one of them
     (string stop words are tokenized by the caller). ``end_ids`` end the request unless
     ``ignore_eos``. ``seed`` makes random sampling reproducible. ``temperature == 0`` is greedy.
+    ``num_draft_tokens`` > 0 turns on speculative decoding with up to that many draft tokens per
+    step, proposed by ``draft_method`` (see ``backend/drafters.py``). ``grammar``: a compiled
+    grammar (``backend/structured_output.py``) constraining the output, or None.
     """
 
     max_tokens: int = 16
@@ -23,6 +29,9 @@ class SamplingParams:
     end_ids: tuple[int, ...] = ()
     stop_token_ids: tuple[tuple[int, ...], ...] = ()
     ignore_eos: bool = False
+    num_draft_tokens: int = 0
+    draft_method: str = "lookup"
+    grammar: object | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.end_ids, int):
@@ -41,6 +50,10 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed!r}")
         if any(len(seq) == 0 for seq in self.stop_token_ids):
             raise ValueError("stop_token_ids must not contain an empty sequence")
+        if not isinstance(self.num_draft_tokens, int) or not 0 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {self.num_draft_tokens!r}")
+        if self.draft_method not in DRAFT_METHODS:
+            raise ValueError(f"draft_method must be one of {DRAFT_METHODS}, got {self.draft_method!r}")
 
     @property
     def greedy(self) -> bool:
@@ -72,6 +85,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
 
 
 def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    return torch.multinomial(token_probs(logits, params), 1, generator=generator)[0]
+
+
+def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution random sampling draws from: temperature, then top-k, then top-p."""
     logits = logits / params.temperature
     if 0 < params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
@@ -81,5 +99,4 @@ def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         drop = cumulative - sorted_logits.softmax(dim=-1) >= params.top_p
         logits = logits.scatter(0, order[drop], float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[0]
+    return logits.softmax(dim=-1)

@@ -4,11 +4,13 @@ Each step takes, within the per-step token budget and in this order: one token f
 sequence that is decoding; the next prefill chunk of running sequences that are part way through
 their prompt; then waiting sequences (FIFO), admitted only while the pool can commit the pages
 they may grow into. Nothing is preempted: a sequence that does not fit waits at the queue head.
+A decoding sequence with draft tokens (speculative decoding) runs its last token and its drafts
+in one chunk, the drafts cut to the budget left.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from backend.page_allocator import PageAllocator, PoolFullError
 from backend.sequence import Sequence, SeqStatus
@@ -16,20 +18,26 @@ from backend.sequence import Sequence, SeqStatus
 
 @dataclass
 class ScheduledChunk:
-    """Tokens ``start .. start+num_tokens-1`` of ``seq`` run this step."""
+    """Tokens ``start .. start+num_tokens-1`` of ``seq`` run this step, followed by
+    ``draft_token_ids`` (not yet part of the sequence) when it speculates."""
 
     seq: Sequence
     start: int
     num_tokens: int
     page_table: list[int]
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def is_last_chunk(self) -> bool:
         return self.start + self.num_tokens == self.seq.num_tokens
 
+    @property
+    def input_token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start: self.start + self.num_tokens] + self.draft_token_ids
+
     def touched_page_ids(self, page_size: int) -> list[int]:
         first = self.start // page_size
-        last = (self.start + self.num_tokens - 1) // page_size
+        last = (self.start + len(self.input_token_ids) - 1) // page_size
         return self.page_table[first: last + 1]
 
 
@@ -87,8 +95,8 @@ class Scheduler:
         for seq in decoding + prefilling:
             if budget == 0:
                 return chunks
-            chunks.append(self._chunk(seq, min(seq.num_uncomputed, budget)))
-            budget -= chunks[-1].num_tokens
+            chunks.append(self._chunk(seq, budget))
+            budget -= len(chunks[-1].input_token_ids)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self._admit(seq):
@@ -96,8 +104,8 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            chunks.append(self._chunk(seq, min(seq.num_uncomputed, budget)))
-            budget -= chunks[-1].num_tokens
+            chunks.append(self._chunk(seq, budget))
+            budget -= len(chunks[-1].input_token_ids)
         return chunks
 
     def _admit(self, seq: Sequence) -> bool:
@@ -111,7 +119,9 @@ class Scheduler:
             return False
         return True
 
-    def _chunk(self, seq: Sequence, num_tokens: int) -> ScheduledChunk:
+    def _chunk(self, seq: Sequence, budget: int) -> ScheduledChunk:
         start = seq.num_computed
-        self.allocator.extend(seq.req_id, start + num_tokens)
-        return ScheduledChunk(seq, start, num_tokens, self.allocator.page_table(seq.req_id))
+        num_tokens = min(seq.num_uncomputed, budget)
+        drafts = seq.draft_token_ids[: budget - 1] if seq.num_uncomputed == 1 else []
+        self.allocator.extend(seq.req_id, start + num_tokens + len(drafts))
+        return ScheduledChunk(seq, start, num_tokens, self.allocator.page_table(seq.req_id), drafts)

@@ -20,6 +20,10 @@ class Sequence:
     A prefill-only sequence (prefill role) computes its prompt and never samples. A sequence with
     ``kv_ready`` starts with pages reserved earlier and ``num_computed`` tokens already written there
     from outside (decode role).
+
+    Decode-side state: ``draft_token_ids`` (this step's proposal, with ``draft_bitmask`` when a
+    ``grammar`` constrains the output), and ``last_hidden`` / ``last_logits`` of the sequence's last
+    computed position (transferred with the KV, or kept from the last prefill chunk / decode step).
     """
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -34,6 +38,11 @@ class Sequence:
         self.num_computed = kv_ready_tokens
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None
+        self.draft_token_ids: list[int] = []
+        self.draft_bitmask: torch.Tensor | None = None
+        self.grammar = None
+        self.last_hidden: torch.Tensor | None = None
+        self.last_logits: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -50,6 +59,14 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    def max_draft_tokens(self, max_model_len: int) -> int:
+        """Drafts this step may verify: never past max_tokens or the context (so never past the
+        pages committed at admission)."""
+        if self.prefill_only or self.num_uncomputed != 1:
+            return 0
+        return max(0, min(self.params.num_draft_tokens, self.params.max_tokens - self.num_output_tokens - 1,
+                          max_model_len - self.num_tokens - 1))
 
     def kv_tokens_needed(self, max_model_len: int) -> int:
         """Most tokens this sequence can ever hold KV for (the last sampled token never needs KV)."""

@@ -16,6 +16,7 @@ import uuid
 import numpy as np
 
 from backend.triton_model import init_model
+from backend.triton_sender import GuardedSender
 
 log = logging.getLogger("triton_disagg.front")
 
@@ -33,7 +34,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            sender = request.get_response_sender()
+            sender = GuardedSender(self.pb, request.get_response_sender())
             inputs = [self.pb.Tensor(t.name(), t.as_numpy()) for t in request.inputs()]
             with self._lock:
                 target = min(self.targets, key=lambda t: self.inflight[t])

@@ -3,7 +3,8 @@
 ``execute()`` only parses, validates, tokenizes and enqueues; the engine loop thread streams
 responses through each request's response sender (decoupled model). The role parameter picks
 the worker that generates tokens: ``aggregated`` (one engine, chunked prefill + decode) or
-``decode`` (KV from prefill instances, see ``backend/decode_worker.py``).
+``decode`` (KV from prefill instances, see ``backend/decode_worker.py``). A ``guided_json`` /
+``guided_regex`` input is compiled here, so a bad one is refused before the worker sees it.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import numpy as np
 
 from backend.generation import GenerationSession
 from backend.detokenizer import IncrementalDetokenizer
+from backend.triton_sender import GuardedSender
 from backend.request_params import RequestError, parse_request
 
 log = logging.getLogger("triton_disagg.model")
@@ -38,8 +40,7 @@ class TritonSink:
 
     def __init__(self, pb_utils, request):
         self.pb = pb_utils
-        self.sender = request.get_response_sender()
-        self.request = request
+        self.sender = GuardedSender(pb_utils, request.get_response_sender())
 
     def send(self, text, token_ids, n_input, n_output, finish_reason, final):
         pb = self.pb
@@ -92,6 +93,7 @@ class TritonPythonModel:
         self.max_model_len = self.worker.max_model_len
         self.sessions: dict[str, GenerationSession] = {}
         self.by_triton_id: dict[str, str] = {}   # Triton request id -> our request id
+        self._grammar_compiler = None
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._tag = uuid.uuid4().hex[:6]   # request ids stay unique across servers and restarts
@@ -126,6 +128,7 @@ class TritonPythonModel:
             return
         try:
             req = parse_request(get, max_tokens_limit=self.max_tokens_limit)
+            self._compile_grammar(req)
             prompt_ids = self._tokenize(req)
             with self._lock:
                 if len(self.sessions) >= self.max_queue:
@@ -147,6 +150,18 @@ class TritonPythonModel:
         except Exception as e:  # never let one request take the instance down
             log.exception("failed to admit request")
             sink.error(f"internal error: {e}")
+
+    def _compile_grammar(self, req) -> None:
+        if req.guided_json is None and req.guided_regex is None:
+            return
+        from backend.structured_output import GrammarCompiler, GrammarError
+        with self._lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.worker.engine.runner.vocab_size)
+        try:
+            req.grammar = self._grammar_compiler.compile(req.guided_json, req.guided_regex)
+        except GrammarError as e:
+            raise RequestError(str(e)) from None
 
     def _tokenize(self, req) -> list[int]:
         if req.apply_chat_template:

@@ -1,0 +1,44 @@
+"""Decode-side token choice: draft proposals before a step, then grammar masking and
+verification (or plain sampling) of each sequence's logits after the forward pass.
+
+Before scheduling, each decoding sequence with ``num_draft_tokens`` > 0 gets up to that many
+drafts (bounded by max_tokens and the context) from its drafter; under a grammar the drafts are
+cut at the first token it rejects and one bitmask row per chunk position is kept. After the
+forward pass :meth:`DecodeSampler.pick` masks the chunk's logits rows (grammar) and verifies
+the drafts (``backend/speculative.py``), returning the accepted drafts plus one target token.
+"""
+from __future__ import annotations
+
+import torch
+
+from backend.drafters import make_drafters
+from backend.scheduler import ScheduledChunk
+from backend.sequence import Sequence
+from backend.speculative import verify
+
+
+class DecodeSampler:
+    def __init__(self, max_model_len: int):
+        self.max_model_len = max_model_len
+        self.drafters = make_drafters()
+
+    def propose(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            k = seq.max_draft_tokens(self.max_model_len)
+            drafts = self.drafters[seq.params.draft_method].propose(seq, k) if k else []
+            if drafts and seq.grammar is not None:
+                drafts, seq.draft_bitmask = seq.grammar.check_drafts(drafts)
+            seq.draft_token_ids = drafts
+
+    def pick(self, chunk: ScheduledChunk, logits: torch.Tensor) -> list[int]:
+        """``logits`` [1 + len(drafts), vocab]: rows of the chunk's last token and its drafts."""
+        seq, drafts = chunk.seq, chunk.draft_token_ids
+        if seq.grammar is not None:
+            bitmask = seq.draft_bitmask if drafts else seq.grammar.check_drafts([])[1]
+            logits = seq.grammar.mask(logits, bitmask[: len(drafts) + 1])
+        return verify(logits, drafts, seq.params, seq.generator)
+
+    @staticmethod
+    def clear(seq: Sequence) -> None:
+        seq.draft_token_ids = []
+        seq.draft_bitmask = None

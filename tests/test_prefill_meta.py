@@ -1,0 +1,84 @@
+"""The hidden state and logits a decode instance receives with the KV (prefill worker -> NIXL meta
+slot, real UCX transfer between two workers in this process) equal those the decode instance's own
+engine computes when it runs the same prefill itself; the request then decodes with the hidden
+drafter fed by them."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from engine_helpers import real_model_dir
+
+from backend.detokenizer import IncrementalDetokenizer
+from backend.engine import PREFILL_DONE
+from backend.generation import GenerationSession
+from backend.request_params import ClientRequest
+
+TOLERANCE = 1e-4
+
+
+class Sink:
+    def __init__(self):
+        self.token_ids, self.done, self.error = [], threading.Event(), None
+
+    def send(self, text, token_ids, n_input, n_output, finish_reason, final):
+        self.token_ids += list(token_ids)
+        if final:
+            self.done.set()
+
+    def error(self, message):
+        self.error = message
+        self.done.set()
+
+    def is_cancelled(self):
+        return False
+
+
+def test_transferred_hidden_state_and_logits_equal_a_local_prefill():
+    nixl = pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+    del nixl
+    from transformers import AutoTokenizer
+    from backend.decode_worker import DecodeWorker
+    from backend.prefill_worker import PrefillWorker
+    model = str(real_model_dir())
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    common = {"kv_cache_tokens": "2048", "max_num_batched_tokens": "64", "num_threads": "1"}
+    prefill = PrefillWorker(model, {**common, "messenger_port": "0"}, "meta_prefill")
+    decode = DecodeWorker(model, {**common, "prefill_endpoints": f"127.0.0.1:{prefill.server.port}"}, "meta_decode")
+    try:
+        received = {}
+        forward = decode._on_kv_done
+
+        def spy(req_id, ok, err, meta):
+            received[req_id] = (ok, err, None if meta is None else meta.clone())
+            forward(req_id, ok, err, meta)
+        decode._on_kv_done = spy
+        prompt = tokenizer.encode("Read the list and answer. " + " ".join(f"Item {i} is {i * 7}." for i in range(30)))
+        sink = Sink()
+        request = ClientRequest(text="-", max_tokens=8, ignore_eos=True, num_draft_tokens=3, draft_method="hidden")
+        session = GenerationSession("m0", request, prompt, sink, IncrementalDetokenizer(tokenizer, []),
+                                    cancel_engine=decode.cancel)
+        decode.submit(session)
+        assert sink.done.wait(120) and sink.error is None, sink.error
+        assert len(sink.token_ids) == 8
+        ok, err, meta = received["m0"]
+        assert ok and meta is not None, err
+        hidden, logits = decode.split_meta(meta)
+
+        local, finished = {}, threading.Event()
+
+        def on_output(out):
+            if out.finished:
+                local["out"] = out
+                finished.set()
+        decode.loop.submit("m0-local", prompt[:-1], None, on_output, prefill_only=True)
+        assert finished.wait(120) and local["out"].finish_reason == PREFILL_DONE
+        decode.loop.release("m0-local")
+        assert (hidden - local["out"].hidden_state.float()).abs().max() <= TOLERANCE
+        assert (logits - local["out"].logits.float()).abs().max() <= TOLERANCE
+        assert int(logits.argmax()) == int(local["out"].logits.argmax())
+    finally:
+        decode.shutdown()
+        prefill.shutdown()

@@ -1,0 +1,145 @@
+"""Tensor-parallel instances on a real tritonserver, KV sharded across the fabric end to end.
+
+One server holds both directions: prefill_0 (TP 1) -> decode_0 (TP 3) and prefill_1 (TP 3)
+-> decode_1 (TP 1), each decode model pinned to its prefill endpoint, plus llm_aggregated
+(TP 1). Greedy outputs of both pairs equal the aggregated model and transformers; the write
+counters follow the transfer plan; killing one rank process takes its instance out with
+clear errors while the other instances keep serving.
+"""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from backend.client import stream_generate
+from tests.conftest import PROMPTS, hf_greedy, metric_values, wait_pool_free
+
+N_TOKENS = 8
+CASES = PROMPTS[:6] + [PROMPTS[6]]   # the last: ~200 tokens, 4 prefill chunks at a 64-token budget
+MODELS = ["prefill_0", "prefill_1", "decode_0", "decode_1", "llm_aggregated"]
+
+
+@pytest.fixture(scope="module")
+def tp_server(model_dir, tmp_path_factory):
+    from backend.deployment import render_deployment
+    from backend.server import TritonServer, free_port
+
+    tmp = tmp_path_factory.mktemp("tp")
+    p0, p1 = free_port(), free_port()
+    repo = render_deployment(
+        tmp / "repo", mode="disagg", model_path=str(model_dir), prefill_instances=2, decode_instances=2,
+        with_aggregated=True,
+        overrides={"kv_cache_tokens": "2048", "max_num_batched_tokens": "64", "max_tokens_limit": "64",
+                   "num_threads": "1", "kv_transfer_timeout_s": "60", "kv_quarantine_s": "4",
+                   "kv_xfer_timeout_s": "10"},
+        per_model={"prefill_0": {"messenger_port": p0},
+                   "prefill_1": {"messenger_port": p1, "tensor_parallel_size": "3"},
+                   "decode_0": {"prefill_endpoints": f"127.0.0.1:{p0}", "tensor_parallel_size": "3"},
+                   "decode_1": {"prefill_endpoints": f"127.0.0.1:{p1}"}})
+    server = TritonServer(repo, log_file=tmp / "tritonserver.log")
+    try:
+        server.start(timeout_s=400)
+        yield server
+    finally:
+        server.stop()
+        print(f"tritonserver log: {tmp / 'tritonserver.log'}")
+
+
+def generate_all(url, prompts, model, n_tokens=N_TOKENS, **kw):
+    out = [None] * len(prompts)
+
+    def run(i):
+        out[i] = stream_generate(url, prompts[i], n_tokens, model=model, ignore_eos=True, **kw)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    [t.start() for t in threads]
+    [t.join(300) for t in threads]
+    return out
+
+
+def writes(url, model):
+    return sum(metric_values(url, "triton_disagg_kv_writes_total", model=model))
+
+
+def rank_pids(server, instance):
+    stub = psutil.Process(server.instance_pids()[instance])
+    return [c.pid for c in stub.children(recursive=True) if "backend.tp_rank" in " ".join(c.cmdline())]
+
+
+def test_sharded_transfers_match_aggregated_and_transformers(tp_server, model_dir, tokenizer):
+    import torch
+    from transformers import AutoModelForCausalLM
+    from fabric_bridge.layout import KVLayout
+    from fabric_bridge.plan import expected_writes
+
+    url, murl = tp_server.grpc_url, tp_server.metrics_url
+    assert len(rank_pids(tp_server, "prefill_1_0_0")) == 2 and len(rank_pids(tp_server, "decode_0_0_0")) == 2
+    before = {m: writes(murl, m) for m in MODELS[:4]}
+    results = {m: generate_all(url, CASES, m) for m in ("decode_0", "decode_1", "llm_aggregated")}
+    for m, res in results.items():
+        assert all(r.error is None for r in res), (m, [r.error for r in res])
+    assert [r.token_ids for r in results["decode_0"]] == [r.token_ids for r in results["llm_aggregated"]]
+    assert [r.token_ids for r in results["decode_1"]] == [r.token_ids for r in results["llm_aggregated"]]
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    lengths = [len(tokenizer.encode(p, add_special_tokens=False)) for p in CASES]
+    for prompt, n, res in zip(CASES, lengths, results["llm_aggregated"]):
+        assert res.token_ids == hf_greedy(model, tokenizer.encode(prompt, add_special_tokens=False), N_TOKENS), \
+            prompt[:40]
+    assert lengths[-1] - 1 > 3 * 64, lengths
+
+    # HND, TP 1 <-> TP 3: one write per page per layer per destination (K and V: 2) head slice
+    tp1, tp3 = (KVLayout("SmolLM2-135M-Instruct", 30, 16, 3, 64, "float32", tp_size=t) for t in (1, 3))
+    pages = sum(math.ceil((n - 1) / 16) for n in lengths)
+    want = {"decode_0": expected_writes(tp1, tp3, pages), "decode_1": expected_writes(tp3, tp1, pages)}
+    assert want["decode_0"] == want["decode_1"] == pages * 30 * 6
+    time.sleep(0.6)  # metrics refresh period
+    got = {m: writes(murl, m) - before[m] for m in MODELS[:4]}
+    assert got == {"decode_0": want["decode_0"], "prefill_0": want["decode_0"],
+                   "decode_1": want["decode_1"], "prefill_1": want["decode_1"]}, (got, want)
+    for m in MODELS:
+        wait_pool_free(murl, m, timeout_s=30)
+
+
+def test_killed_rank_takes_its_instance_out(tp_server):
+    """Runs last: kill a rank of prefill_1 (TP 3) mid-prefill, then one of decode_0 (TP 3)."""
+    url, murl = tp_server.grpc_url, tp_server.metrics_url
+    long_prompt = "Describe this list. " + " ".join(f"entry {i}" for i in range(300))
+    box = {}
+    t = threading.Thread(target=lambda: box.update(r=stream_generate(url, long_prompt, 4, model="decode_1",
+                                                                     timeout_s=120)))
+    t.start()
+    deadline = time.monotonic() + 30
+    while not any(v > 0 for v in metric_values(murl, "triton_disagg_prefill_queue_depth", model="prefill_1")):
+        assert time.monotonic() < deadline, "prefill_1 never picked up the request"
+        time.sleep(0.1)
+    t_kill = time.monotonic()
+    os.kill(rank_pids(tp_server, "prefill_1_0_0")[0], signal.SIGKILL)
+    t.join(120)
+    r = box["r"]
+    assert r.error and "out of service" in r.error and "signal 9" in r.error, r.error
+    assert time.monotonic() - t_kill < 30
+    # prefill_1 stopped listening: once decode_1 saw its connection drop (a moment), it answers
+    # at once that no prefill instance is reachable
+    time.sleep(1.0)
+    again = stream_generate(url, PROMPTS[0], 4, model="decode_1", timeout_s=60)
+    assert again.error and "no prefill instance reachable" in again.error, again.error
+    wait_pool_free(murl, "decode_1", timeout_s=30)
+    # the other instances keep serving
+    ok = generate_all(url, PROMPTS[:2], "decode_0", n_tokens=4) + generate_all(url, PROMPTS[:2], "llm_aggregated",
+                                                                                n_tokens=4)
+    assert all(x.error is None and len(x.token_ids) == 4 for x in ok), [x.error for x in ok]
+
+    os.kill(rank_pids(tp_server, "decode_0_0_0")[1], signal.SIGKILL)
+    time.sleep(1.0)   # the lead's watcher notices within 0.2 s
+    t0 = time.monotonic()
+    down = stream_generate(url, PROMPTS[1], 4, model="decode_0", timeout_s=60)
+    assert down.error and "out of service" in down.error and "signal 9" in down.error, down.error
+    assert time.monotonic() - t0 < 10
+    agg = stream_generate(url, PROMPTS[1], 4, model="llm_aggregated", ignore_eos=True)
+    assert agg.error is None and len(agg.token_ids) == 4, agg.error
