@@ -205,6 +205,8 @@ class PrefillWorker:
                 job.conn.send({"type": "error", "req_id": job.req_id, "message": reason})
             except ConnectionError:
                 pass
+        if jobs:   # let the reasons land before the engine fails the jobs (their "sender stopped" races them)
+            time.sleep(0.5)
         self.server.close()
 
     # ------------------------------------------------------------ serving-layer interface

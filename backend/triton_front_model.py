@@ -29,6 +29,7 @@ class TritonPythonModel:
             raise ValueError("front model: parameter 'decode_models' lists no decode model")
         self.outputs = [o["name"] for o in cfg["output"]]
         self.inflight = {t: 0 for t in self.targets}
+        self.out_of_service: set[str] = set()   # decode models that reported losing a rank
         self._lock = threading.Lock()
         log.info("front model %s: routing to %s", cfg["name"], self.targets)
 
@@ -37,7 +38,8 @@ class TritonPythonModel:
             sender = GuardedSender(self.pb, request.get_response_sender())
             inputs = [self.pb.Tensor(t.name(), t.as_numpy()) for t in request.inputs()]
             with self._lock:
-                target = min(self.targets, key=lambda t: self.inflight[t])
+                live = [t for t in self.targets if t not in self.out_of_service] or self.targets
+                target = min(live, key=lambda t: self.inflight[t])
                 self.inflight[target] += 1
             threading.Thread(target=self._forward, args=(sender, target, inputs), daemon=True).start()
         return None
@@ -52,7 +54,7 @@ class TritonPythonModel:
         try:
             responses = pb.InferenceRequest(model_name=target, inputs=inputs, request_id=request_id,
                                             requested_output_names=self.outputs).exec(decoupled=True)
-            if not self._relay(sender, responses) and not sender.is_cancelled():
+            if not self._relay(sender, responses, target) and not sender.is_cancelled():
                 sender.send(flags=final)
         except Exception as e:
             log.exception("forwarding to %s failed", target)
@@ -65,7 +67,7 @@ class TritonPythonModel:
             with self._lock:
                 self.inflight[target] -= 1
 
-    def _relay(self, sender, responses) -> bool:
+    def _relay(self, sender, responses, target: str) -> bool:
         """Pass responses on until the last one; True if a final response was sent."""
         pb = self.pb
         final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -73,6 +75,10 @@ class TritonPythonModel:
             if sender.is_cancelled():
                 return False
             if resp.has_error():
+                if "out of service" in resp.error().message():
+                    log.warning("decode model %s is out of service; routing around it", target)
+                    with self._lock:
+                        self.out_of_service.add(target)
                 sender.send(pb.InferenceResponse(error=resp.error()), flags=final)
                 return True
             tensors = resp.output_tensors()
