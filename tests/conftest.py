@@ -133,3 +133,17 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
             out.append(tok)
             x = torch.tensor([[tok]])
     return out
+
+
+def generate_concurrently(url: str, prompts: list[str], model: str, n_tokens: int, **kw) -> list:
+    """One streamed greedy request per prompt, all in flight at once; results in prompt order."""
+    import threading
+    from backend.client import stream_generate
+    out = [None] * len(prompts)
+
+    def run(i):
+        out[i] = stream_generate(url, prompts[i], n_tokens, model=model, ignore_eos=True, **kw)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    [t.start() for t in threads]
+    [t.join(300) for t in threads]
+    return out

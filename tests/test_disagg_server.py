@@ -11,7 +11,8 @@ import time
 import pytest
 
 from backend.client import stream_generate
-from tests.conftest import DISAGG_MODELS, PROMPTS, hf_greedy, metric_values, wait_pool_free
+from tests.conftest import (DISAGG_MODELS, PROMPTS, generate_concurrently, hf_greedy, metric_values,
+                            wait_pool_free)
 
 N_TOKENS = 12
 
@@ -26,14 +27,7 @@ def pools_back_to_free(disagg_server, request):
 
 
 def run_concurrently(url, prompts, model, n_tokens=N_TOKENS, **kw):
-    out = [None] * len(prompts)
-
-    def run(i):
-        out[i] = stream_generate(url, prompts[i], n_tokens, model=model, ignore_eos=True, **kw)
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    [t.start() for t in threads]
-    [t.join(300) for t in threads]
-    return out
+    return generate_concurrently(url, prompts, model, n_tokens, **kw)
 
 
 def total(url, name, model_prefix):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
 from engine_helpers import real_model_dir
 

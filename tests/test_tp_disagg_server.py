@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from backend.client import stream_generate
-from tests.conftest import PROMPTS, hf_greedy, metric_values, wait_pool_free
+from tests.conftest import PROMPTS, generate_concurrently, hf_greedy, metric_values, running_server, wait_pool_free
 
 N_TOKENS = 8
 CASES = PROMPTS[:6] + [PROMPTS[6]]   # the last: ~200 tokens, 4 prefill chunks at a 64-token budget
@@ -28,7 +28,7 @@ MODELS = ["prefill_0", "prefill_1", "decode_0", "decode_1", "llm_aggregated"]
 @pytest.fixture(scope="module")
 def tp_server(model_dir, tmp_path_factory):
     from backend.deployment import render_deployment
-    from backend.server import TritonServer, free_port
+    from backend.server import free_port
 
     tmp = tmp_path_factory.mktemp("tp")
     p0, p1 = free_port(), free_port()
@@ -42,24 +42,12 @@ def tp_server(model_dir, tmp_path_factory):
                    "prefill_1": {"messenger_port": p1, "tensor_parallel_size": "3"},
                    "decode_0": {"prefill_endpoints": f"127.0.0.1:{p0}", "tensor_parallel_size": "3"},
                    "decode_1": {"prefill_endpoints": f"127.0.0.1:{p1}"}})
-    server = TritonServer(repo, log_file=tmp / "tritonserver.log")
-    try:
-        server.start(timeout_s=400)
+    with running_server(repo, tmp / "tritonserver.log", timeout_s=400) as server:
         yield server
-    finally:
-        server.stop()
-        print(f"tritonserver log: {tmp / 'tritonserver.log'}")
 
 
 def generate_all(url, prompts, model, n_tokens=N_TOKENS, **kw):
-    out = [None] * len(prompts)
-
-    def run(i):
-        out[i] = stream_generate(url, prompts[i], n_tokens, model=model, ignore_eos=True, **kw)
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    [t.start() for t in threads]
-    [t.join(300) for t in threads]
-    return out
+    return generate_concurrently(url, prompts, model, n_tokens, **kw)
 
 
 def writes(url, model):
