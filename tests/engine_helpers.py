@@ -38,7 +38,7 @@ def real_model_dir() -> Path:
             return ensure_model()
         except Exception as exc:  # the checkpoint cannot be made on this machine
             print(f"SKIP: real model unavailable: {exc}")
-            pytest.skip(f"real model checkpoint unavailable: {exc}")
+            pytest.skip(reason=f"real model checkpoint unavailable: {exc}")
     return REAL_MODEL_DIR
 
 
