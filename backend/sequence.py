@@ -40,6 +40,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.draft_token_ids: list[int] = []
         self.draft_bitmask: torch.Tensor | None = None
+        self.draft_misses = 0       # consecutive verify steps that accepted no draft
+        self.draft_pause = 0        # decode steps left without drafting (backoff after misses)
         self.grammar = None
         self.last_hidden: torch.Tensor | None = None
         self.last_logits: torch.Tensor | None = None

@@ -4,6 +4,8 @@ Two workloads, greedy, one stream at a time (decode tokens/s per stream):
 - ``lookup_friendly``: "rewrite this code with one change" / "extract fields from this text":
   the output copies long runs from the prompt, so lookup drafts get accepted;
 - ``no_lookup``: open-ended prompts whose output rarely repeats the context.
+- ``rejected_drafts``: the open-ended prompts with a drafter whose drafts are always rejected,
+  the worst case (a verify step costs more than a plain step; the engine backs off drafting).
 Each prompt runs with speculation off and on (``--k`` drafts, ``--method`` drafter), interleaved,
 ``--repeats`` times; the median decode time counts. Reports accepted draft tokens per step,
 tokens per step, decode tokens/s with and without, and their ratio (targets: >= 1.5x on the
@@ -28,7 +30,7 @@ from backend.engine_config import EngineConfig  # noqa: E402
 from backend.sampling import SamplingParams  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-TARGETS = {"lookup_friendly": 1.5, "no_lookup": 0.95}
+TARGETS = {"lookup_friendly": 1.5, "no_lookup": 0.95, "rejected_drafts": 0.95}
 CODE = '''def load_users(path):
     users = []
     with open(path) as f:
@@ -54,7 +56,19 @@ WORKLOADS = {
         "Write a short poem about the sea at night.",
         "Give three tips for learning a new language.",
     ],
+    # the worst case: the drafter is replaced by one whose drafts are always rejected
+    "rejected_drafts": [
+        "Write a short poem about the sea at night.",
+        "Give three tips for learning a new language.",
+    ],
 }
+
+
+class RejectedDrafter:
+    """Proposes token 0 (never the model's choice): every verify step accepts nothing."""
+
+    def propose(self, seq, k: int) -> list[int]:
+        return [0] * k
 
 
 def decode_run(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> dict:
@@ -78,7 +92,11 @@ def decode_run(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> 
 
 def bench(engine, tokenizer, k: int, method: str, max_tokens: int, repeats: int) -> dict:
     results = {}
+    drafters = engine.decode_sampler.drafters
     for name, texts in WORKLOADS.items():
+        real_drafter = drafters[method]
+        if name == "rejected_drafts":
+            drafters[method] = RejectedDrafter()
         rows = []
         for text in texts:
             prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
@@ -94,6 +112,7 @@ def bench(engine, tokenizer, k: int, method: str, max_tokens: int, repeats: int)
             rows.append({"prompt": text[:50], "identical": off["tokens"] == on["tokens"],
                          "decode_tokens": on["decode_tokens"], "steps_off": off["steps"], "steps_on": on["steps"],
                          "tok_s_off": off["decode_tokens"] / t_off, "tok_s_on": on["decode_tokens"] / t_on})
+        drafters[method] = real_drafter
         decode_tokens = sum(r["decode_tokens"] for r in rows)
         steps_on = sum(r["steps_on"] for r in rows)
         tok_s_off = statistics.mean(r["tok_s_off"] for r in rows)
