@@ -21,9 +21,7 @@ from typing import Optional
 
 from fabric_bridge.plan import expected_writes
 
-from backend.aggregated_worker import (apply_cpu_affinity, deliver, engine_config, pool_gauges, sampling_params,
-                                       speculation_defaults)
-from backend.engine import LLMEngine
+from backend.worker_common import build_engine, deliver, pool_gauges, sampling_params, speculation_defaults
 from backend.engine_loop import EngineLoop
 from backend.fabric_setup import kv_layout, make_agent
 from backend.generation import GenerationSession
@@ -46,9 +44,7 @@ class KVWait:
 class DecodeWorker:
     def __init__(self, model_path: str, params: dict, name: str):
         self.name = name
-        apply_cpu_affinity(params)
-        self.config = engine_config(model_path, params)
-        self.engine = LLMEngine(self.config)
+        self.config, self.engine = build_engine(model_path, params)
         self.layout = kv_layout(self.engine)
         self.max_model_len = self.engine.max_model_len
         self.kv_timeout_s = float(params.get("kv_transfer_timeout_s", "20") or 20)

@@ -22,8 +22,8 @@ from typing import Optional
 from fabric_bridge.layout import KVLayout
 from fabric_bridge.plan import TransferPlan, build_plan
 
-from backend.aggregated_worker import apply_cpu_affinity, engine_config, pool_gauges
-from backend.engine import PREFILL_DONE, EngineOutput, LLMEngine
+from backend.worker_common import build_engine, pool_gauges
+from backend.engine import PREFILL_DONE, EngineOutput
 from backend.engine_loop import EngineLoop
 from backend.fabric_setup import kv_layout, make_agent
 from backend.kv_messenger import Connection, MessengerServer
@@ -58,9 +58,7 @@ class PrefillJob:
 class PrefillWorker:
     def __init__(self, model_path: str, params: dict, name: str):
         self.name = name
-        apply_cpu_affinity(params)
-        self.config = engine_config(model_path, params)
-        self.engine = LLMEngine(self.config)
+        self.config, self.engine = build_engine(model_path, params)
         self.page_size = self.config.page_size
         self.layout = kv_layout(self.engine)
         self.stream_layers = params.get("stream_layers", "true").lower() != "false"
