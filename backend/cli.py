@@ -51,8 +51,8 @@ def _overrides(items: list[str]) -> dict:
 
 
 def start_server(args):
-    from backend.deployment import render_deployment
-    from backend.server import TritonServer
+    from backend.launch.deployment import render_deployment
+    from backend.launch.server import TritonServer
     from build_scripts.prepare_model import ensure_model
 
     model_dir = ensure_model(args.model)
@@ -67,7 +67,7 @@ def start_server(args):
     log.info("serving %s in %s mode from %s", model_dir, args.mode, repo)
     server.start()
     if args.mode in ("disagg", "prefill"):
-        from backend.deployment import prefill_endpoints_of
+        from backend.launch.deployment import prefill_endpoints_of
         print(f"prefill messenger endpoints: {','.join(prefill_endpoints_of(repo))}", flush=True)
     return server
 

@@ -24,9 +24,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from backend.engine import LLMEngine  # noqa: E402
-from backend.engine_config import EngineConfig  # noqa: E402
-from backend.sampling import SamplingParams  # noqa: E402
+from backend.engine.llm_engine import LLMEngine  # noqa: E402
+from backend.engine.config import EngineConfig  # noqa: E402
+from backend.engine.sampling.params import SamplingParams  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TARGETS = {"prefill": 0.8, "decode_b1": 1.0, "decode_b16": 4.0}

@@ -25,9 +25,9 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from backend.engine import LLMEngine  # noqa: E402
-from backend.engine_config import EngineConfig  # noqa: E402
-from backend.sampling import SamplingParams  # noqa: E402
+from backend.engine.llm_engine import LLMEngine  # noqa: E402
+from backend.engine.config import EngineConfig  # noqa: E402
+from backend.engine.sampling.params import SamplingParams  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TARGETS = {"lookup_friendly": 1.5, "no_lookup": 0.95, "rejected_drafts": 0.95}

@@ -10,8 +10,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from backend.deployment import render_deployment
-from backend.server import TritonServer
+from backend.launch.deployment import render_deployment
+from backend.launch.server import TritonServer
 from build_scripts.prepare_model import ensure_model
 
 

@@ -38,5 +38,5 @@ else
   echo "$want" > "$stamp"
 fi
 # The Python-backend stub must sit in the backend folder (pytriton copies it the same way).
-"$VPY" -m backend.triton_install >/dev/null
+"$VPY" -m backend.launch.triton_install >/dev/null
 echo "[setup] done: $root/.venv"

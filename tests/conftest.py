@@ -60,7 +60,7 @@ def wait_pool_free(url: str, model: str, timeout_s: float = 30.0) -> None:
 @contextlib.contextmanager
 def running_server(repo, log_file, timeout_s: float = 400, **kw):
     """A started TritonServer that is stopped (whole process group) however the block ends."""
-    from backend.server import TritonServer
+    from backend.launch.server import TritonServer
     server = TritonServer(repo, log_file=log_file, **kw)
     try:
         server.start(timeout_s=timeout_s)
@@ -73,7 +73,7 @@ def running_server(repo, log_file, timeout_s: float = 400, **kw):
 @pytest.fixture(scope="session")
 def aggregated_server(model_dir, tmp_path_factory):
     """A real tritonserver with the aggregated ``llm`` model, small limits for the fault tests."""
-    from backend.deployment import render_deployment
+    from backend.launch.deployment import render_deployment
 
     tmp = tmp_path_factory.mktemp("agg")
     repo = render_deployment(tmp / "repo", mode="aggregated", model_path=str(model_dir), overrides={
@@ -104,7 +104,7 @@ DISAGG_MODELS = ["prefill_0", "prefill_1", "decode_0", "decode_1", "decode_2", "
 def disagg_server(model_dir, tmp_path_factory):
     """One tritonserver with 2 prefill + 3 decode instances, the front ``llm`` (routing to
     decode_0 and decode_1), and ``llm_aggregated``. decode_2 has a tiny pool for overload tests."""
-    from backend.deployment import render_deployment
+    from backend.launch.deployment import render_deployment
 
     tmp = tmp_path_factory.mktemp("disagg")
     repo = render_deployment(

@@ -10,8 +10,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from backend.engine import EngineOutput, LLMEngine  # noqa: E402
-from backend.engine_config import EngineConfig  # noqa: E402
+from backend.engine.llm_engine import EngineOutput, LLMEngine  # noqa: E402
+from backend.engine.config import EngineConfig  # noqa: E402
+from backend.parallel.engine_factory import build_engine  # noqa: E402
 
 REAL_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct"
 TINY_VOCAB = 256
@@ -46,7 +47,7 @@ def make_engine(model_dir: Path, **overrides) -> LLMEngine:
     settings = dict(model_path=str(model_dir), kv_cache_tokens=2048, max_num_batched_tokens=64,
                     max_model_len=512)
     settings.update(overrides)
-    return LLMEngine(EngineConfig(**settings))
+    return build_engine(EngineConfig(**settings))
 
 
 def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, list[EngineOutput]]:

@@ -49,7 +49,7 @@ def two_hosts():
 
 @pytest.fixture(scope="module")
 def split_servers(two_hosts, model_dir, tmp_path_factory):
-    from backend.deployment import prefill_endpoints_of, render_deployment
+    from backend.launch.deployment import prefill_endpoints_of, render_deployment
     ip_ns, ns, dev_ns, dev_root = two_hosts
     tmp = tmp_path_factory.mktemp("xhost")
     common = {"kv_cache_tokens": "2048", "max_num_batched_tokens": "64", "num_threads": "1",

@@ -9,9 +9,9 @@ import torch
 from engine_helpers import (assert_pool_idle, build_tiny_llama, make_engine, real_model_dir, run_to_completion,
                             tokens_of)
 
-from backend.engine import PREFILL_DONE
-from backend.paged_attention import BatchEntry
-from backend.sampling import SamplingParams
+from backend.engine.llm_engine import PREFILL_DONE
+from backend.engine.paged_attention import BatchEntry
+from backend.engine.sampling.params import SamplingParams
 
 LOGIT_TOLERANCE = 1e-3
 

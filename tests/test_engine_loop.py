@@ -8,8 +8,8 @@ import torch
 
 from engine_helpers import assert_pool_idle, build_tiny_llama, make_engine, run_to_completion, tokens_of
 
-from backend.engine_loop import EngineLoop
-from backend.sampling import SamplingParams
+from backend.engine.engine_loop import EngineLoop
+from backend.engine.sampling.params import SamplingParams
 
 TIMEOUT = 60
 

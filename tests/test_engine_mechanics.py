@@ -7,8 +7,8 @@ import torch
 from engine_helpers import (TINY_VOCAB, assert_pool_idle, build_tiny_llama, make_engine, run_to_completion,
                             tokens_of)
 
-from backend.page_allocator import PoolFullError
-from backend.sampling import SamplingParams
+from backend.engine.page_allocator import PoolFullError
+from backend.engine.sampling.params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ import torch
 
 from engine_helpers import assert_pool_idle, make_engine, real_model_dir, run_to_completion, tokens_of
 
-from backend.paged_attention import BatchEntry
-from backend.sampling import SamplingParams
+from backend.engine.paged_attention import BatchEntry
+from backend.engine.sampling.params import SamplingParams
 
 NEW_TOKENS = 20
 LOGIT_TOLERANCE = 1e-3

@@ -10,11 +10,11 @@ import torch
 
 from engine_helpers import assert_pool_idle, make_engine, real_model_dir, run_to_completion, tokens_of
 
-from backend.drafters import HiddenStateDrafter, lookup_continuation
-from backend.engine import PREFILL_DONE
-from backend.sampling import SamplingParams
-from backend.sequence import Sequence
-from backend.speculative import verify
+from backend.engine.sampling.drafters import HiddenStateDrafter, lookup_continuation
+from backend.engine.llm_engine import PREFILL_DONE
+from backend.engine.sampling.params import SamplingParams
+from backend.engine.sequence import Sequence
+from backend.engine.sampling.speculative import verify
 
 COPY_PROMPT = ("def area(w, h):\n    return w * h\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n\n"
                "Rewrite the code above, renaming w to width:\n")

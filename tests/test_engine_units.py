@@ -6,11 +6,12 @@ import json
 import pytest
 import torch
 
-from backend.engine_config import EngineConfig
-from backend.kv_pool import KVPool
-from backend.page_allocator import PageAllocator, PoolFullError
-from backend.sampling import SamplingParams, make_generator, sample
-from backend.sequence import Sequence
+from backend.engine.config import EngineConfig
+from backend.engine.kv_pool import KVPool
+from backend.engine.page_allocator import PageAllocator, PoolFullError
+from backend.engine.sampling.params import SamplingParams
+from backend.engine.sampling.sampler import make_generator, sample
+from backend.engine.sequence import Sequence
 
 
 # --- EngineConfig -----------------------------------------------------------------------------

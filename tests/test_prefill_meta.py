@@ -10,10 +10,10 @@ import pytest
 
 from engine_helpers import real_model_dir
 
-from backend.detokenizer import IncrementalDetokenizer
-from backend.engine import PREFILL_DONE
-from backend.generation import GenerationSession
-from backend.request_params import ClientRequest
+from backend.serving.detokenizer import IncrementalDetokenizer
+from backend.engine.llm_engine import PREFILL_DONE
+from backend.serving.session import GenerationSession
+from backend.serving.request import ClientRequest
 
 TOLERANCE = 1e-4
 
@@ -39,8 +39,8 @@ def test_transferred_hidden_state_and_logits_equal_a_local_prefill():
     nixl = pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
     del nixl
     from transformers import AutoTokenizer
-    from backend.decode_worker import DecodeWorker
-    from backend.prefill_worker import PrefillWorker
+    from backend.serving.decode_worker import DecodeWorker
+    from backend.serving.prefill_worker import PrefillWorker
     model = str(real_model_dir())
     tokenizer = AutoTokenizer.from_pretrained(model)
     common = {"kv_cache_tokens": "2048", "max_num_batched_tokens": "64", "num_threads": "1"}

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from backend.detokenizer import IncrementalDetokenizer
-from backend.request_params import RequestError, parse_request
+from backend.serving.detokenizer import IncrementalDetokenizer
+from backend.serving.request import RequestError, parse_request
 from build_scripts.render_repository import read_parameters, set_instance_count, set_parameters
 
 

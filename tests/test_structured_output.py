@@ -10,10 +10,10 @@ import pytest
 from engine_helpers import assert_pool_idle, make_engine, real_model_dir, run_to_completion, tokens_of
 from schema_check import PROMPTS, SCHEMAS, violations
 
-from backend.sampling import SamplingParams
+from backend.engine.sampling.params import SamplingParams
 
 pytest.importorskip("xgrammar", reason="xgrammar is not installed")
-from backend.structured_output import GrammarCompiler, GrammarError, GrammarState  # noqa: E402
+from backend.engine.sampling.grammar import GrammarCompiler, GrammarError, GrammarState  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,8 @@ MODELS = ["prefill_0", "prefill_1", "decode_0", "decode_1", "llm_aggregated"]
 
 @pytest.fixture(scope="module")
 def tp_server(model_dir, tmp_path_factory):
-    from backend.deployment import render_deployment
-    from backend.server import free_port
+    from backend.launch.deployment import render_deployment
+    from backend.launch.server import free_port
 
     tmp = tmp_path_factory.mktemp("tp")
     p0, p1 = free_port(), free_port()
@@ -56,7 +56,7 @@ def writes(url, model):
 
 def rank_pids(server, instance):
     stub = psutil.Process(server.instance_pids()[instance])
-    return [c.pid for c in stub.children(recursive=True) if "backend.tp_rank" in " ".join(c.cmdline())]
+    return [c.pid for c in stub.children(recursive=True) if "backend.parallel.rank" in " ".join(c.cmdline())]
 
 
 def test_sharded_transfers_match_aggregated_and_transformers(tp_server, model_dir, tokenizer):

@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from backend.paged_attention import BatchEntry
-from backend.sampling import SamplingParams
-from backend.tp_runner import TPInstanceDown
+from backend.engine.paged_attention import BatchEntry
+from backend.engine.sampling.params import SamplingParams
+from backend.parallel.lead import TPInstanceDown
 from tests.engine_helpers import make_engine, real_model_dir, run_to_completion, tokens_of
 
 PROMPTS = {"long": list(range(1000, 1090)), "short": [504, 3458, 282, 4649, 30], "one": [42]}

@@ -1,6 +1,6 @@
 """Triton Python-backend entry point of the aggregated ``llm`` model.
 
-All logic lives in ``backend.triton_model``; the repository root is on PYTHONPATH
+All logic lives in ``backend.triton.llm_model``; the repository root is on PYTHONPATH
 (``triton-disagg serve`` sets it).
 """
-from backend.triton_model import TritonPythonModel  # noqa: F401
+from backend.triton.llm_model import TritonPythonModel  # noqa: F401

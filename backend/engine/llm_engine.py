@@ -1,0 +1,265 @@
+"""LLMEngine: synchronous continuous-batching engine (scheduler + model runner + sampler).
+
+Roles:
+- aggregated: ``add_request(req_id, prompt, params)`` then ``step()`` until finished;
+- prefill: ``add_request(..., prefill_only=True)`` computes the prompt in chunks and never samples;
+  its final output carries the last position's hidden state and logits; its pages stay held until
+  ``release(req_id)`` (a KV transfer may still read them), whatever the finish reason;
+- decode: ``reserve(req_id, n)`` takes pages for KV written from outside, then
+  ``add_request(..., kv_ready_tokens=n-1)`` starts straight at the last prompt token (with the
+  prefill's last hidden state and logits as ``prefill_hidden`` / ``prefill_logits`` if sent).
+
+Decode side (aggregated and decode roles): speculative decoding (a decoding sequence runs its
+last token plus draft tokens in one chunk; the accepted drafts and one target token are
+appended, the rejected ones rolled back: ``num_computed`` and pages) and grammar-constrained
+sampling, both per request (``SamplingParams``; see ``backend/engine/sampling/decode_sampler.py``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from backend.engine.sampling.decode_sampler import DecodeSampler
+from backend.engine.config import EngineConfig
+from backend.engine.page_allocator import PageAllocator
+from backend.engine.model_runner import ModelRunner
+from backend.engine.paged_attention import BatchEntry
+from backend.engine.sampling.params import SamplingParams
+from backend.engine.sampling.sampler import make_generator, sample
+from backend.engine.scheduler import ChunkInfo, ScheduledChunk, Scheduler, StepBatch
+from backend.engine.sequence import Sequence
+
+log = logging.getLogger("triton_disagg.engine")
+
+PREFILL_DONE = "prefill_done"
+
+
+@dataclass
+class EngineOutput:
+    """New tokens of one request from one step; ``finished`` with ``finish_reason`` in
+    {"stop", "length", "abort", "error", "prefill_done"}; prefill-only results carry
+    ``hidden_state`` [hidden] and ``logits`` [vocab] of the last prompt position."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    hidden_state: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):
+        """``runner``: the model runner to drive (a tensor-parallel lead is built by
+        ``backend.parallel.engine_factory.build_engine``); default: a plain ``ModelRunner``."""
+        self.config = config
+        self.max_model_len = config.resolve_max_model_len()
+        if runner is None:
+            if config.tensor_parallel_size != 1:
+                raise ValueError("tensor_parallel_size > 1: build the engine with "
+                                 "backend.parallel.engine_factory.build_engine")
+            runner = ModelRunner(config)
+        self.runner = runner
+        self.allocator = PageAllocator(config.num_pages, config.page_size)
+        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len)
+        self.default_end_ids = self.runner.end_token_ids()
+        self.on_chunk_scheduled: Callable[[StepBatch], None] | None = None
+        self._seqs: dict[str, Sequence] = {}
+        self.decode_sampler = DecodeSampler(self.max_model_len)
+
+    @property
+    def pool(self):
+        return self.runner.pool
+
+    def set_layer_hook(self, hook: Callable[[int, StepBatch], None] | None) -> None:
+        """``hook(layer_idx, step_batch)`` runs right after each layer wrote this step's KV."""
+        self.runner.on_layer_kv_written = hook
+
+    def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    prefill_only: bool = False, kv_ready_tokens: int = 0,
+                    prefill_hidden: torch.Tensor | None = None, prefill_logits: torch.Tensor | None = None) -> None:
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt_token_ids]
+        self._validate(req_id, prompt, params, prefill_only, kv_ready_tokens)
+        if not params.end_ids and not params.ignore_eos:
+            params = dataclasses.replace(params, end_ids=self.default_end_ids)
+        seq = Sequence(req_id, prompt, params, make_generator(params, self.runner.device),
+                       prefill_only=prefill_only, kv_ready_tokens=kv_ready_tokens)
+        seq.last_hidden, seq.last_logits = prefill_hidden, prefill_logits
+        if params.grammar is not None:
+            from backend.engine.sampling.grammar import GrammarState
+            seq.grammar = GrammarState(params.grammar)
+        self._seqs[req_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, req_id: str) -> EngineOutput | None:
+        """Stop a request now; returns its final output, or None if it is not active."""
+        seq = self._seqs.get(req_id)
+        if seq is None:
+            return None
+        return self._finish(seq, "abort", [])
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def pool_stats(self) -> dict:
+        return self.allocator.stats()
+
+    def reserve(self, req_id: str, n_tokens: int) -> list[int]:
+        """Decode role: pin pages for ``n_tokens`` tokens of KV written from outside.
+        Raises PoolFullError when the pool cannot hold them now."""
+        if req_id in self._seqs:
+            raise ValueError(f"request {req_id!r} is already active")
+        if not 0 < n_tokens < self.max_model_len:
+            raise ValueError(f"reserve: n_tokens must be in [1, {self.max_model_len}), got {n_tokens}")
+        return self.allocator.allocate(req_id, n_tokens)
+
+    def cancel_reservation(self, req_id: str) -> None:
+        if req_id in self._seqs:
+            raise ValueError(f"request {req_id!r} is running; abort it instead")
+        self.allocator.free(req_id)
+
+    def release(self, req_id: str) -> int:
+        """Prefill role: free the pages a finished prefill-only request still holds; returns how many."""
+        if req_id in self._seqs:
+            raise ValueError(f"request {req_id!r} is still running; abort it first")
+        return self.allocator.free(req_id) if self.allocator.has(req_id) else 0
+
+    def step(self) -> list[EngineOutput]:
+        self.decode_sampler.propose([s for s in (*self.scheduler.running, *self.scheduler.waiting)
+                                     if s.params.num_draft_tokens and s.num_uncomputed == 1])
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        hooks_set = self.on_chunk_scheduled is not None or self.runner.on_layer_kv_written is not None
+        step_batch = self._step_batch(chunks) if hooks_set else None
+        rows = [i for i, c in enumerate(chunks) if c.is_last_chunk and not c.seq.prefill_only]
+        speculating = any(c.draft_token_ids for c in chunks)
+        try:
+            if self.on_chunk_scheduled is not None and step_batch.prefill_only_chunks:
+                self.on_chunk_scheduled(step_batch)
+            extra = {"num_logits": [1 + len(c.draft_token_ids) for c in chunks]} if speculating else {}
+            result = self.runner.run([BatchEntry(c.input_token_ids, c.start, c.page_table) for c in chunks],
+                                     hook_arg=step_batch, **extra)
+            new_tokens = self._pick(chunks, rows, result)
+        except Exception as exc:
+            log.exception("engine step failed; failing its %d request(s)", len(chunks))
+            return self.fail([c.seq.req_id for c in chunks], f"{type(exc).__name__}: {exc}")
+        outputs = []
+        for i, chunk in enumerate(chunks):
+            seq = chunk.seq
+            seq.num_computed += chunk.num_tokens
+            if chunk.is_last_chunk and seq.prefill_only:
+                outputs.append(self._finish(seq, PREFILL_DONE, [], hidden=result.hidden[i],
+                                            logits=result.logits[i]))
+        for i in rows:
+            outputs.append(self._append(chunks[i], new_tokens[i], result, i))
+        return outputs
+
+    def _pick(self, chunks: list[ScheduledChunk], rows: list[int], result) -> dict[int, list[int]]:
+        """New tokens per sampled chunk: one batched sample for plain rows; drafts and grammars
+        go through the decode sampler row by row."""
+        plain = [i for i in rows if not chunks[i].draft_token_ids and chunks[i].seq.grammar is None]
+        picked = {}
+        if plain:
+            logits = result.logits if len(plain) == len(chunks) else result.logits[plain]
+            tokens = sample(logits, [chunks[i].seq.params for i in plain], [chunks[i].seq.generator for i in plain])
+            picked = {i: [t] for i, t in zip(plain, tokens)}
+        for i in rows:
+            if i not in picked:
+                logits = result.position_logits[i] if result.position_logits is not None else result.logits[i:i + 1]
+                picked[i] = self.decode_sampler.pick(chunks[i], logits)
+        return picked
+
+    def _append(self, chunk: ScheduledChunk, tokens: list[int], result, row: int) -> EngineOutput:
+        """Append a sampled chunk's accepted drafts + target token (stopping early where a stop
+        condition holds), keep the last hidden state, roll back the rejected drafts."""
+        seq = chunk.seq
+        accepted = len(tokens) - 1
+        seq.num_computed += accepted
+        if result.position_hidden is not None:
+            seq.last_hidden, seq.last_logits = result.position_hidden[row][accepted], result.position_logits[row][accepted]
+        else:
+            seq.last_hidden, seq.last_logits = result.hidden[row], result.logits[row]
+        emitted, reason = [], None
+        for token in tokens:
+            seq.token_ids.append(token)
+            emitted.append(token)
+            reason = seq.check_stop(self.max_model_len)
+            if reason is not None:
+                break
+        if seq.grammar is not None:
+            seq.grammar.advance(emitted)
+            if reason is None and seq.grammar.done:
+                reason = "stop"
+        self.decode_sampler.clear(seq)
+        if reason is not None:
+            return self._finish(seq, reason, emitted)
+        if chunk.draft_token_ids:
+            self.allocator.shrink(seq.req_id, seq.num_tokens)
+        return EngineOutput(seq.req_id, emitted, num_prompt_tokens=seq.num_prompt_tokens,
+                            num_output_tokens=seq.num_output_tokens)
+
+    def fail(self, req_ids: list[str], message: str) -> list[EngineOutput]:
+        """Finish the given active requests with finish_reason "error" and free their pages
+        (a prefill-only request keeps its pages until ``release``)."""
+        return [self._finish(self._seqs[r], "error", [], error=message) for r in req_ids if r in self._seqs]
+
+    def active_request_ids(self) -> list[str]:
+        return list(self._seqs)
+
+    def _finish(self, seq: Sequence, reason: str, new_tokens: list[int], error: str | None = None,
+                hidden: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> EngineOutput:
+        self.scheduler.remove(seq)
+        seq.finish_reason = reason
+        del self._seqs[seq.req_id]
+        if not seq.prefill_only and self.allocator.has(seq.req_id):
+            self.allocator.free(seq.req_id)
+        return EngineOutput(seq.req_id, new_tokens, finished=True, finish_reason=reason, error=error,
+                            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+                            hidden_state=hidden, logits=logits)
+
+    def _step_batch(self, chunks: list[ScheduledChunk]) -> StepBatch:
+        page_size = self.config.page_size
+        return StepBatch([ChunkInfo(c.seq.req_id, c.start, c.num_tokens, c.touched_page_ids(page_size),
+                                    c.is_last_chunk, c.seq.prefill_only) for c in chunks])
+
+    def _validate(self, req_id, prompt, params, prefill_only, kv_ready_tokens) -> None:
+        if req_id in self._seqs:
+            raise ValueError(f"request {req_id!r} is already active")
+        if not prompt:
+            raise ValueError("prompt_token_ids must not be empty")
+        vocab = self.runner.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len} "
+                             "(the prompt must leave room for one more token)")
+        if params.max_tokens > self.config.max_tokens_limit:
+            raise ValueError(f"max_tokens {params.max_tokens} exceeds the limit {self.config.max_tokens_limit}")
+        probe = Sequence(req_id, prompt, params, None, prefill_only=prefill_only)
+        needed = self.allocator.pages_for(probe.kv_tokens_needed(self.max_model_len))
+        if needed > self.allocator.num_pages:
+            raise ValueError(f"request needs up to {needed} KV pages; the pool has {self.allocator.num_pages}")
+        if prefill_only and (params.grammar is not None or params.num_draft_tokens):
+            raise ValueError("a prefill-only request never samples: no grammar or draft tokens")
+        if kv_ready_tokens:
+            if prefill_only:
+                raise ValueError("kv_ready_tokens and prefill_only are exclusive")
+            if not 0 < kv_ready_tokens < len(prompt):
+                raise ValueError(f"kv_ready_tokens must be in [1, {len(prompt) - 1}], got {kv_ready_tokens}")
+            if not self.allocator.has(req_id):
+                raise ValueError(f"request {req_id!r} has no reserved pages; call reserve() first")
+            held = len(self.allocator.page_table(req_id)) * self.config.page_size
+            if held < kv_ready_tokens:
+                raise ValueError(f"reserved pages hold {held} tokens < kv_ready_tokens {kv_ready_tokens}")
+        elif self.allocator.has(req_id):
+            raise ValueError(f"request {req_id!r} still holds pages (reserved or unreleased)")

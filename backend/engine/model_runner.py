@@ -1,0 +1,86 @@
+"""Loads a transformers causal LM and runs packed steps with attention over our paged KV pool."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from backend.engine.config import EngineConfig
+from backend.engine.kv_pool import KVPool
+from backend.engine.paged_attention import ATTN_IMPLEMENTATION, BatchEntry, build_paged_batch
+
+log = logging.getLogger("triton_disagg.engine")
+
+
+@dataclass
+class StepResult:
+    logits: torch.Tensor  # [num_entries, vocab]: logits of each entry's last scheduled token
+    hidden: torch.Tensor  # [num_entries, hidden]: final hidden state (after the final norm) there
+    # with run(..., num_logits=n): per entry, its last n[i] positions: [n[i], vocab] / [n[i], hidden]
+    position_logits: list[torch.Tensor] | None = None
+    position_hidden: list[torch.Tensor] | None = None
+
+
+class ModelRunner:
+    """Owns the model and the KV pool. ``on_layer_kv_written(layer_idx, hook_arg)`` fires inside
+    each layer right after that layer's K/V for the step is in the pool."""
+
+    def __init__(self, config: EngineConfig):
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=self.dtype)
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self.model = model.to(self.device).eval()
+        hf_config = model.config
+        self.hf_config = hf_config
+        self.vocab_size = hf_config.vocab_size
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        self.pool = self._make_pool(config, head_dim)
+        self.on_layer_kv_written: Callable[[int, object], None] | None = None
+        log.info("engine model=%s type=%s layers=%d device=%s dtype=%s; KV pool %d pages x %d tokens "
+                 "= %d tokens, %.1f MiB (%s)", config.model_path, hf_config.model_type,
+                 hf_config.num_hidden_layers, self.device, config.dtype, config.num_pages,
+                 config.page_size, config.num_pages * config.page_size, self.pool.total_bytes / 2**20,
+                 self.pool.layout())
+
+    def _make_pool(self, config: EngineConfig, head_dim: int) -> KVPool:
+        """The KV pool this runner attends over (a tensor-parallel rank overrides it with its shard)."""
+        hf_config = self.hf_config
+        return KVPool(num_layers=hf_config.num_hidden_layers, num_pages=config.num_pages,
+                      num_kv_heads=hf_config.num_key_value_heads, page_size=config.page_size,
+                      head_dim=head_dim, dtype=self.dtype, device=self.device)
+
+    def end_token_ids(self) -> tuple[int, ...]:
+        """EOS ids from the checkpoint's generation config (falls back to the model config)."""
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = self.hf_config.eos_token_id
+        if eos is None:
+            return ()
+        return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+    @torch.inference_mode()
+    def run(self, entries: list[BatchEntry], hook_arg: object = None,
+            num_logits: list[int] | None = None) -> StepResult:
+        """``num_logits[i]``: how many trailing positions of entry i need logits (speculative
+        verification); default: only each entry's last position."""
+        batch = build_paged_batch(entries, self.pool, self.device)
+        batch.on_layer_kv_written = self.on_layer_kv_written
+        batch.hook_arg = hook_arg
+        out = self.model.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                               use_cache=False, paged_batch=batch)
+        if num_logits is None:
+            hidden = out.last_hidden_state[0].index_select(0, batch.last_token_index)
+            return StepResult(logits=self.model.lm_head(hidden), hidden=hidden)
+        index = torch.cat([torch.arange(last - n + 1, last + 1)
+                           for last, n in zip(batch.last_token_index.tolist(), num_logits)]).to(self.device)
+        hidden = out.last_hidden_state[0].index_select(0, index)
+        logits = self.model.lm_head(hidden)
+        ends = torch.tensor(num_logits, device=self.device).cumsum(0) - 1
+        return StepResult(logits=logits[ends], hidden=hidden[ends], position_logits=list(logits.split(num_logits)),
+                          position_hidden=list(hidden.split(num_logits)))

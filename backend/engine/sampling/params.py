@@ -1,0 +1,61 @@
+"""Per-request sampling parameters, validated once where they are built."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+DRAFT_METHODS = ("lookup", "hidden")
+MAX_DRAFT_TOKENS = 16
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding settings.
+
+    ``stop_token_ids``: token sequences that end the request when the output ends with one of them
+    (string stop words are tokenized by the caller). ``end_ids`` end the request unless
+    ``ignore_eos``. ``seed`` makes random sampling reproducible. ``temperature == 0`` is greedy.
+    ``num_draft_tokens`` > 0 turns on speculative decoding with up to that many draft tokens per
+    step, proposed by ``draft_method`` (see ``backend/engine/sampling/drafters.py``). ``grammar``: a compiled
+    grammar (``backend/engine/sampling/grammar.py``) constraining the output, or None.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    end_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[tuple[int, ...], ...] = ()
+    ignore_eos: bool = False
+    num_draft_tokens: int = 0
+    draft_method: str = "lookup"
+    grammar: object | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.end_ids, int):
+            self.end_ids = (self.end_ids,)
+        self.end_ids = tuple(int(t) for t in self.end_ids)
+        self.stop_token_ids = tuple(tuple(int(t) for t in seq) for seq in self.stop_token_ids)
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not (self.temperature >= 0.0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not (0 <= int(self.seed) < 2**64):
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed!r}")
+        if any(len(seq) == 0 for seq in self.stop_token_ids):
+            raise ValueError("stop_token_ids must not contain an empty sequence")
+        if not isinstance(self.num_draft_tokens, int) or not 0 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {self.num_draft_tokens!r}")
+        if self.draft_method not in DRAFT_METHODS:
+            raise ValueError(f"draft_method must be one of {DRAFT_METHODS}, got {self.draft_method!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+

@@ -1,0 +1,127 @@
+"""Continuous-batching scheduler with chunked prefill.
+
+Each step takes, within the per-step token budget and in this order: one token for every running
+sequence that is decoding; the next prefill chunk of running sequences that are part way through
+their prompt; then waiting sequences (FIFO), admitted only while the pool can commit the pages
+they may grow into. Nothing is preempted: a sequence that does not fit waits at the queue head.
+A decoding sequence with draft tokens (speculative decoding) runs its last token and its drafts
+in one chunk, the drafts cut to the budget left.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from backend.engine.page_allocator import PageAllocator, PoolFullError
+from backend.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledChunk:
+    """Tokens ``start .. start+num_tokens-1`` of ``seq`` run this step, followed by
+    ``draft_token_ids`` (not yet part of the sequence) when it speculates."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    page_table: list[int]
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def is_last_chunk(self) -> bool:
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+    @property
+    def input_token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start: self.start + self.num_tokens] + self.draft_token_ids
+
+    def touched_page_ids(self, page_size: int) -> list[int]:
+        first = self.start // page_size
+        last = (self.start + len(self.input_token_ids) - 1) // page_size
+        return self.page_table[first: last + 1]
+
+
+@dataclass
+class ChunkInfo:
+    """What the hooks see of one sequence's share of a step."""
+
+    req_id: str
+    start: int
+    num_tokens: int
+    page_ids: list[int]
+    is_last_chunk: bool
+    prefill_only: bool
+
+
+@dataclass
+class StepBatch:
+    """Argument of ``on_chunk_scheduled`` and ``on_layer_kv_written``: the chunks of this step."""
+
+    chunks: list[ChunkInfo]
+
+    @property
+    def prefill_only_chunks(self) -> list[ChunkInfo]:
+        return [c for c in self.chunks if c.prefill_only]
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int):
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        if seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_num_batched_tokens
+        chunks = []
+        decoding = [s for s in self.running if s.num_uncomputed == 1]
+        prefilling = [s for s in self.running if s.num_uncomputed > 1]
+        for seq in decoding + prefilling:
+            if budget == 0:
+                return chunks
+            chunks.append(self._chunk(seq, budget))
+            budget -= len(chunks[-1].input_token_ids)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._admit(seq):
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(self._chunk(seq, budget))
+            budget -= len(chunks[-1].input_token_ids)
+        return chunks
+
+    def _admit(self, seq: Sequence) -> bool:
+        commit_tokens = seq.kv_tokens_needed(self.max_model_len)
+        try:
+            if seq.kv_ready:
+                self.allocator.commit(seq.req_id, commit_tokens)
+            else:
+                self.allocator.allocate(seq.req_id, seq.num_tokens, commit_tokens)
+        except PoolFullError:
+            return False
+        return True
+
+    def _chunk(self, seq: Sequence, budget: int) -> ScheduledChunk:
+        start = seq.num_computed
+        num_tokens = min(seq.num_uncomputed, budget)
+        drafts = seq.draft_token_ids[: budget - 1] if seq.num_uncomputed == 1 else []
+        self.allocator.extend(seq.req_id, start + num_tokens + len(drafts))
+        return ScheduledChunk(seq, start, num_tokens, self.allocator.page_table(seq.req_id), drafts)

@@ -1,0 +1,166 @@
+"""Start and stop a real ``tritonserver`` on a model repository, and wait until it is ready."""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import requests
+
+from backend.launch.triton_install import install_stub
+
+log = logging.getLogger("triton_disagg.server")
+
+
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, chosen below the ephemeral range so that outgoing connections (which
+    take ephemeral ports) cannot grab it between now and the server binding it."""
+    lo = min(_ephemeral_range()[0], 32768)
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(max(1024, lo - 12000), lo)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError("no free port found below the ephemeral range")
+
+
+class TritonServer:
+    """One ``tritonserver`` process bound to ``host`` with the given ports."""
+
+    def __init__(self, model_repository: str | Path, *, host: str = "127.0.0.1",
+                 http_port: int | None = None, grpc_port: int | None = None,
+                 metrics_port: int | None = None, log_file: str | Path | None = None,
+                 extra_env: dict | None = None, log_verbose: int = 0, netns: str | None = None):
+        self.repo = Path(model_repository).resolve()
+        self.host = host
+        # ports are picked on loopback: ``host`` may live in another network namespace
+        self.http_port = http_port or free_port()
+        self.grpc_port = grpc_port or free_port()
+        self.metrics_port = metrics_port or free_port()
+        self.log_file = Path(log_file) if log_file else None
+        self.extra_env = extra_env or {}
+        self.log_verbose = log_verbose
+        self.netns = netns
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    def command(self) -> list[str]:
+        inst = install_stub()
+        cmd = [str(inst.server_bin), "--model-repository", str(self.repo),
+               "--backend-directory", str(inst.backend_dir),
+               "--http-address", self.host, "--http-port", str(self.http_port),
+               "--grpc-address", self.host, "--grpc-port", str(self.grpc_port),
+               "--metrics-address", self.host, "--metrics-port", str(self.metrics_port),
+               "--allow-metrics", "true", "--allow-gpu-metrics", "false", "--allow-cpu-metrics", "false",
+               "--exit-timeout-secs", "10", f"--log-verbose={self.log_verbose}"]
+        if self.netns:
+            cmd = ["ip", "netns", "exec", self.netns] + cmd
+        return cmd
+
+    def start(self, timeout_s: float = 300.0) -> "TritonServer":
+        env = install_stub().server_env()
+        env.update(self.extra_env)
+        out = open(self.log_file, "ab") if self.log_file else None
+        log.info("starting tritonserver: repository %s, http %s, grpc %s, metrics %s",
+                 self.repo, self.http_url, self.grpc_url, self.metrics_port)
+        self.proc = subprocess.Popen(self.command(), env=env, stdout=out or None,
+                                     stderr=subprocess.STDOUT if out else None, start_new_session=True)
+        if out:
+            out.close()
+        try:
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def is_ready(self) -> bool:
+        try:
+            return requests.get(f"http://{self.http_url}/v2/health/ready", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with code {self.proc.returncode} before it was ready"
+                                   + (f"; see {self.log_file}" if self.log_file else ""))
+            if self.is_ready():
+                log.info("tritonserver ready (pid %d)", self.proc.pid)
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f}s"
+                           + (f"; see {self.log_file}" if self.log_file else ""))
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGINT (graceful), then SIGKILL of the whole process group (stubs included)."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGINT)
+                self.proc.wait(timeout_s)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.proc = None
+
+    def instance_pids(self) -> dict[str, int]:
+        """Python-backend stub processes of this server: model instance name -> pid."""
+        import psutil
+        out = {}
+        if self.proc is None:
+            return out
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                args = child.cmdline()
+            except psutil.Error:
+                continue
+            if args and args[0].endswith("triton_python_backend_stub") and len(args) > 8:
+                out[args[-2]] = child.pid
+        return out
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

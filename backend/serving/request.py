@@ -1,0 +1,147 @@
+"""Parse and validate one client request's tensors (TensorRT-LLM backend names).
+
+Pure Python over numpy arrays, so it is unit-testable without a server: ``parse_request``
+takes a ``get(name) -> np.ndarray | None`` accessor and returns a ``ClientRequest`` or raises
+``RequestError`` with a message meant for the client.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+
+
+class RequestError(ValueError):
+    """Bad client input; the message is returned to the client as a Triton error."""
+
+
+@dataclass
+class ClientRequest:
+    text: str
+    max_tokens: int
+    stream: bool = False
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    end_id: Optional[int] = None
+    stop_words: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    apply_chat_template: bool = False
+    num_draft_tokens: Optional[int] = None   # None: the model's default (parameter speculative_k)
+    draft_method: Optional[str] = None       # None: the model's default (parameter draft_method)
+    guided_json: Optional[str] = None
+    guided_regex: Optional[str] = None
+    grammar: object = None                   # compiled from guided_json / guided_regex at admission
+
+
+Getter = Callable[[str], Optional[np.ndarray]]
+
+# name -> (numpy kinds accepted, python type)
+_SCALARS = {
+    "max_tokens": ("iu", int),
+    "stream": ("b", bool),
+    "temperature": ("f", float),
+    "top_k": ("iu", int),
+    "top_p": ("f", float),
+    "random_seed": ("iu", int),
+    "end_id": ("iu", int),
+    "ignore_eos": ("b", bool),
+    "apply_chat_template": ("b", bool),
+    "num_draft_tokens": ("iu", int),
+}
+
+
+def _as_str(v) -> str:
+    if isinstance(v, (bytes, np.bytes_)):
+        try:
+            return bytes(v).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RequestError(f"text is not valid UTF-8: {e}") from None
+    if isinstance(v, str):
+        return v
+    raise RequestError(f"expected a string (BYTES tensor), got {type(v).__name__}")
+
+
+def _scalar(get: Getter, name: str):
+    arr = get(name)
+    if arr is None:
+        return None
+    kinds, typ = _SCALARS[name]
+    arr = np.asarray(arr)
+    if arr.dtype.kind not in kinds:
+        raise RequestError(f"input '{name}' has data type {arr.dtype}, expected {typ.__name__}")
+    if arr.size != 1:
+        raise RequestError(f"input '{name}' must hold exactly one value per request, got {arr.size}")
+    return typ(arr.reshape(-1)[0])
+
+
+def _strings(get: Getter, name: str) -> Optional[list[str]]:
+    arr = get(name)
+    if arr is None:
+        return None
+    arr = np.asarray(arr)
+    if arr.dtype.kind not in "OSU":
+        raise RequestError(f"input '{name}' has data type {arr.dtype}, expected BYTES (string)")
+    return [_as_str(v) for v in arr.reshape(-1)]
+
+
+def parse_request(get: Getter, *, max_tokens_limit: int) -> ClientRequest:
+    texts = _strings(get, "text_input")
+    if not texts:
+        raise RequestError("input 'text_input' is required")
+    if len(texts) != 1:
+        raise RequestError(f"one prompt per request is supported, got {len(texts)} in 'text_input'")
+    text = texts[0]
+    if not text.strip():
+        raise RequestError("input 'text_input' is empty")
+    max_tokens = _scalar(get, "max_tokens")
+    if max_tokens is None:
+        raise RequestError("input 'max_tokens' is required")
+    if max_tokens <= 0:
+        raise RequestError(f"'max_tokens' must be > 0, got {max_tokens}")
+    if max_tokens > max_tokens_limit:
+        raise RequestError(f"'max_tokens' {max_tokens} exceeds the configured limit {max_tokens_limit}")
+    req = ClientRequest(text=text, max_tokens=max_tokens)
+    for name, attr in (("stream", "stream"), ("temperature", "temperature"), ("top_k", "top_k"),
+                       ("top_p", "top_p"), ("random_seed", "seed"), ("end_id", "end_id"),
+                       ("ignore_eos", "ignore_eos"), ("apply_chat_template", "apply_chat_template")):
+        v = _scalar(get, name)
+        if v is not None:
+            setattr(req, attr, v)
+    if req.temperature < 0:
+        raise RequestError(f"'temperature' must be >= 0, got {req.temperature}")
+    if req.top_k < 0:
+        raise RequestError(f"'top_k' must be >= 0, got {req.top_k}")
+    if not 0.0 < req.top_p <= 1.0:
+        raise RequestError(f"'top_p' must be in (0, 1], got {req.top_p}")
+    if req.seed is not None and req.seed < 0:
+        raise RequestError(f"'random_seed' must be >= 0, got {req.seed}")
+    stops = _strings(get, "stop_words")
+    if stops:
+        req.stop_words = [s for s in stops if s]
+    _parse_decode_options(get, req)
+    return req
+
+
+def _parse_decode_options(get: Getter, req: ClientRequest) -> None:
+    """Speculative decoding and structured-output inputs (checked here; grammars compile later)."""
+    from backend.engine.sampling.params import DRAFT_METHODS, MAX_DRAFT_TOKENS
+    req.num_draft_tokens = _scalar(get, "num_draft_tokens")
+    if req.num_draft_tokens is not None and not 0 <= req.num_draft_tokens <= MAX_DRAFT_TOKENS:
+        raise RequestError(f"'num_draft_tokens' must be in [0, {MAX_DRAFT_TOKENS}] (0 = off), "
+                           f"got {req.num_draft_tokens}")
+    for name in ("draft_method", "guided_json", "guided_regex"):
+        values = _strings(get, name)
+        if values is not None:
+            if len(values) != 1:
+                raise RequestError(f"input '{name}' must hold exactly one string, got {len(values)}")
+            setattr(req, name, values[0])
+    if req.draft_method is not None and req.draft_method not in DRAFT_METHODS:
+        raise RequestError(f"'draft_method' must be one of {list(DRAFT_METHODS)}, got {req.draft_method!r}")
+    if req.guided_json is not None and req.guided_regex is not None:
+        raise RequestError("give at most one of 'guided_json' and 'guided_regex'")
+    for name in ("guided_json", "guided_regex"):
+        if getattr(req, name) is not None and not getattr(req, name).strip():
+            raise RequestError(f"input '{name}' is empty")

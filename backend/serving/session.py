@@ -1,0 +1,102 @@
+"""One client request's life on the response side: engine outputs -> text deltas -> sink.
+
+Independent of Triton: a ``ResponseSink`` sends responses (the Triton adapter wraps a
+response sender). Runs on the engine loop thread, so every method must be cheap.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol
+
+from backend.serving.detokenizer import IncrementalDetokenizer
+from backend.serving.request import ClientRequest
+
+log = logging.getLogger("triton_disagg.generation")
+
+
+class ResponseSink(Protocol):
+    def send(self, text: str, token_ids: list[int], n_input: int, n_output: int,
+             finish_reason: str, final: bool) -> None: ...
+    def error(self, message: str) -> None: ...
+    def is_cancelled(self) -> bool: ...
+
+
+@dataclass
+class GenerationSession:
+    req_id: str
+    request: ClientRequest
+    prompt_ids: list[int]
+    sink: ResponseSink
+    detok: IncrementalDetokenizer
+    cancel_engine: Callable[[str], None]
+    on_done: Optional[Callable[["GenerationSession", str], None]] = None
+    t_start: float = field(default_factory=time.perf_counter)
+    t_first: Optional[float] = None
+    n_output: int = 0
+    done: bool = False
+    cancelled: bool = False        # set when a cancel arrives by another path than the sink
+    triton_id: str = ""            # the Triton request id, when the sender set one
+    _pending_text: list = field(default_factory=list)
+    _pending_ids: list = field(default_factory=list)
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled or self.sink.is_cancelled()
+
+    def on_output(self, token_ids: list[int], finished: bool, finish_reason: Optional[str],
+                  error: Optional[str] = None) -> None:
+        """Called by the engine for every new token batch and once at the end."""
+        if self.done:
+            return
+        if error:
+            self._finish_error(error)
+            return
+        if self.is_cancelled():
+            log.info("request %s cancelled by the client after %d tokens", self.req_id, self.n_output)
+            self.cancel_engine(self.req_id)
+            self._close("cancelled")
+            return
+        if token_ids and self.t_first is None:
+            self.t_first = time.perf_counter()
+        self.n_output += len(token_ids)
+        delta = self.detok.add(token_ids, final=finished)
+        if self.detok.stopped and not finished:
+            self.cancel_engine(self.req_id)
+            finished, finish_reason = True, "stop"
+        try:
+            if self.request.stream:
+                if delta or token_ids or finished:
+                    self.sink.send(delta, token_ids, len(self.prompt_ids), self.n_output,
+                                   finish_reason or "", finished)
+            else:
+                self._pending_text.append(delta)
+                self._pending_ids.extend(token_ids)
+                if finished:
+                    self.sink.send("".join(self._pending_text), self._pending_ids, len(self.prompt_ids),
+                                   self.n_output, finish_reason or "", True)
+        except Exception as e:  # the client went away: stop generating for it
+            log.warning("request %s: sending failed (%s); cancelling", self.req_id, e)
+            self.cancel_engine(self.req_id)
+            self._close("send-failed")
+            return
+        if finished:
+            self._close(finish_reason or "stop")
+
+    def _finish_error(self, message: str) -> None:
+        log.error("request %s failed: %s", self.req_id, message)
+        try:
+            self.sink.error(message)
+        except Exception as e:
+            log.warning("request %s: could not send error (%s)", self.req_id, e)
+        self._close("error")
+
+    def _close(self, reason: str) -> None:
+        self.done = True
+        if reason not in ("cancelled", "send-failed", "error"):
+            ttft = (self.t_first - self.t_start) if self.t_first else float("nan")
+            log.info("request %s done: %s, %d prompt + %d output tokens, ttft %.3fs, total %.3fs",
+                     self.req_id, reason, len(self.prompt_ids), self.n_output, ttft,
+                     time.perf_counter() - self.t_start)
+        if self.on_done:
+            self.on_done(self, reason)

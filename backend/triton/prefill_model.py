@@ -1,0 +1,42 @@
+"""Triton Python-backend model for a prefill (context) instance.
+
+The instance hosts a :class:`PrefillWorker` (engine + fabric agent + KV messenger server) in
+its own process. Its work arrives from decode instances over the messenger, not through
+Triton inference requests; ``execute`` answers any direct request with a clear error.
+"""
+from __future__ import annotations
+
+import logging
+
+from backend.triton.llm_model import init_model
+
+log = logging.getLogger("triton_disagg.model")
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        from build_scripts.prepare_model import ensure_model
+        from backend.serving.prefill_worker import PrefillWorker
+        from backend.triton.metrics import InstanceMetrics
+
+        pb_utils, cfg, params, self.instance = init_model(args)
+        self.pb = pb_utils
+        self.worker = PrefillWorker(str(ensure_model(params.get("model_path") or None)), params, self.instance)
+        self.metrics = InstanceMetrics(pb_utils, {"model": cfg["name"], "instance": self.instance},
+                                       self.worker.stats)
+        log.info("instance %s ready: %s", self.instance, self.worker.describe())
+
+    def execute(self, requests):
+        pb = self.pb
+        for request in requests:
+            request.get_response_sender().send(
+                pb.InferenceResponse(error=pb.TritonError(
+                    "the prefill model is fed by decode instances over the KV messenger; "
+                    "send client requests to the front model")),
+                flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+
+    def finalize(self):
+        log.info("instance %s shutting down", self.instance)
+        self.worker.shutdown()
+        self.metrics.close()
