@@ -1,8 +1,11 @@
-"""Render a deployment's Triton model repository from ``model_repository/``.
+"""Render a deployment's Triton model repository from the templates in ``model_repository/``.
 
-Copies the chosen models and rewrites their ``config.pbtxt`` parameters (string values) and
-instance counts. Our configs keep each parameter on one line
-(``{ key: "k", value: { string_value: "v" } }``), which is what the rewrite relies on.
+Each template (``<model>/config.pbtxt.template``) has placeholders: ``{{name}}``, ``{{count}}``,
+the tensor lists (``{{client_inputs}}``, ``{{decode_inputs}}``, ``{{prefill_inputs}}``,
+``{{client_outputs}}``, ``{{prefill_outputs}}``, from ``backend/serving/tensors.py``) and
+``{{parameters}}``: every parameter of the model's role, with the deployment's value or its
+default (``backend/serving/config.py``). An unknown parameter or a malformed value is refused
+here, naming it, before any server starts.
 """
 from __future__ import annotations
 
@@ -12,60 +15,54 @@ import re
 import shutil
 from pathlib import Path
 
+from backend.serving.config import check_parameters, parameter_defaults
+from backend.serving.tensors import CANCEL_INPUT, INPUTS, OUTPUTS, TensorSpec, pbtxt_list
+
 TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "model_repository"
+TEMPLATE = "config.pbtxt.template"
+ROLE_OF_TEMPLATE = {"llm": "aggregated", "decode": "decode", "prefill": "prefill", "front": "front"}
 _PARAM = re.compile(r'\{\s*key:\s*"(?P<key>[^"]+)",\s*value:\s*\{\s*string_value:\s*"(?P<val>[^"]*)"\s*\}\s*\}')
-_COUNT = re.compile(r"(instance_group\s*\[\s*\{\s*count:\s*)(\d+)")
+_PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
+
+TENSOR_LISTS = {
+    "client_inputs": pbtxt_list(INPUTS),
+    # optional on decode so the front model can send control requests (cancel_request_id)
+    "decode_inputs": pbtxt_list(INPUTS + (CANCEL_INPUT,), force_optional=True),
+    "prefill_inputs": pbtxt_list((TensorSpec("text_input", "TYPE_STRING"),)),
+    "client_outputs": pbtxt_list(OUTPUTS),
+    "prefill_outputs": pbtxt_list((TensorSpec("text_output", "TYPE_STRING", optional=False),)),
+}
 
 
 def read_parameters(config_text: str) -> dict:
     return {m["key"]: m["val"] for m in _PARAM.finditer(config_text)}
 
 
-def set_parameters(config_text: str, params: dict) -> str:
-    """Replace existing parameters and append new ones to the parameters list."""
-    params = {k: str(v) for k, v in params.items()}
-    for k, v in params.items():
-        if '"' in v or "\n" in v:
-            raise ValueError(f"parameter {k!r}: value may not contain quotes or newlines")
-    seen = set()
-
-    def repl(m):
-        seen.add(m["key"])
-        if m["key"] in params:
-            return f'{{ key: "{m["key"]}", value: {{ string_value: "{params[m["key"]]}" }} }}'
-        return m.group(0)
-    text = _PARAM.sub(repl, config_text)
-    new = [f'  {{ key: "{k}", value: {{ string_value: "{v}" }} }}' for k, v in params.items() if k not in seen]
-    if new:
-        if "parameters [" not in text:
-            text += "\nparameters [\n" + ",\n".join(new) + "\n]\n"
-        else:
-            head, tail = text.rsplit("parameters [", 1)
-            body, rest = _split_params(tail)
-            sep = ",\n" if body.strip() else "\n"
-            text = head + "parameters [" + body.rstrip() + sep + ",\n".join(new) + "\n]" + rest
-    return text
-
-
-def _split_params(tail: str) -> tuple[str, str]:
-    depth = 0
-    for i, ch in enumerate(tail):
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-        elif ch == "]" and depth == 0:
-            return tail[:i], tail[i + 1:]
-    raise ValueError("unterminated parameters list in config.pbtxt")
-
-
-def set_instance_count(config_text: str, count: int) -> str:
+def render_config(template: str, name: str, role: str, params: dict, count: int = 1) -> str:
+    """One model's config.pbtxt text."""
     if count < 1:
         raise ValueError(f"instance count must be >= 1, got {count}")
-    text, n = _COUNT.subn(lambda m: m.group(1) + str(count), config_text)
-    if n != 1:
-        raise ValueError("config.pbtxt must have exactly one instance_group with a count")
-    return text
+    params = {k: str(v) for k, v in params.items()}
+    if "role" in params and params["role"] != role:
+        raise ValueError(f"model {name!r}: parameter role={params['role']!r} but the template is a {role} model")
+    params.pop("role", None)
+    try:
+        check_parameters(role, params)
+    except ValueError as e:
+        raise ValueError(f"model {name!r}: {e}") from None
+    values = {**parameter_defaults(role), **params}
+    for k, v in values.items():
+        if '"' in v or "\n" in v or "\\" in v:
+            raise ValueError(f"model {name!r}: parameter {k!r}: value may not contain quotes, backslashes or newlines")
+    fills = {"name": name, "count": str(count), **TENSOR_LISTS,
+             "parameters": ",\n".join(f'  {{ key: "{k}", value: {{ string_value: "{v}" }} }}'
+                                      for k, v in values.items())}
+
+    def fill(m):
+        if m.group(1) not in fills:
+            raise ValueError(f"template of {name!r}: unknown placeholder {m.group(0)}")
+        return fills[m.group(1)]
+    return _PLACEHOLDER.sub(fill, template)
 
 
 def render(out_dir: Path, models: dict[str, dict], template_dir: Path = TEMPLATE_DIR) -> Path:
@@ -75,17 +72,14 @@ def render(out_dir: Path, models: dict[str, dict], template_dir: Path = TEMPLATE
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
     for name, spec in models.items():
-        src = template_dir / spec.get("source", name)
-        if not (src / "config.pbtxt").is_file():
-            raise FileNotFoundError(f"no model {spec.get('source', name)!r} in {template_dir}")
+        source = spec.get("source", name)
+        src = template_dir / source
+        if source not in ROLE_OF_TEMPLATE or not (src / TEMPLATE).is_file():
+            raise FileNotFoundError(f"no model template {source!r} in {template_dir}")
         dst = out_dir / name
-        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
-        text = (dst / "config.pbtxt").read_text()
-        text = re.sub(r'^name:\s*"[^"]*"', f'name: "{name}"', text, count=1, flags=re.M)
-        if spec.get("params"):
-            text = set_parameters(text, spec["params"])
-        if spec.get("count"):
-            text = set_instance_count(text, int(spec["count"]))
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", TEMPLATE))
+        text = render_config((src / TEMPLATE).read_text(), name, ROLE_OF_TEMPLATE[source],
+                             spec.get("params") or {}, int(spec.get("count") or 1))
         (dst / "config.pbtxt").write_text(text)
     return out_dir
 

@@ -9,7 +9,9 @@ listening side validates it (``add_peer``) and answers with its own payload, or 
 ``{"error": "..."}`` naming the mismatch; the connecting side then validates the answer.
 After that both agents can write to each other and exchange notifications.
 
-:func:`send_msg` / :func:`recv_msg` are public so the serving layer can reuse the framing.
+:func:`send_msg` / :func:`recv_msg` (the framing) and :func:`offer_handshake` /
+:func:`answer_handshake` (the exchange) are public: the KV messenger
+(``backend/disagg/messenger.py``) speaks the same framing and handshake, with its own payload.
 """
 
 from __future__ import annotations
@@ -61,6 +63,36 @@ def recv_msg(sock: socket.socket) -> Any:
     return json.loads(_recv_exact(sock, n).decode("utf-8"))
 
 
+def offer_handshake(sock: socket.socket, payload: dict) -> dict:
+    """Connecting side: send our payload, return the peer's (:class:`HandshakeRefused` with the
+    peer's reason if it refused)."""
+    send_msg(sock, payload)
+    reply = recv_msg(sock)
+    if not isinstance(reply, dict):
+        raise HandshakeRefused(f"peer answered the handshake with a {type(reply).__name__}")
+    if "error" in reply:
+        raise HandshakeRefused(f"peer refused the handshake: {reply['error']}")
+    return reply
+
+
+def answer_handshake(sock: socket.socket, on_peer: Callable[[dict], Any], payload: Callable[[], dict]) -> Any:
+    """Listening side: read the peer's payload, validate it with ``on_peer`` (its result is
+    returned), answer with ours; if ``on_peer`` raises, answer ``{"error": reason}`` and re-raise."""
+    peer = recv_msg(sock)
+    try:
+        if not isinstance(peer, dict):
+            raise ValueError(f"handshake payload must be a JSON object, got {type(peer).__name__}")
+        result = on_peer(peer)
+    except Exception as e:
+        try:
+            send_msg(sock, {"error": str(e)})
+        except OSError:
+            pass
+        raise
+    send_msg(sock, payload())
+    return result
+
+
 class HandshakeServer:
     """Answer handshakes on ``host:port`` (port 0 picks a free one) in a background thread.
 
@@ -85,16 +117,11 @@ class HandshakeServer:
             with conn:
                 try:
                     conn.settimeout(30)
-                    peer = recv_msg(conn)
-                    try:
-                        self._on_peer(peer)
-                    except Exception as e:  # refuse with the reason
-                        log.warning("refused handshake from %s: %s", peer.get("name"), e)
-                        send_msg(conn, {"error": str(e)})
-                        continue
-                    send_msg(conn, self._payload())
-                except (OSError, ConnectionError, ValueError) as e:
+                    answer_handshake(conn, self._on_peer, self._payload)
+                except (OSError, ConnectionError) as e:
                     log.warning("handshake connection failed: %s", e)
+                except Exception as e:  # refused: the peer got the reason
+                    log.warning("refused a handshake: %s", e)
 
     def close(self) -> None:
         try:
@@ -108,11 +135,10 @@ class HandshakeServer:
 def handshake(host: str, port: int, payload: dict, timeout_s: float = 30.0) -> dict:
     """Send our payload to a :class:`HandshakeServer` and return the peer's payload."""
     with socket.create_connection((host, port), timeout=timeout_s) as sock:
-        send_msg(sock, payload)
-        reply = recv_msg(sock)
-    if "error" in reply:
-        raise HandshakeRefused(f"peer at {host}:{port} refused the handshake: {reply['error']}")
-    return reply
+        try:
+            return offer_handshake(sock, payload)
+        except HandshakeRefused as e:
+            raise HandshakeRefused(f"peer at {host}:{port}: {e}") from None
 
 
 def connect(agent, host: str, port: int, timeout_s: float = 30.0) -> str:

@@ -10,7 +10,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from backend.engine.llm_engine import EngineOutput, LLMEngine  # noqa: E402
+from backend.engine.llm_engine import LLMEngine  # noqa: E402
+from backend.engine.outputs import EngineOutput  # noqa: E402
 from backend.engine.config import EngineConfig  # noqa: E402
 from backend.parallel.engine_factory import build_engine  # noqa: E402
 
@@ -70,3 +71,18 @@ def assert_pool_idle(engine: LLMEngine) -> None:
     assert stats["free"] == stats["total"], f"pages leaked: {stats}"
     assert stats["requests"] == 0 and stats["committed"] == 0, stats
     assert not engine.has_work() and not engine.active_request_ids()
+
+
+class Listener:
+    """A KV step listener (the engine's seam to a KV connector) made of two callables."""
+
+    def __init__(self, on_step=None, on_layer=None):
+        self.on_step, self.on_layer = on_step, on_layer
+
+    def step_scheduled(self, batch) -> None:
+        if self.on_step is not None:
+            self.on_step(batch)
+
+    def layer_written(self, layer, batch) -> None:
+        if self.on_layer is not None:
+            self.on_layer(layer, batch)

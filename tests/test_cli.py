@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 
-from backend.launch.server import free_port
+from backend.launch.ports import free_port
 
 BIN = Path(sys.executable).parent / "triton-disagg"
 

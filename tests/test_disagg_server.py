@@ -102,7 +102,7 @@ def test_decode_pool_full_queues_then_overloaded(disagg_server):
     errors = [r.error for r in results if r.error]
     ok = [r for r in results if r.error is None]
     assert ok, errors
-    assert errors and all("overloaded" in e for e in errors), errors
+    assert errors and all("[overloaded]" in e for e in errors), errors
 
 
 def test_prefill_model_refuses_direct_requests(disagg_server):

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import (assert_pool_idle, build_tiny_llama, make_engine, real_model_dir, run_to_completion,
+from engine_helpers import (Listener, assert_pool_idle, build_tiny_llama, make_engine, real_model_dir, run_to_completion,
                             tokens_of)
 
-from backend.engine.llm_engine import PREFILL_DONE
+from backend.engine.outputs import FinishReason
 from backend.engine.paged_attention import BatchEntry
 from backend.engine.sampling.params import SamplingParams
 
@@ -26,8 +26,7 @@ class PageStreamer:
         self.dst_pages: dict[str, list[int]] = {}
         self.scheduled = []
         self.page_writes = 0
-        prefill_engine.on_chunk_scheduled = self.scheduled.append
-        prefill_engine.set_layer_hook(self.on_layer)
+        prefill_engine.set_kv_listener(Listener(self.scheduled.append, self.on_layer))
 
     def on_layer(self, layer_idx, step_batch):
         page_size = self.src.config.page_size
@@ -47,7 +46,7 @@ def disaggregated_generate(prefill, decode, streamer, requests: dict[str, tuple[
         prefill.add_request(req_id, prompt[:-1], prefill_only=True)
     prefill_outputs = run_to_completion(prefill)
     for req_id, (prompt, params) in requests.items():
-        assert prefill_outputs[req_id][-1].finish_reason == PREFILL_DONE
+        assert prefill_outputs[req_id][-1].finish_reason == FinishReason.PREFILL_DONE
         assert prefill.release(req_id) == -(-(len(prompt) - 1) // prefill.config.page_size)
         if before_decode is not None:
             before_decode(req_id, prompt)
@@ -65,8 +64,8 @@ def tiny_dir(tmp_path_factory):
 def test_chunk_hook_reports_chunks_and_pages(tiny_dir):
     engine = make_engine(tiny_dir, max_num_batched_tokens=16, page_size=8, kv_cache_tokens=512)
     seen, layer_calls = [], []
-    engine.on_chunk_scheduled = lambda batch: seen.append(batch.prefill_only_chunks)
-    engine.set_layer_hook(lambda layer, batch: layer_calls.append((layer, len(batch.chunks))))
+    engine.set_kv_listener(Listener(lambda batch: seen.append(batch.prefill_only_chunks),
+                                    lambda layer, batch: layer_calls.append((layer, len(batch.chunks)))))
     engine.add_request("agg", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
     run_to_completion(engine)
     assert seen == [] and layer_calls == [(0, 1), (1, 1)] * 2  # aggregated requests: no chunk hook
@@ -78,7 +77,7 @@ def test_chunk_hook_reports_chunks_and_pages(tiny_dir):
         [("pf", 0, 16, pages[0:2], False)], [("pf", 16, 16, pages[2:4], False)], [("pf", 32, 8, pages[4:5], True)]]
     assert len(layer_calls) == 2 * 2 + 3 * 2
     out = outputs[-1]
-    assert len(outputs) == 1 and out.finished and out.new_token_ids == [] and out.finish_reason == PREFILL_DONE
+    assert len(outputs) == 1 and out.finished and out.new_token_ids == [] and out.finish_reason == FinishReason.PREFILL_DONE
     assert out.hidden_state.shape == (64,) and out.logits.shape == (256,)
     assert engine.pool_stats()["used"] == 5  # held until release
     assert engine.release("pf") == 5 and engine.release("pf") == 0

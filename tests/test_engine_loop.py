@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from engine_helpers import assert_pool_idle, build_tiny_llama, make_engine, run_to_completion, tokens_of
+from engine_helpers import Listener, assert_pool_idle, build_tiny_llama, make_engine, run_to_completion, tokens_of
 
 from backend.engine.engine_loop import EngineLoop
 from backend.engine.sampling.params import SamplingParams
@@ -170,7 +170,7 @@ def test_prefill_and_decode_roles_through_two_loops(tiny_dir):
             dst = torch.tensor(dst_pages[first: first + len(chunk.page_ids)])
             decode.engine.pool.layer(layer_idx)[dst] = prefill.engine.pool.layer(layer_idx)[chunk.page_ids]
 
-    prefill.engine.set_layer_hook(copy_layer)
+    prefill.engine.set_kv_listener(Listener(on_layer=copy_layer))
     done = Collector()
     prefill.submit("r", prompt[:-1], None, done, prefill_only=True)
     out = done.wait().last

@@ -11,7 +11,7 @@ import torch
 from engine_helpers import assert_pool_idle, make_engine, real_model_dir, run_to_completion, tokens_of
 
 from backend.engine.sampling.drafters import HiddenStateDrafter, lookup_continuation
-from backend.engine.llm_engine import PREFILL_DONE
+from backend.engine.outputs import FinishReason
 from backend.engine.sampling.params import SamplingParams
 from backend.engine.sequence import Sequence
 from backend.engine.sampling.speculative import verify
@@ -141,7 +141,7 @@ def test_decode_role_with_transferred_hidden_state_identical(model_dir, prompts,
         params = SamplingParams(max_tokens=24, ignore_eos=True, num_draft_tokens=4, draft_method=method)
         for i, prompt in enumerate(prompts):
             out = done[f"r{i}"][-1]
-            assert out.finish_reason == PREFILL_DONE
+            assert out.finish_reason == FinishReason.PREFILL_DONE
             dst = decode.reserve(f"r{i}", len(prompt) + 24)
             src = prefill.allocator.page_table(f"r{i}")
             for layer in range(prefill.runner.hf_config.num_hidden_layers):

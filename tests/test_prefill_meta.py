@@ -11,7 +11,7 @@ import pytest
 from engine_helpers import real_model_dir
 
 from backend.serving.detokenizer import IncrementalDetokenizer
-from backend.engine.llm_engine import PREFILL_DONE
+from backend.engine.outputs import FinishReason
 from backend.serving.session import GenerationSession
 from backend.serving.request import ClientRequest
 
@@ -27,8 +27,8 @@ class Sink:
         if final:
             self.done.set()
 
-    def error(self, message):
-        self.error = message
+    def error(self, message, kind):
+        self.error = f"[{kind}] {message}"
         self.done.set()
 
     def is_cancelled(self):
@@ -39,21 +39,23 @@ def test_transferred_hidden_state_and_logits_equal_a_local_prefill():
     nixl = pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
     del nixl
     from transformers import AutoTokenizer
+    from backend.serving.config import InstanceConfig
     from backend.serving.decode_worker import DecodeWorker
     from backend.serving.prefill_worker import PrefillWorker
     model = str(real_model_dir())
     tokenizer = AutoTokenizer.from_pretrained(model)
-    common = {"kv_cache_tokens": "2048", "max_num_batched_tokens": "64", "num_threads": "1"}
-    prefill = PrefillWorker(model, {**common, "messenger_port": "0"}, "meta_prefill")
-    decode = DecodeWorker(model, {**common, "prefill_endpoints": f"127.0.0.1:{prefill.server.port}"}, "meta_decode")
+    common = {"model_path": model, "kv_cache_tokens": "2048", "max_num_batched_tokens": "64", "num_threads": "1"}
+    prefill = PrefillWorker(InstanceConfig.from_parameters({**common, "role": "prefill"}), "meta_prefill")
+    decode = DecodeWorker(InstanceConfig.from_parameters(
+        {**common, "role": "decode", "prefill_endpoints": f"127.0.0.1:{prefill.server.port}"}), "meta_decode")
     try:
         received = {}
-        forward = decode._on_kv_done
+        forward = decode._on_kv_ready
 
-        def spy(req_id, ok, err, meta):
-            received[req_id] = (ok, err, None if meta is None else meta.clone())
-            forward(req_id, ok, err, meta)
-        decode._on_kv_done = spy
+        def spy(req_id, ok, err, state):
+            received[req_id] = (ok, err, None if state is None else (state[0].clone(), state[1].clone()))
+            forward(req_id, ok, err, state)
+        decode._on_kv_ready = spy
         prompt = tokenizer.encode("Read the list and answer. " + " ".join(f"Item {i} is {i * 7}." for i in range(30)))
         sink = Sink()
         request = ClientRequest(text="-", max_tokens=8, ignore_eos=True, num_draft_tokens=3, draft_method="hidden")
@@ -62,9 +64,9 @@ def test_transferred_hidden_state_and_logits_equal_a_local_prefill():
         decode.submit(session)
         assert sink.done.wait(120) and sink.error is None, sink.error
         assert len(sink.token_ids) == 8
-        ok, err, meta = received["m0"]
-        assert ok and meta is not None, err
-        hidden, logits = decode.split_meta(meta)
+        ok, err, state = received["m0"]
+        assert ok and state is not None, err
+        hidden, logits = state
 
         local, finished = {}, threading.Event()
 
@@ -73,7 +75,7 @@ def test_transferred_hidden_state_and_logits_equal_a_local_prefill():
                 local["out"] = out
                 finished.set()
         decode.loop.submit("m0-local", prompt[:-1], None, on_output, prefill_only=True)
-        assert finished.wait(120) and local["out"].finish_reason == PREFILL_DONE
+        assert finished.wait(120) and local["out"].finish_reason == FinishReason.PREFILL_DONE
         decode.loop.release("m0-local")
         assert (hidden - local["out"].hidden_state.float()).abs().max() <= TOLERANCE
         assert (logits - local["out"].logits.float()).abs().max() <= TOLERANCE

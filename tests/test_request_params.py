@@ -4,7 +4,6 @@ import pytest
 
 from backend.serving.detokenizer import IncrementalDetokenizer
 from backend.serving.request import RequestError, parse_request
-from build_scripts.render_repository import read_parameters, set_instance_count, set_parameters
 
 
 def getter(**tensors):
@@ -47,10 +46,3 @@ def test_detokenizer_holds_back_partial_stop_word():
     assert d.add([ord("N")]) == ""
     assert d.add([ord("x")]) == "ENx"
     assert d.add([ord(c) for c in "yEND"]) == "y" and d.stopped
-
-
-def test_render_parameters_roundtrip():
-    text = 'instance_group [ { count: 1, kind: KIND_CPU } ]\nparameters [\n  { key: "a", value: { string_value: "1" } }\n]\n'
-    out = set_instance_count(set_parameters(text, {"a": 2, "b": "x"}), 3)
-    assert read_parameters(out) == {"a": "2", "b": "x"}
-    assert "count: 3" in out

@@ -93,11 +93,12 @@ def test_stop_words_end_the_output(aggregated_server):
     (dict(prompt="hello", max_tokens=100000), "exceeds the configured limit"),
     (dict(prompt="hello " * 9000, max_tokens=8), "exceeds the model context"),
     (dict(prompt="hello", max_tokens=8, top_p=0.0), "top_p"),
+    (dict(prompt="hello", max_tokens=8, temperature=float("nan")), "temperature must be >= 0"),
 ])
 def test_bad_input_gets_clear_error(aggregated_server, kwargs, msg):
     p, n = kwargs.pop("prompt"), kwargs.pop("max_tokens")
     res = stream_generate(aggregated_server.grpc_url, p, n, **kwargs)
-    assert res.error is not None and msg in res.error, res.error
+    assert res.error is not None and msg in res.error and "[bad_request]" in res.error, res.error
     ok = stream_generate(aggregated_server.grpc_url, "Hi", 4)
     assert ok.error is None and ok.token_ids
 

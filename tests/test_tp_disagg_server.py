@@ -28,7 +28,7 @@ MODELS = ["prefill_0", "prefill_1", "decode_0", "decode_1", "llm_aggregated"]
 @pytest.fixture(scope="module")
 def tp_server(model_dir, tmp_path_factory):
     from backend.launch.deployment import render_deployment
-    from backend.launch.server import free_port
+    from backend.launch.ports import free_port
 
     tmp = tmp_path_factory.mktemp("tp")
     p0, p1 = free_port(), free_port()
@@ -110,13 +110,13 @@ def test_killed_rank_takes_its_instance_out(tp_server):
     os.kill(rank_pids(tp_server, "prefill_1_0_0")[0], signal.SIGKILL)
     t.join(120)
     r = box["r"]
-    assert r.error and "out of service" in r.error and "signal 9" in r.error, r.error
+    assert r.error and "[out_of_service]" in r.error and "signal 9" in r.error, r.error
     assert time.monotonic() - t_kill < 30
     # prefill_1 stopped listening: once decode_1 saw its connection drop (a moment), it answers
     # at once that no prefill instance is reachable
     time.sleep(1.0)
     again = stream_generate(url, PROMPTS[0], 4, model="decode_1", timeout_s=60)
-    assert again.error and "no prefill instance reachable" in again.error, again.error
+    assert again.error and "[prefill_unavailable] no prefill instance reachable" in again.error, again.error
     wait_pool_free(murl, "decode_1", timeout_s=30)
     # the other instances keep serving
     ok = generate_all(url, PROMPTS[:2], "decode_0", n_tokens=4) + generate_all(url, PROMPTS[:2], "llm_aggregated",
@@ -127,7 +127,7 @@ def test_killed_rank_takes_its_instance_out(tp_server):
     time.sleep(1.0)   # the lead's watcher notices within 0.2 s
     t0 = time.monotonic()
     down = stream_generate(url, PROMPTS[1], 4, model="decode_0", timeout_s=60)
-    assert down.error and "out of service" in down.error and "signal 9" in down.error, down.error
+    assert down.error and "[out_of_service]" in down.error and "signal 9" in down.error, down.error
     assert time.monotonic() - t0 < 10
     agg = stream_generate(url, PROMPTS[1], 4, model="llm_aggregated", ignore_eos=True)
     assert agg.error is None and len(agg.token_ids) == 4, agg.error

@@ -42,7 +42,7 @@ def test_tp3_greedy_tokens_and_logits_match_tp1(engines):
     r1, r3 = tp1.runner.run(entry), tp3.runner.run(entry)
     assert torch.allclose(r1.logits, r3.logits, atol=2e-4, rtol=0), (r1.logits - r3.logits).abs().max()
     # each rank's shard holds exactly its KV head of the TP 1 pool
-    pools = tp3.runner.shard_pools
+    pools = tp3.runner.shard_pools()
     assert len(pools) == 3 and pools[0].shape[3] == 1
     full = torch.cat(pools, dim=3)[:, :2]
     assert torch.allclose(full, tp1.pool.tensor[:, :2], atol=1e-4), (full - tp1.pool.tensor[:, :2]).abs().max()
@@ -50,7 +50,7 @@ def test_tp3_greedy_tokens_and_logits_match_tp1(engines):
 
 def test_layer_hook_fires_after_every_rank_wrote_the_layer(engines):
     _, tp3 = engines
-    pools = tp3.runner.shard_pools
+    pools = tp3.runner.shard_pools()
     for p in pools:
         p[:, 5].zero_()
     seen = []
@@ -72,7 +72,7 @@ def test_killed_rank_takes_the_instance_out():
     tp3 = make_engine(real_model_dir(), tensor_parallel_size=3, kv_cache_tokens=256, num_threads=1)
     try:
         events = []
-        tp3.runner.on_failure.append(events.append)
+        tp3.on_out_of_service(events.append)
         os.kill(tp3.runner.ranks.pids()[1], signal.SIGKILL)
         t0 = time.monotonic()
         tp3.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))

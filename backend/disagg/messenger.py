@@ -1,17 +1,12 @@
-"""KV messenger: the control protocol between decode instances and prefill instances.
+"""KV messenger connections: one TCP connection per (decode instance, prefill instance),
+speaking the typed protocol of ``backend/disagg/protocol.py`` over ``fabric_bridge.control``'s
+framing and handshake exchange.
 
-One TCP connection per (decode instance, prefill instance), length-prefixed JSON frames
-(``fabric_bridge.control`` framing). The KV bytes never travel here; they go over NIXL.
-
-  decode -> prefill  {"type": "hello", "fabric": <agent handshake payload>}
-  prefill -> decode  {"type": "hello", "fabric": <agent handshake payload>, "name": ...}
-  decode -> prefill  {"type": "prefill", "req_id", "generation", "slot", "tokens", "dst_pages"}
-  decode -> prefill  {"type": "cancel", "req_id"}
-  prefill -> decode  {"type": "error", "req_id", "message"}      (the prefill will not run)
-
-Decode side: :class:`PrefillEndpoint` (one per configured prefill address). Prefill side:
-:class:`MessengerServer`. A dropped connection is reported to the owner, who fails the
-requests that depended on it.
+Decode side: :class:`PrefillEndpoint` (one per configured prefill address, connects lazily,
+tracks its outstanding requests). Prefill side: :class:`MessengerServer` (accepts decode
+instances, answers their hello, dispatches their messages tagged with the connection they
+came on). A message that breaks the protocol is logged and dropped; a dropped connection is
+reported to the owner, who fails the requests that depended on it.
 """
 from __future__ import annotations
 
@@ -21,16 +16,18 @@ import threading
 import time
 from typing import Callable, Optional
 
-from fabric_bridge.control import recv_msg, send_msg
+from fabric_bridge.control import answer_handshake, offer_handshake, recv_msg, send_msg
 from fabric_bridge.layout import KVLayout
+
+from backend.disagg.protocol import PROTOCOL_VERSION, Hello, Message, ProtocolError, check_hello, decode, encode
 
 log = logging.getLogger("triton_disagg.messenger")
 
 
 class Connection:
-    """A framed JSON connection with a reader thread; ``send`` is thread-safe."""
+    """A framed connection with a reader thread carrying protocol messages; ``send`` is thread-safe."""
 
-    def __init__(self, sock: socket.socket, on_message: Callable[[dict], None],
+    def __init__(self, sock: socket.socket, on_message: Callable[[Message], None],
                  on_closed: Callable[[str], None], name: str):
         self.sock = sock
         self.name = name
@@ -49,12 +46,12 @@ class Connection:
     def closed(self) -> bool:
         return self._closed.is_set()
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg: Message) -> None:
         if self.closed:
             raise ConnectionError(f"connection {self.name} is closed")
         try:
             with self._send_lock:
-                send_msg(self.sock, msg)
+                send_msg(self.sock, encode(msg))
         except OSError as e:
             self.close(f"send failed: {e}")
             raise ConnectionError(f"connection {self.name}: {e}") from e
@@ -63,11 +60,16 @@ class Connection:
         reason = "closed by peer"
         try:
             while not self.closed:
-                msg = recv_msg(self.sock)
+                raw = recv_msg(self.sock)
+                try:
+                    msg = decode(raw)
+                except ProtocolError as e:
+                    log.warning("%s: dropped a message that breaks the protocol: %s", self.name, e)
+                    continue
                 try:
                     self._on_message(msg)
                 except Exception:
-                    log.exception("%s: handling %s failed", self.name, msg.get("type"))
+                    log.exception("%s: handling %s failed", self.name, type(msg).__name__)
         except (OSError, ConnectionError, ValueError) as e:
             reason = str(e) or type(e).__name__
         self.close(reason)
@@ -87,29 +89,17 @@ class Connection:
             log.exception("%s: on_closed failed", self.name)
 
 
-def parse_endpoints(text: str) -> list[tuple[str, int]]:
-    """``"host:port,host:port"`` -> [(host, port), ...] with a clear error."""
-    out = []
-    for item in filter(None, (s.strip() for s in (text or "").split(","))):
-        host, sep, port = item.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"prefill endpoint {item!r} must be host:port")
-        out.append((host, int(port)))
-    if not out:
-        raise ValueError("no prefill endpoints configured (parameter 'prefill_endpoints')")
-    return out
-
-
 class PrefillEndpoint:
     """Decode side of one prefill instance: connects lazily, tracks outstanding requests."""
 
     RETRY_S = 1.0
 
-    def __init__(self, host: str, port: int, agent, on_message: Callable[["PrefillEndpoint", dict], None],
+    def __init__(self, host: str, port: int, agent, name: str,
+                 on_message: Callable[["PrefillEndpoint", Message], None],
                  on_lost: Callable[["PrefillEndpoint", str], None], connect_timeout_s: float = 5.0):
         self.host, self.port = host, port
         self.address = f"{host}:{port}"
-        self.agent = agent
+        self.agent, self.name = agent, name
         self.peer: Optional[str] = None
         self.layout: Optional[KVLayout] = None
         self.outstanding: set[str] = set()
@@ -136,12 +126,11 @@ class PrefillEndpoint:
             try:
                 sock = socket.create_connection((self.host, self.port), timeout=self._connect_timeout_s)
                 sock.settimeout(self._connect_timeout_s)
-                send_msg(sock, {"type": "hello", "fabric": self.agent.handshake_payload()})
-                reply = recv_msg(sock)
-                if reply.get("type") != "hello":
-                    raise ConnectionError(reply.get("message", f"unexpected reply {reply.get('type')}"))
-                self.peer = self.agent.add_peer(reply["fabric"])
-                self.layout = KVLayout.from_dict(reply["fabric"]["layout"])
+                reply = offer_handshake(sock, encode(Hello(PROTOCOL_VERSION, self.name,
+                                                           self.agent.handshake_payload())))
+                hello = check_hello(decode(reply))
+                self.peer = self.agent.add_peer(hello.fabric)
+                self.layout = KVLayout.from_dict(hello.fabric["layout"])
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
                 if error != self.last_error:   # log changes, not every retry
@@ -153,7 +142,7 @@ class PrefillEndpoint:
             log.info("connected to prefill instance %s (agent %s)", self.address, self.peer)
             return True
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg: Message) -> None:
         conn = self._conn
         if conn is None:
             raise ConnectionError(f"prefill endpoint {self.address} is not connected")
@@ -172,8 +161,9 @@ class PrefillEndpoint:
 class MessengerServer:
     """Prefill side: accepts decode instances, answers their handshake, dispatches messages.
 
-    ``on_message(peer, msg, conn)`` handles prefill/cancel; ``on_peer_lost(peer)`` runs when a
-    decode instance's connection drops.
+    ``on_message(peer, msg, conn)`` handles requests and cancels (``conn``: the connection the
+    message came on, which owns the requests it created); ``on_peer_lost(peer, reason)`` runs
+    when a decode instance's connection drops.
     """
 
     def __init__(self, agent, host: str, port: int, on_message, on_peer_lost, name: str):
@@ -198,18 +188,10 @@ class MessengerServer:
     def _handshake(self, sock: socket.socket, addr) -> None:
         try:
             sock.settimeout(30)
-            hello = recv_msg(sock)
-            if hello.get("type") != "hello":
-                raise ConnectionError(f"expected hello, got {hello.get('type')}")
-            peer = self.agent.add_peer(hello["fabric"])
-            self.peer_layouts[peer] = KVLayout.from_dict(hello["fabric"]["layout"])
-            send_msg(sock, {"type": "hello", "fabric": self.agent.handshake_payload(), "name": self.name})
+            peer = answer_handshake(sock, self._accept_hello,
+                                    lambda: encode(Hello(PROTOCOL_VERSION, self.name, self.agent.handshake_payload())))
         except Exception as e:
             log.warning("refused decode instance at %s: %s", addr, e)
-            try:
-                send_msg(sock, {"type": "refused", "message": str(e)})
-            except OSError:
-                pass
             sock.close()
             return
         holder = {}
@@ -219,6 +201,12 @@ class MessengerServer:
         self._conns.append(conn)
         conn.start()
         log.info("decode instance %s connected from %s:%d", peer, addr[0], addr[1])
+
+    def _accept_hello(self, payload: dict) -> str:
+        hello = check_hello(decode(payload))
+        peer = self.agent.add_peer(hello.fabric)
+        self.peer_layouts[peer] = KVLayout.from_dict(hello.fabric["layout"])
+        return peer
 
     def close(self) -> None:
         try:

@@ -1,8 +1,11 @@
-"""Engine configuration: one validated dataclass, buildable from Triton's string parameters."""
+"""Engine configuration: one validated dataclass, and the parser of typed config sections from
+Triton's string parameters that every layer's config uses (``parse_section``)."""
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,13 +30,13 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "float32"
     page_size: int = 16
-    kv_cache_tokens: int = 8192
+    kv_cache_tokens: int = 16384
     num_pages: int | None = None
     max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 256
     max_model_len: int = 4096
     num_threads: int = 0
-    max_tokens_limit: int = 4096
+    max_tokens_limit: int = 1024
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -82,24 +85,65 @@ class EngineConfig:
 
         Unknown keys are an error; empty strings mean "use the default".
         """
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - set(fields))
-        if unknown:
-            raise ValueError(f"unknown engine parameter(s) {unknown}; known: {sorted(fields)}")
-        kwargs = {}
-        for name, raw in values.items():
-            if raw is None or (isinstance(raw, str) and raw.strip() == ""):
-                continue
-            if name in ("model_path", "device", "dtype"):
-                kwargs[name] = str(raw).strip()
-                continue
-            try:
-                kwargs[name] = int(raw)
-            except (TypeError, ValueError):
-                raise ValueError(f"engine parameter {name!r} must be an integer, got {raw!r}") from None
-        if "model_path" not in kwargs:
+        if not str(values.get("model_path") or "").strip():
             raise ValueError("EngineConfig.model_path is required")
-        return cls(**kwargs)
+        return parse_section(cls, values, "engine")
+
+
+_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+
+
+def parse_value(name: str, raw, typ) -> object:
+    """One parameter value (a string from config.pbtxt, or already typed) as ``typ``."""
+    if typ is bool:
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in _TRUE | _FALSE:
+            return text in _TRUE
+        raise ValueError(f"parameter {name!r} must be true or false, got {raw!r}")
+    if typ is int:
+        try:
+            return int(str(raw).strip())
+        except ValueError:
+            raise ValueError(f"parameter {name!r} must be an integer, got {raw!r}") from None
+    if typ is float:
+        try:
+            value = float(str(raw).strip())
+        except ValueError:
+            raise ValueError(f"parameter {name!r} must be a number, got {raw!r}") from None
+        if not math.isfinite(value):
+            raise ValueError(f"parameter {name!r} must be a finite number, got {raw!r}")
+        return value
+    return str(raw).strip()
+
+
+def field_types(cls) -> dict[str, type]:
+    """Init fields of a config dataclass -> their value type (``X | None`` -> X)."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        typ = hints[f.name]
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        out[f.name] = args[0] if args else typ
+    return out
+
+
+def parse_section(cls, values: dict, section: str):
+    """An instance of the config dataclass ``cls`` from ``values`` (strings or typed values);
+    empty strings mean "use the default"; a key ``cls`` does not have is an error naming it."""
+    types = field_types(cls)
+    unknown = sorted(set(values) - set(types))
+    if unknown:
+        raise ValueError(f"unknown {section} parameter(s) {unknown}; known: {sorted(types)}")
+    kwargs = {}
+    for name, raw in values.items():
+        if raw is None or (isinstance(raw, str) and raw.strip() == ""):
+            continue
+        kwargs[name] = parse_value(name, raw, types[name])
+    return cls(**kwargs)
 
 
 def _is_cpu_or_cuda(device: str) -> bool:

@@ -11,7 +11,8 @@ import queue
 import threading
 from typing import Callable
 
-from backend.engine.llm_engine import EngineOutput, LLMEngine
+from backend.engine.outputs import EngineOutput, ErrorKind, FinishReason
+from backend.engine.protocol import Engine
 from backend.engine.sampling.params import SamplingParams
 
 log = logging.getLogger("triton_disagg.engine")
@@ -20,7 +21,7 @@ OutputCallback = Callable[[EngineOutput], None]
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, name: str = "engine-loop"):
+    def __init__(self, engine: Engine, name: str = "engine-loop"):
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._callbacks: dict[str, OutputCallback] = {}
@@ -53,9 +54,9 @@ class EngineLoop:
         return self.engine.release(req_id)
 
     def stats(self) -> dict:
-        scheduler = self.engine.scheduler
-        return {"pool": self.engine.pool_stats(), "waiting": len(scheduler.waiting),
-                "running": len(scheduler.running), "steps": self._num_steps, "alive": self._thread.is_alive()}
+        waiting, running = self.engine.queue_lengths()
+        return {"pool": self.engine.pool_stats(), "waiting": waiting,
+                "running": running, "steps": self._num_steps, "alive": self._thread.is_alive()}
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the loop; requests still active end with finish_reason "abort"."""
@@ -83,7 +84,7 @@ class EngineLoop:
             except queue.Empty:
                 return
             if command[0] == "submit":
-                self._call(command[4], EngineOutput(command[1], [], finished=True, finish_reason="abort",
+                self._call(command[4], EngineOutput(command[1], [], finished=True, finish_reason=FinishReason.ABORT,
                                                     error="engine loop shut down"))
 
     def _step(self) -> list[EngineOutput]:
@@ -113,16 +114,18 @@ class EngineLoop:
             _, req_id, prompt, params, on_output, prefill_only, kv_ready_tokens, prefill_state = command
             hidden, logits = prefill_state or (None, None)
             if req_id in self._callbacks:
-                self._call(on_output, EngineOutput(req_id, [], finished=True, finish_reason="error",
-                                                   error=f"request {req_id!r} is already active"))
+                self._call(on_output, EngineOutput(req_id, [], finished=True, finish_reason=FinishReason.ERROR,
+                                                   error=f"request {req_id!r} is already active",
+                                                   error_kind=ErrorKind.BAD_REQUEST))
                 return
             try:
                 self.engine.add_request(req_id, prompt, params, prefill_only=prefill_only,
                                         kv_ready_tokens=kv_ready_tokens, prefill_hidden=hidden,
                                         prefill_logits=logits)
             except Exception as exc:
-                self._call(on_output, EngineOutput(req_id, [], finished=True, finish_reason="error",
-                                                   error=f"{type(exc).__name__}: {exc}"))
+                self._call(on_output, EngineOutput(req_id, [], finished=True, finish_reason=FinishReason.ERROR,
+                                                   error=f"{type(exc).__name__}: {exc}",
+                                                   error_kind=ErrorKind.BAD_REQUEST))
                 return
             self._callbacks[req_id] = on_output
         elif kind == "cancel":

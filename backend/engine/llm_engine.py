@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
+import os
 from typing import Callable
 
 import torch
@@ -27,6 +27,8 @@ from backend.engine.sampling.decode_sampler import DecodeSampler
 from backend.engine.config import EngineConfig
 from backend.engine.page_allocator import PageAllocator
 from backend.engine.model_runner import ModelRunner
+from backend.engine.outputs import EngineOutput, ErrorKind, FinishReason
+from backend.engine.protocol import KVCacheSpec, KVStepListener, ModelDims
 from backend.engine.paged_attention import BatchEntry
 from backend.engine.sampling.params import SamplingParams
 from backend.engine.sampling.sampler import make_generator, sample
@@ -34,26 +36,6 @@ from backend.engine.scheduler import ChunkInfo, ScheduledChunk, Scheduler, StepB
 from backend.engine.sequence import Sequence
 
 log = logging.getLogger("triton_disagg.engine")
-
-PREFILL_DONE = "prefill_done"
-
-
-@dataclass
-class EngineOutput:
-    """New tokens of one request from one step; ``finished`` with ``finish_reason`` in
-    {"stop", "length", "abort", "error", "prefill_done"}; prefill-only results carry
-    ``hidden_state`` [hidden] and ``logits`` [vocab] of the last prompt position."""
-
-    req_id: str
-    new_token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
-    error: str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    hidden_state: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):
@@ -71,7 +53,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
         self.default_end_ids = self.runner.end_token_ids()
-        self.on_chunk_scheduled: Callable[[StepBatch], None] | None = None
+        self.kv_listener: KVStepListener | None = None
         self._seqs: dict[str, Sequence] = {}
         self.decode_sampler = DecodeSampler(self.max_model_len)
 
@@ -79,9 +61,42 @@ class LLMEngine:
     def pool(self):
         return self.runner.pool
 
-    def set_layer_hook(self, hook: Callable[[int, StepBatch], None] | None) -> None:
-        """``hook(layer_idx, step_batch)`` runs right after each layer wrote this step's KV."""
-        self.runner.on_layer_kv_written = hook
+    def set_kv_listener(self, listener: KVStepListener | None, layer_events: bool = True) -> None:
+        """``listener.step_scheduled(batch)`` before each step with prefill-only chunks; with
+        ``layer_events``, ``listener.layer_written(layer, batch)`` right after each layer wrote
+        the step's KV."""
+        self.kv_listener = listener
+        self.runner.set_layer_hook(listener.layer_written if listener is not None and layer_events else None)
+
+    # ------------------------------------------------------------ the model, the cache, health
+    def dims(self) -> ModelDims:
+        return self.runner.dims()
+
+    def kv_cache(self) -> KVCacheSpec:
+        pool, shards = self.pool, tuple(self.runner.shard_pools())
+        return KVCacheSpec(model=os.path.basename(os.path.normpath(self.config.model_path)),
+                           num_layers=pool.num_layers, num_pages=pool.num_pages, page_size=pool.page_size,
+                           num_kv_heads=pool.num_kv_heads * len(shards), head_dim=pool.head_dim,
+                           dtype=str(pool.dtype).removeprefix("torch."), tp_size=len(shards),
+                           device_type=pool.tensor.device.type, shards=shards)
+
+    def health(self) -> str | None:
+        """None while the instance serves; else why it is out of service for good."""
+        return self.runner.health()
+
+    def on_out_of_service(self, callback: Callable[[str], None]) -> None:
+        """``callback(reason)`` once if the instance goes out of service (a TP rank is lost)."""
+        self.runner.add_failure_callback(callback)
+
+    def page_table(self, req_id: str) -> list[int]:
+        return self.allocator.page_table(req_id)
+
+    def queue_lengths(self) -> tuple[int, int]:
+        """(waiting, running) sequences."""
+        return len(self.scheduler.waiting), len(self.scheduler.running)
+
+    def close(self) -> None:
+        self.runner.close()
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     prefill_only: bool = False, kv_ready_tokens: int = 0,
@@ -95,7 +110,7 @@ class LLMEngine:
                        prefill_only=prefill_only, kv_ready_tokens=kv_ready_tokens)
         seq.last_hidden, seq.last_logits = prefill_hidden, prefill_logits
         if params.grammar is not None:
-            from backend.engine.sampling.grammar import GrammarState
+            from backend.engine.sampling.grammar import GrammarState   # xgrammar only when used
             seq.grammar = GrammarState(params.grammar)
         self._seqs[req_id] = seq
         self.scheduler.add(seq)
@@ -105,7 +120,7 @@ class LLMEngine:
         seq = self._seqs.get(req_id)
         if seq is None:
             return None
-        return self._finish(seq, "abort", [])
+        return self._finish(seq, FinishReason.ABORT, [])
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -139,26 +154,27 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        hooks_set = self.on_chunk_scheduled is not None or self.runner.on_layer_kv_written is not None
-        step_batch = self._step_batch(chunks) if hooks_set else None
+        listener = self.kv_listener
+        step_batch = self._step_batch(chunks) if listener is not None else None
         rows = [i for i, c in enumerate(chunks) if c.is_last_chunk and not c.seq.prefill_only]
         speculating = any(c.draft_token_ids for c in chunks)
         try:
-            if self.on_chunk_scheduled is not None and step_batch.prefill_only_chunks:
-                self.on_chunk_scheduled(step_batch)
+            if listener is not None and step_batch.prefill_only_chunks:
+                listener.step_scheduled(step_batch)
             extra = {"num_logits": [1 + len(c.draft_token_ids) for c in chunks]} if speculating else {}
             result = self.runner.run([BatchEntry(c.input_token_ids, c.start, c.page_table) for c in chunks],
                                      hook_arg=step_batch, **extra)
             new_tokens = self._pick(chunks, rows, result)
         except Exception as exc:
             log.exception("engine step failed; failing its %d request(s)", len(chunks))
-            return self.fail([c.seq.req_id for c in chunks], f"{type(exc).__name__}: {exc}")
+            kind = ErrorKind.OUT_OF_SERVICE if self.runner.health() else ErrorKind.ENGINE
+            return self.fail([c.seq.req_id for c in chunks], f"{type(exc).__name__}: {exc}", kind)
         outputs = []
         for i, chunk in enumerate(chunks):
             seq = chunk.seq
             seq.num_computed += chunk.num_tokens
             if chunk.is_last_chunk and seq.prefill_only:
-                outputs.append(self._finish(seq, PREFILL_DONE, [], hidden=result.hidden[i],
+                outputs.append(self._finish(seq, FinishReason.PREFILL_DONE, [], hidden=result.hidden[i],
                                             logits=result.logits[i]))
         for i in rows:
             outputs.append(self._append(chunks[i], new_tokens[i], result, i))
@@ -199,7 +215,7 @@ class LLMEngine:
         if seq.grammar is not None:
             seq.grammar.advance(emitted)
             if reason is None and seq.grammar.done:
-                reason = "stop"
+                reason = FinishReason.STOP
         self.decode_sampler.clear(seq)
         if reason is not None:
             return self._finish(seq, reason, emitted)
@@ -208,23 +224,25 @@ class LLMEngine:
         return EngineOutput(seq.req_id, emitted, num_prompt_tokens=seq.num_prompt_tokens,
                             num_output_tokens=seq.num_output_tokens)
 
-    def fail(self, req_ids: list[str], message: str) -> list[EngineOutput]:
+    def fail(self, req_ids: list[str], message: str, kind: ErrorKind = ErrorKind.ENGINE) -> list[EngineOutput]:
         """Finish the given active requests with finish_reason "error" and free their pages
         (a prefill-only request keeps its pages until ``release``)."""
-        return [self._finish(self._seqs[r], "error", [], error=message) for r in req_ids if r in self._seqs]
+        return [self._finish(self._seqs[r], FinishReason.ERROR, [], error=message, error_kind=kind)
+                for r in req_ids if r in self._seqs]
 
     def active_request_ids(self) -> list[str]:
         return list(self._seqs)
 
-    def _finish(self, seq: Sequence, reason: str, new_tokens: list[int], error: str | None = None,
-                hidden: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> EngineOutput:
+    def _finish(self, seq: Sequence, reason: FinishReason, new_tokens: list[int], error: str | None = None,
+                hidden: torch.Tensor | None = None, logits: torch.Tensor | None = None,
+                error_kind: ErrorKind | None = None) -> EngineOutput:
         self.scheduler.remove(seq)
         seq.finish_reason = reason
         del self._seqs[seq.req_id]
         if not seq.prefill_only and self.allocator.has(seq.req_id):
             self.allocator.free(seq.req_id)
         return EngineOutput(seq.req_id, new_tokens, finished=True, finish_reason=reason, error=error,
-                            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+                            error_kind=error_kind, num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
                             hidden_state=hidden, logits=logits)
 
     def _step_batch(self, chunks: list[ScheduledChunk]) -> StepBatch:
@@ -237,7 +255,7 @@ class LLMEngine:
             raise ValueError(f"request {req_id!r} is already active")
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
-        vocab = self.runner.vocab_size
+        vocab = self.runner.dims().vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if len(prompt) >= self.max_model_len:

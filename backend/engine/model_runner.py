@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from backend.engine.config import EngineConfig
 from backend.engine.kv_pool import KVPool
+from backend.engine.protocol import ModelDims
 from backend.engine.paged_attention import ATTN_IMPLEMENTATION, BatchEntry, build_paged_batch
 
 log = logging.getLogger("triton_disagg.engine")
@@ -54,6 +55,29 @@ class ModelRunner:
         return KVPool(num_layers=hf_config.num_hidden_layers, num_pages=config.num_pages,
                       num_kv_heads=hf_config.num_key_value_heads, page_size=config.page_size,
                       head_dim=head_dim, dtype=self.dtype, device=self.device)
+
+    def dims(self) -> ModelDims:
+        hf = self.hf_config
+        return ModelDims(num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, vocab_size=self.vocab_size,
+                         num_kv_heads=hf.num_key_value_heads, head_dim=self.pool.head_dim)
+
+    def set_layer_hook(self, hook: Callable[[int, object], None] | None) -> None:
+        """``hook(layer_idx, hook_arg)`` runs right after each layer wrote the step's KV."""
+        self.on_layer_kv_written = hook
+
+    def shard_pools(self) -> list[torch.Tensor]:
+        """Every TP rank's KV pool tensor, in rank order (here: the one pool)."""
+        return [self.pool.tensor]
+
+    def health(self) -> str | None:
+        """None: serving. A single-process runner has no part that can be lost."""
+        return None
+
+    def add_failure_callback(self, callback: Callable[[str], None]) -> None:
+        """Nothing to watch in a single process (a TP lead calls these when it loses a rank)."""
+
+    def close(self) -> None:
+        """Nothing to stop in a single process."""
 
     def end_token_ids(self) -> tuple[int, ...]:
         """EOS ids from the checkpoint's generation config (falls back to the model config)."""

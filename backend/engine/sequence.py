@@ -5,6 +5,7 @@ import enum
 
 import torch
 
+from backend.engine.outputs import FinishReason
 from backend.engine.sampling.params import SamplingParams
 
 
@@ -37,7 +38,7 @@ class Sequence:
         self.kv_ready = kv_ready_tokens > 0
         self.num_computed = kv_ready_tokens
         self.status = SeqStatus.WAITING
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.draft_token_ids: list[int] = []
         self.draft_bitmask: torch.Tensor | None = None
         self.draft_misses = 0       # consecutive verify steps that accepted no draft
@@ -77,15 +78,15 @@ class Sequence:
         return max(self.num_prompt_tokens,
                    min(self.num_prompt_tokens + self.params.max_tokens, max_model_len) - 1)
 
-    def check_stop(self, max_model_len: int) -> str | None:
+    def check_stop(self, max_model_len: int) -> FinishReason | None:
         """Finish reason after a token was appended, or None to continue."""
         params = self.params
         last = self.token_ids[-1]
         if not params.ignore_eos and last in params.end_ids:
-            return "stop"
+            return FinishReason.STOP
         for stop in params.stop_token_ids:
             if self.num_output_tokens >= len(stop) and tuple(self.token_ids[-len(stop):]) == stop:
-                return "stop"
+                return FinishReason.STOP
         if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
-            return "length"
+            return FinishReason.LENGTH
         return None

@@ -12,8 +12,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from backend.launch.server import free_port
+from backend.launch.ports import free_port
 from build_scripts.render_repository import render
+
+
+# A disaggregated deployment on one machine splits its cores: one torch thread per instance
+# unless the caller sets num_threads.
+SPLIT_DEFAULTS = {"num_threads": "1"}
 
 
 def _prefill_models(n: int, common: dict, host: str, bind: str, per_model: dict) -> tuple[dict, list[str]]:
@@ -22,7 +27,7 @@ def _prefill_models(n: int, common: dict, host: str, bind: str, per_model: dict)
         port = free_port()   # picked here; the bind address may belong to another host/namespace
         name = f"prefill_{i}"
         models[name] = {"source": "prefill", "count": 1,
-                        "params": {**common, "messenger_host": bind, "messenger_port": port,
+                        "params": {**SPLIT_DEFAULTS, **common, "messenger_host": bind, "messenger_port": port,
                                    **per_model.get("prefill", {}), **per_model.get(name, {})}}
         endpoints.append(f"{host}:{port}")
     return models, endpoints
@@ -30,7 +35,7 @@ def _prefill_models(n: int, common: dict, host: str, bind: str, per_model: dict)
 
 def _decode_models(n: int, common: dict, endpoints: list[str], per_model: dict) -> dict:
     return {f"decode_{j}": {"source": "decode", "count": 1,
-                            "params": {**common, "prefill_endpoints": ",".join(endpoints),
+                            "params": {**SPLIT_DEFAULTS, **common, "prefill_endpoints": ",".join(endpoints),
                                        **per_model.get("decode", {}), **per_model.get(f"decode_{j}", {})}}
             for j in range(n)}
 

@@ -41,7 +41,7 @@ class TPInstanceDown(RuntimeError):
 
 
 class TPLeadRunner(TPModelRunner):
-    """Rank 0 (see module docstring). ``shard_pools``: every rank's pool tensor, in rank order."""
+    """Rank 0 (see module docstring)."""
 
     def __init__(self, config: EngineConfig):
         from transformers import AutoConfig
@@ -53,8 +53,8 @@ class TPLeadRunner(TPModelRunner):
         shape = (hf.num_hidden_layers, config.num_pages, 2, hf.num_key_value_heads // world,
                  config.page_size, head_dim)
         shards = SharedShards(shape, config.torch_dtype, [rank_device(config, r) for r in range(world)])
-        self.shard_pools = shards.tensors
-        self.on_failure: list[Callable[[str], None]] = []
+        self._shard_tensors = list(shards.tensors)
+        self._on_failure: list[Callable[[str], None]] = []
         self.failed: str | None = None
         self._fail_lock = threading.Lock()
         store = host_store(world)
@@ -74,6 +74,15 @@ class TPLeadRunner(TPModelRunner):
         self._store = store   # the rendezvous store lives as long as the group
         log.info("tensor-parallel instance: %d ranks (lead pid + %s), KV shard pools in shared memory, "
                  "%d KV head(s) per rank", world, self.ranks.pids(), shape[3])
+
+    def shard_pools(self) -> list:
+        return list(self._shard_tensors)
+
+    def health(self) -> str | None:
+        return self.failed
+
+    def add_failure_callback(self, callback: Callable[[str], None]) -> None:
+        self._on_failure.append(callback)
 
     def run(self, entries: list[BatchEntry], hook_arg: object = None, **kwargs) -> StepResult:
         if self.failed:
@@ -100,7 +109,7 @@ class TPLeadRunner(TPModelRunner):
                 return
             self.failed = f"tensor-parallel instance out of service: {reason}"
             log.error("%s", self.failed)
-            for cb in self.on_failure:
+            for cb in self._on_failure:
                 try:
                     cb(self.failed)
                 except Exception:

@@ -2,26 +2,27 @@
 from __future__ import annotations
 
 from backend.engine.engine_loop import EngineLoop
+from backend.serving.config import InstanceConfig
 from backend.serving.session import GenerationSession
-from backend.serving.worker_common import build_engine, deliver, pool_gauges, sampling_params, speculation_defaults
+from backend.serving.worker import deliver, pool_gauges, sampling_params, start_engine
 
 
 class AggregatedWorker:
-    def __init__(self, model_path: str, params: dict, name: str):
-        self.config, self.engine = build_engine(model_path, params)
+    def __init__(self, config: InstanceConfig, name: str):
+        self.config = config
+        self.engine = start_engine(config)
         self.loop = EngineLoop(self.engine, name=f"{name}-engine")
         self.max_model_len = self.engine.max_model_len
-        self.spec_defaults = speculation_defaults(params)
+        self.vocab_size = self.engine.dims().vocab_size
 
     def describe(self) -> str:
-        c = self.config
-        pool = self.engine.pool
+        c, kv = self.config.engine, self.engine.kv_cache()
         return (f"device {c.torch_device}, dtype {c.dtype}, KV pool {c.num_pages} pages x {c.page_size} tokens "
-                f"({pool.tensor.numel() * pool.tensor.element_size() / 2**20:.0f} MiB, HND), "
+                f"({kv.total_bytes / 2**20:.0f} MiB, HND), "
                 f"max_model_len {self.max_model_len}, token budget {c.max_num_batched_tokens}/step")
 
     def submit(self, session: GenerationSession) -> None:
-        self.loop.submit(session.req_id, session.prompt_ids, sampling_params(session, self.spec_defaults),
+        self.loop.submit(session.req_id, session.prompt_ids, sampling_params(session, self.config.serving),
                          lambda out: deliver(session, out))
 
     def cancel(self, req_id: str) -> None:
@@ -30,5 +31,9 @@ class AggregatedWorker:
     def stats(self) -> dict:
         return pool_gauges(self.engine.pool_stats())
 
+    def health(self) -> str | None:
+        return self.engine.health()
+
     def shutdown(self) -> None:
         self.loop.shutdown()
+        self.engine.close()

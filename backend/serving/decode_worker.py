@@ -1,32 +1,33 @@
 """Decode worker: allocates pages first, asks a prefill instance for the KV, then decodes.
 
 For each request: reserve un-evictable pages (waiting in a bounded queue while the pool is
-full), pick a prefill instance (least outstanding requests), tell the fabric agent how many
-writes to expect, and send the prompt minus its last token with the destination pages over
-the KV messenger. The request stays out of the decode batch until the completion counter has
-seen every write and the metadata; then the engine runs the last prompt token as its first
-decode step against the transferred cache. Failures (prefill lost, timeout, client gone)
-end the request with a clear error; its pages are freed once no late write can land in them.
+full), pick a prefill instance (least outstanding requests), tell the KV receiver what to
+expect (``backend/disagg/nixl_connector.py``) and send the prompt minus its last token with the
+destination pages over the KV messenger. The request stays out of the decode batch until the
+receiver has seen every write and the metadata; then the engine runs the last prompt token as
+its first decode step against the transferred cache. Failures (prefill lost, timeout, client
+gone) end the request with a clear error of a known kind; its pages are freed once no late
+write can land in them.
 """
 from __future__ import annotations
 
 import itertools
 import logging
-import math
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from fabric_bridge.plan import expected_writes
-
-from backend.serving.worker_common import build_engine, deliver, pool_gauges, sampling_params, speculation_defaults
+from backend.disagg.messenger import PrefillEndpoint
+from backend.disagg.nixl_connector import NixlKVReceiver
+from backend.disagg.protocol import Cancel, Message, PrefillFailed, PrefillRequest
 from backend.engine.engine_loop import EngineLoop
-from backend.disagg.fabric_setup import kv_layout, make_agent
-from backend.serving.session import GenerationSession
-from backend.disagg.messenger import PrefillEndpoint, parse_endpoints
+from backend.engine.outputs import ErrorKind, FinishReason
 from backend.engine.page_allocator import PoolFullError
+from backend.serving.config import InstanceConfig
+from backend.serving.session import GenerationSession
+from backend.serving.worker import deliver, pool_gauges, sampling_params, start_engine
 
 log = logging.getLogger("triton_disagg.decode")
 
@@ -35,61 +36,57 @@ log = logging.getLogger("triton_disagg.decode")
 class KVWait:
     session: GenerationSession
     endpoint: PrefillEndpoint
-    n_pages: int
-    expected: int
     t_start: float = field(default_factory=time.perf_counter)
     cancel_sent: bool = False
 
 
 class DecodeWorker:
-    def __init__(self, model_path: str, params: dict, name: str):
+    def __init__(self, config: InstanceConfig, name: str):
         self.name = name
-        self.config, self.engine = build_engine(model_path, params)
-        self.layout = kv_layout(self.engine)
+        self.config = config
+        endpoints = config.connector.endpoints()   # refuses a decode model without prefill endpoints
+        self.engine = start_engine(config)
         self.max_model_len = self.engine.max_model_len
-        self.kv_timeout_s = float(params.get("kv_transfer_timeout_s", "20") or 20)
-        self.max_waiting = int(params.get("max_waiting_for_pages", "32") or 32)
-        self.page_wait_s = float(params.get("page_wait_timeout_s", "10") or 10)
-        self.spec_defaults = speculation_defaults(params)
-        self.agent = make_agent(self.engine, name, params, int(params.get("meta_slots", "64") or 64))
+        self.vocab_size = self.engine.dims().vocab_size
+        self.receiver = NixlKVReceiver(self.engine, config.connector, name)
         self.loop = EngineLoop(self.engine, name=f"{name}-engine")
-        self.endpoints = [PrefillEndpoint(h, p, self.agent, self._on_message, self._on_lost)
-                          for h, p in parse_endpoints(params.get("prefill_endpoints", ""))]
+        self.endpoints = [PrefillEndpoint(h, p, self.receiver.agent, name, self._on_message, self._on_lost)
+                          for h, p in endpoints]
         self._rr = itertools.count()
         self._lock = threading.RLock()   # fabric callbacks may re-enter from cancel()
         self.waiting_kv: dict[str, KVWait] = {}
         self.waiting_pages: deque[tuple[GenerationSession, float]] = deque()
-        self.totals = {"kv_transfer_seconds_total": 0.0, "kv_transfer_bytes_total": 0, "kv_writes_total": 0}
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name=f"{name}-kv-watch", daemon=True)
         self._watcher.start()
 
     def describe(self) -> str:
-        c = self.config
+        c = self.config.engine
         return (f"decode on {c.torch_device}, KV pool {c.num_pages} pages x {c.page_size} tokens (HND), "
-                f"prefill endpoints {[e.address for e in self.endpoints]}, KV timeout {self.kv_timeout_s}s")
+                f"prefill endpoints {[e.address for e in self.endpoints]}, "
+                f"KV timeout {self.config.connector.kv_transfer_timeout_s}s")
 
     # ------------------------------------------------------------ admission
     def submit(self, session: GenerationSession) -> None:
-        down = getattr(self.engine.runner, "failed", None)   # a tensor-parallel instance that lost a rank
+        down = self.engine.health()   # a tensor-parallel instance that lost a rank
         if down:
-            session.on_output([], True, "error", f"decode instance {self.name}: {down}")
+            session.fail(f"decode instance {self.name}: {down}", ErrorKind.OUT_OF_SERVICE)
             return
-        if len(session.prompt_ids) == 1:   # nothing to prefill: the first decode step is the prompt
-            self.loop.submit(session.req_id, session.prompt_ids, sampling_params(session, self.spec_defaults),
+        if self.receiver.num_external_tokens(len(session.prompt_ids)) == 0:
+            # nothing to prefill: the first decode step is the prompt
+            self.loop.submit(session.req_id, session.prompt_ids, sampling_params(session, self.config.serving),
                              lambda out: deliver(session, out))
             return
+        serving = self.config.serving
         with self._lock:
             if not self.waiting_pages and self._try_start(session):
                 return
-            if len(self.waiting_pages) >= self.max_waiting:
-                overloaded = True
-            else:
-                overloaded = False
-                self.waiting_pages.append((session, time.monotonic() + self.page_wait_s))
+            overloaded = len(self.waiting_pages) >= serving.max_waiting_for_pages
+            if not overloaded:
+                self.waiting_pages.append((session, time.monotonic() + serving.page_wait_timeout_s))
         if overloaded:
-            session.on_output([], True, "error", f"overloaded: decode KV pool is full and "
-                              f"{self.max_waiting} requests are already waiting for pages")
+            session.fail(f"decode KV pool is full and {serving.max_waiting_for_pages} requests are already "
+                         "waiting for pages", ErrorKind.OVERLOADED)
 
     def _try_start(self, session: GenerationSession) -> bool:
         """Reserve pages and send the prefill request; False if the pool is full (caller queues)."""
@@ -102,21 +99,18 @@ class DecodeWorker:
         if endpoint is None:
             self.loop.cancel_reservation(session.req_id)
             errs = "; ".join(f"{e.address}: {e.last_error}" for e in self.endpoints)
-            session.on_output([], True, "error", f"no prefill instance reachable ({errs})")
+            session.fail(f"no prefill instance reachable ({errs})", ErrorKind.PREFILL_UNAVAILABLE)
             return True
-        n_pages = math.ceil((n - 1) / self.config.page_size)
-        expected = expected_writes(endpoint.layout, self.layout, n_pages)
-        handle = self.agent.expect(session.req_id, expected, on_done=self._on_kv_done,
-                                   timeout_s=self.kv_timeout_s, peer=endpoint.peer,
-                                   on_release=self._on_release)
-        self.waiting_kv[session.req_id] = KVWait(session, endpoint, n_pages, expected)
+        n_remote = self.receiver.num_external_tokens(n)
+        ticket = self.receiver.expect(session.req_id, n_remote, (endpoint.peer, endpoint.layout),
+                                      on_ready=self._on_kv_ready, on_release=self._on_release)
+        self.waiting_kv[session.req_id] = KVWait(session, endpoint)
         endpoint.outstanding.add(session.req_id)
         try:
-            endpoint.send({"type": "prefill", "req_id": session.req_id, "generation": handle.generation,
-                           "slot": handle.slot, "tokens": session.prompt_ids[:-1],
-                           "dst_pages": pages[:n_pages]})
+            endpoint.send(PrefillRequest(session.req_id, ticket.generation, ticket.slot,
+                                         session.prompt_ids[:n_remote], pages[:ticket.n_pages]))
         except ConnectionError as e:
-            self.agent.cancel(session.req_id, f"sending to prefill instance {endpoint.address} failed: {e}")
+            self.receiver.cancel(session.req_id, f"sending to prefill instance {endpoint.address} failed: {e}")
         return True
 
     def _pick_endpoint(self) -> Optional[PrefillEndpoint]:
@@ -129,8 +123,8 @@ class DecodeWorker:
         order = live[start % len(live):] + live[:start % len(live)]
         return min(order, key=lambda e: len(e.outstanding))
 
-    # ------------------------------------------------------------ completion (fabric thread)
-    def _on_kv_done(self, req_id: str, ok: bool, err: Optional[str], meta) -> None:
+    # ------------------------------------------------------------ KV arrival (fabric thread)
+    def _on_kv_ready(self, req_id: str, ok: bool, err: Optional[str], prefill_state) -> None:
         with self._lock:
             wait = self.waiting_kv.pop(req_id, None)
         if wait is None:
@@ -139,28 +133,17 @@ class DecodeWorker:
         session = wait.session
         if not ok:
             if session.is_cancelled():
-                session.on_output([], True, "cancelled")
+                session.on_output([], True, FinishReason.ABORT)
             else:
-                session.on_output([], True, "error",
-                                  f"KV transfer from prefill instance {wait.endpoint.address} failed: {err}")
+                session.fail(f"KV transfer from prefill instance {wait.endpoint.address} failed: {err}",
+                             ErrorKind.KV_TRANSFER_FAILED)
             return
-        dt = time.perf_counter() - wait.t_start
-        self.totals["kv_transfer_seconds_total"] += dt
-        self.totals["kv_writes_total"] += wait.expected
-        self.totals["kv_transfer_bytes_total"] += (wait.n_pages * self.layout.num_layers * self.layout.page_bytes
-                                                   * self.layout.tp_size)
-        self.loop.submit(req_id, session.prompt_ids, sampling_params(session, self.spec_defaults),
-                         lambda out: deliver(session, out), kv_ready_tokens=len(session.prompt_ids) - 1,
-                         prefill_state=self.split_meta(meta))
+        self.loop.submit(req_id, session.prompt_ids, sampling_params(session, self.config.serving),
+                         lambda out: deliver(session, out),
+                         kv_ready_tokens=self.receiver.num_external_tokens(len(session.prompt_ids)),
+                         prefill_state=prefill_state)
 
-    def split_meta(self, meta):
-        """The meta block (fp32 hidden ++ logits of the last prefilled position) as (hidden, logits)."""
-        if meta is None:
-            return None
-        hidden_size = self.engine.runner.hf_config.hidden_size
-        return meta[:hidden_size], meta[hidden_size: hidden_size + self.engine.runner.vocab_size]
-
-    def _on_release(self, req_id: str, generation: int) -> None:
+    def _on_release(self, req_id: str) -> None:
         """A failed request's pages can take no more writes: give them back."""
         try:
             self.loop.cancel_reservation(req_id)
@@ -169,13 +152,16 @@ class DecodeWorker:
         self._admit_waiting()
 
     # ------------------------------------------------------------ messenger (network threads)
-    def _on_message(self, endpoint: PrefillEndpoint, msg: dict) -> None:
-        if msg.get("type") == "error":
-            self.agent.cancel(msg["req_id"], f"prefill instance {endpoint.address}: {msg.get('message')}")
+    def _on_message(self, endpoint: PrefillEndpoint, msg: Message) -> None:
+        if isinstance(msg, PrefillFailed):
+            if msg.req_id in endpoint.outstanding:
+                self.receiver.cancel(msg.req_id, f"prefill instance {endpoint.address}: {msg.message}")
+        else:
+            log.warning("unexpected %s from prefill instance %s", type(msg).__name__, endpoint.address)
 
     def _on_lost(self, endpoint: PrefillEndpoint, reason: str) -> None:
         for req_id in list(endpoint.outstanding):
-            self.agent.cancel(req_id, f"prefill instance {endpoint.address} lost ({reason})")
+            self.receiver.cancel(req_id, f"prefill instance {endpoint.address} lost ({reason})")
 
     # ------------------------------------------------------------ watcher thread
     def _watch(self) -> None:
@@ -197,10 +183,10 @@ class DecodeWorker:
         for w in gone:
             log.info("request %s cancelled by the client while its prefill runs", w.session.req_id)
             try:
-                w.endpoint.send({"type": "cancel", "req_id": w.session.req_id})
+                w.endpoint.send(Cancel(w.session.req_id))
             except ConnectionError:
                 pass
-            self.agent.cancel(w.session.req_id, "cancelled by client")
+            self.receiver.cancel(w.session.req_id, "cancelled by client")
 
     def _admit_waiting(self) -> None:
         now, failed = time.monotonic(), []
@@ -216,10 +202,10 @@ class DecodeWorker:
                     break
         for s in failed:
             if s.is_cancelled():
-                s.on_output([], True, "cancelled")
+                s.on_output([], True, FinishReason.ABORT)
             else:
-                s.on_output([], True, "error", f"overloaded: no KV pages free on the decode instance "
-                            f"within {self.page_wait_s:.0f}s")
+                s.fail(f"no KV pages free on the decode instance within "
+                       f"{self.config.serving.page_wait_timeout_s:.0f}s", ErrorKind.OVERLOADED)
 
     # ------------------------------------------------------------ serving-layer interface
     def cancel(self, req_id: str) -> None:
@@ -229,12 +215,16 @@ class DecodeWorker:
         s = pool_gauges(self.engine.pool_stats())
         with self._lock:
             s["requests_waiting_kv"] = len(self.waiting_kv) + len(self.waiting_pages)
-        s.update(self.totals)
+        s.update(self.receiver.stats())
         return s
+
+    def health(self) -> str | None:
+        return self.engine.health()
 
     def shutdown(self) -> None:
         self._stop.set()
         for e in self.endpoints:
             e.close()
         self.loop.shutdown()
-        self.agent.close()
+        self.receiver.close()
+        self.engine.close()

@@ -11,9 +11,18 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from backend.engine.outputs import ErrorKind
+from backend.engine.sampling.params import DRAFT_METHODS, SamplingParams
+from backend.serving.tensors import INPUTS_BY_NAME
+
 
 class RequestError(ValueError):
-    """Bad client input; the message is returned to the client as a Triton error."""
+    """A request refused at admission; the message is returned to the client with its kind
+    (bad input unless said otherwise, e.g. overloaded)."""
+
+    def __init__(self, message: str, kind: ErrorKind = ErrorKind.BAD_REQUEST):
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass
@@ -38,21 +47,6 @@ class ClientRequest:
 
 Getter = Callable[[str], Optional[np.ndarray]]
 
-# name -> (numpy kinds accepted, python type)
-_SCALARS = {
-    "max_tokens": ("iu", int),
-    "stream": ("b", bool),
-    "temperature": ("f", float),
-    "top_k": ("iu", int),
-    "top_p": ("f", float),
-    "random_seed": ("iu", int),
-    "end_id": ("iu", int),
-    "ignore_eos": ("b", bool),
-    "apply_chat_template": ("b", bool),
-    "num_draft_tokens": ("iu", int),
-}
-
-
 def _as_str(v) -> str:
     if isinstance(v, (bytes, np.bytes_)):
         try:
@@ -68,7 +62,8 @@ def _scalar(get: Getter, name: str):
     arr = get(name)
     if arr is None:
         return None
-    kinds, typ = _SCALARS[name]
+    spec = INPUTS_BY_NAME[name]
+    kinds, typ = spec.numpy_kinds, spec.py_type
     arr = np.asarray(arr)
     if arr.dtype.kind not in kinds:
         raise RequestError(f"input '{name}' has data type {arr.dtype}, expected {typ.__name__}")
@@ -82,7 +77,7 @@ def _strings(get: Getter, name: str) -> Optional[list[str]]:
     if arr is None:
         return None
     arr = np.asarray(arr)
-    if arr.dtype.kind not in "OSU":
+    if arr.dtype.kind not in INPUTS_BY_NAME[name].numpy_kinds:
         raise RequestError(f"input '{name}' has data type {arr.dtype}, expected BYTES (string)")
     return [_as_str(v) for v in arr.reshape(-1)]
 
@@ -110,36 +105,34 @@ def parse_request(get: Getter, *, max_tokens_limit: int) -> ClientRequest:
         v = _scalar(get, name)
         if v is not None:
             setattr(req, attr, v)
-    if req.temperature < 0:
-        raise RequestError(f"'temperature' must be >= 0, got {req.temperature}")
-    if req.top_k < 0:
-        raise RequestError(f"'top_k' must be >= 0, got {req.top_k}")
-    if not 0.0 < req.top_p <= 1.0:
-        raise RequestError(f"'top_p' must be in (0, 1], got {req.top_p}")
-    if req.seed is not None and req.seed < 0:
-        raise RequestError(f"'random_seed' must be >= 0, got {req.seed}")
     stops = _strings(get, "stop_words")
     if stops:
         req.stop_words = [s for s in stops if s]
     _parse_decode_options(get, req)
+    _check_sampling(req)
     return req
 
 
+def _check_sampling(req: ClientRequest) -> None:
+    """The sampling values are checked by the one definition of them (``SamplingParams``), here
+    at admission, so a bad value (a negative or NaN temperature, ...) never reaches a worker."""
+    try:
+        SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                       seed=req.seed, num_draft_tokens=req.num_draft_tokens or 0,
+                       draft_method=req.draft_method or DRAFT_METHODS[0])
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+
+
 def _parse_decode_options(get: Getter, req: ClientRequest) -> None:
-    """Speculative decoding and structured-output inputs (checked here; grammars compile later)."""
-    from backend.engine.sampling.params import DRAFT_METHODS, MAX_DRAFT_TOKENS
+    """Speculative decoding and structured-output inputs (grammars compile later)."""
     req.num_draft_tokens = _scalar(get, "num_draft_tokens")
-    if req.num_draft_tokens is not None and not 0 <= req.num_draft_tokens <= MAX_DRAFT_TOKENS:
-        raise RequestError(f"'num_draft_tokens' must be in [0, {MAX_DRAFT_TOKENS}] (0 = off), "
-                           f"got {req.num_draft_tokens}")
     for name in ("draft_method", "guided_json", "guided_regex"):
         values = _strings(get, name)
         if values is not None:
             if len(values) != 1:
                 raise RequestError(f"input '{name}' must hold exactly one string, got {len(values)}")
             setattr(req, name, values[0])
-    if req.draft_method is not None and req.draft_method not in DRAFT_METHODS:
-        raise RequestError(f"'draft_method' must be one of {list(DRAFT_METHODS)}, got {req.draft_method!r}")
     if req.guided_json is not None and req.guided_regex is not None:
         raise RequestError("give at most one of 'guided_json' and 'guided_regex'")
     for name in ("guided_json", "guided_regex"):

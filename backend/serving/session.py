@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol
 
+from backend.engine.outputs import ErrorKind, FinishReason
 from backend.serving.detokenizer import IncrementalDetokenizer
 from backend.serving.request import ClientRequest
 
@@ -19,7 +20,7 @@ log = logging.getLogger("triton_disagg.generation")
 class ResponseSink(Protocol):
     def send(self, text: str, token_ids: list[int], n_input: int, n_output: int,
              finish_reason: str, final: bool) -> None: ...
-    def error(self, message: str) -> None: ...
+    def error(self, message: str, kind: ErrorKind) -> None: ...
     def is_cancelled(self) -> bool: ...
 
 
@@ -44,13 +45,17 @@ class GenerationSession:
     def is_cancelled(self) -> bool:
         return self.cancelled or self.sink.is_cancelled()
 
+    def fail(self, message: str, kind: ErrorKind) -> None:
+        """End the request with an error of a known kind (admission, transfer, instance down)."""
+        self.on_output([], True, FinishReason.ERROR, message, kind)
+
     def on_output(self, token_ids: list[int], finished: bool, finish_reason: Optional[str],
-                  error: Optional[str] = None) -> None:
+                  error: Optional[str] = None, error_kind: Optional[ErrorKind] = None) -> None:
         """Called by the engine for every new token batch and once at the end."""
         if self.done:
             return
         if error:
-            self._finish_error(error)
+            self._finish_error(error, error_kind or ErrorKind.INTERNAL)
             return
         if self.is_cancelled():
             log.info("request %s cancelled by the client after %d tokens", self.req_id, self.n_output)
@@ -63,7 +68,7 @@ class GenerationSession:
         delta = self.detok.add(token_ids, final=finished)
         if self.detok.stopped and not finished:
             self.cancel_engine(self.req_id)
-            finished, finish_reason = True, "stop"
+            finished, finish_reason = True, FinishReason.STOP
         try:
             if self.request.stream:
                 if delta or token_ids or finished:
@@ -83,10 +88,10 @@ class GenerationSession:
         if finished:
             self._close(finish_reason or "stop")
 
-    def _finish_error(self, message: str) -> None:
-        log.error("request %s failed: %s", self.req_id, message)
+    def _finish_error(self, message: str, kind: ErrorKind) -> None:
+        log.error("request %s failed (%s): %s", self.req_id, kind, message)
         try:
-            self.sink.error(message)
+            self.sink.error(message, kind)
         except Exception as e:
             log.warning("request %s: could not send error (%s)", self.req_id, e)
         self._close("error")

@@ -15,8 +15,12 @@ import uuid
 
 import numpy as np
 
-from backend.triton.llm_model import init_model
-from backend.triton.sender import GuardedSender
+from backend.engine.outputs import ErrorKind
+from backend.serving.config import FrontConfig
+from backend.serving.errors import parse_error
+from backend.serving.tensors import OUTPUTS
+from backend.triton.model_args import init_model
+from backend.triton.sender import GuardedSender, triton_error
 
 log = logging.getLogger("triton_disagg.front")
 
@@ -24,12 +28,10 @@ log = logging.getLogger("triton_disagg.front")
 class TritonPythonModel:
     def initialize(self, args):
         self.pb, cfg, params, _ = init_model(args)
-        self.targets = [m.strip() for m in params.get("decode_models", "").split(",") if m.strip()]
-        if not self.targets:
-            raise ValueError("front model: parameter 'decode_models' lists no decode model")
-        self.outputs = [o["name"] for o in cfg["output"]]
+        self.targets = FrontConfig.from_parameters(params).targets()
+        self.outputs = [o.name for o in OUTPUTS]
         self.inflight = {t: 0 for t in self.targets}
-        self.out_of_service: set[str] = set()   # decode models that reported losing a rank
+        self.out_of_service: set[str] = set()   # decode models that answered with kind out_of_service
         self._lock = threading.Lock()
         log.info("front model %s: routing to %s", cfg["name"], self.targets)
 
@@ -59,7 +61,8 @@ class TritonPythonModel:
         except Exception as e:
             log.exception("forwarding to %s failed", target)
             try:
-                sender.send(pb.InferenceResponse(error=pb.TritonError(f"front model: {e}")), flags=final)
+                sender.send(pb.InferenceResponse(error=triton_error(pb, ErrorKind.INTERNAL, f"front model: {e}")),
+                            flags=final)
             except Exception:
                 pass
         finally:
@@ -75,7 +78,8 @@ class TritonPythonModel:
             if sender.is_cancelled():
                 return False
             if resp.has_error():
-                if "out of service" in resp.error().message():
+                kind, _ = parse_error(resp.error().message())
+                if kind is ErrorKind.OUT_OF_SERVICE:
                     log.warning("decode model %s is out of service; routing around it", target)
                     with self._lock:
                         self.out_of_service.add(target)

@@ -1,27 +1,31 @@
 """Triton Python-backend model for a prefill (context) instance.
 
-The instance hosts a :class:`PrefillWorker` (engine + fabric agent + KV messenger server) in
-its own process. Its work arrives from decode instances over the messenger, not through
-Triton inference requests; ``execute`` answers any direct request with a clear error.
+The instance hosts a :class:`PrefillWorker` (engine + KV sender + messenger server) in its own
+process. Its work arrives from decode instances over the messenger, not through Triton
+inference requests; ``execute`` answers any direct request with a clear error.
 """
 from __future__ import annotations
 
 import logging
 
-from backend.triton.llm_model import init_model
+from backend.engine.outputs import ErrorKind
+from backend.serving.config import InstanceConfig
+from backend.serving.prefill_worker import PrefillWorker
+from backend.triton.metrics import InstanceMetrics
+from backend.triton.model_args import init_model
+from backend.triton.sender import triton_error
 
 log = logging.getLogger("triton_disagg.model")
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        from build_scripts.prepare_model import ensure_model
-        from backend.serving.prefill_worker import PrefillWorker
-        from backend.triton.metrics import InstanceMetrics
-
         pb_utils, cfg, params, self.instance = init_model(args)
         self.pb = pb_utils
-        self.worker = PrefillWorker(str(ensure_model(params.get("model_path") or None)), params, self.instance)
+        config = InstanceConfig.from_parameters(params)
+        if config.role != "prefill":
+            raise ValueError(f"the prefill model needs role 'prefill', got {config.role!r}")
+        self.worker = PrefillWorker(config, self.instance)
         self.metrics = InstanceMetrics(pb_utils, {"model": cfg["name"], "instance": self.instance},
                                        self.worker.stats)
         log.info("instance %s ready: %s", self.instance, self.worker.describe())
@@ -30,9 +34,9 @@ class TritonPythonModel:
         pb = self.pb
         for request in requests:
             request.get_response_sender().send(
-                pb.InferenceResponse(error=pb.TritonError(
-                    "the prefill model is fed by decode instances over the KV messenger; "
-                    "send client requests to the front model")),
+                pb.InferenceResponse(error=triton_error(
+                    pb, ErrorKind.BAD_REQUEST, "the prefill model is fed by decode instances over the KV "
+                    "messenger; send client requests to the front model")),
                 flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
 

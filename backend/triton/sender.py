@@ -1,4 +1,6 @@
-"""A Triton decoupled response sender that is safe to poll from other threads.
+"""Sending responses from other threads: :class:`GuardedSender`, a Triton decoupled response
+sender that is safe to poll, and :class:`TritonSink`, a session's responses as Triton tensors
+and errors (with their kind and a fitting Triton error code).
 
 Triton frees a request's response factory once the final response is sent; calling
 ``is_cancelled()`` on it after that (or at the same moment, from a watcher thread) crashes
@@ -8,6 +10,11 @@ sender again after the final response: ``is_cancelled()`` then answers False.
 from __future__ import annotations
 
 import threading
+
+import numpy as np
+
+from backend.engine.outputs import ErrorKind
+from backend.serving.errors import TRITON_CODES, format_error
 
 
 class GuardedSender:
@@ -32,3 +39,36 @@ class GuardedSender:
     def is_cancelled(self) -> bool:
         with self._lock:
             return not self.closed and self._sender.is_cancelled()
+
+
+def triton_error(pb_utils, kind: ErrorKind, message: str):
+    """A ``TritonError`` whose message carries the kind (``[kind] message``) and whose code fits it."""
+    return pb_utils.TritonError(format_error(kind, message), getattr(pb_utils.TritonError, TRITON_CODES[kind]))
+
+
+class TritonSink:
+    """Sends a session's responses through a Triton decoupled response sender."""
+
+    def __init__(self, pb_utils, request):
+        self.pb = pb_utils
+        self.sender = GuardedSender(pb_utils, request.get_response_sender())
+
+    def send(self, text, token_ids, n_input, n_output, finish_reason, final):
+        pb = self.pb
+        tensors = [
+            pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object)),
+            pb.Tensor("output_token_ids", np.asarray(token_ids, dtype=np.int32)),
+            pb.Tensor("num_input_tokens", np.array([n_input], dtype=np.int32)),
+            pb.Tensor("num_output_tokens", np.array([n_output], dtype=np.int32)),
+            pb.Tensor("finish_reason", np.array([str(finish_reason).encode()], dtype=object)),
+        ]
+        flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        self.sender.send(pb.InferenceResponse(output_tensors=tensors), flags=flags)
+
+    def error(self, message: str, kind: ErrorKind):
+        pb = self.pb
+        self.sender.send(pb.InferenceResponse(error=triton_error(pb, kind, message)),
+                         flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def is_cancelled(self):
+        return self.sender.is_cancelled()

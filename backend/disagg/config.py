@@ -1,0 +1,51 @@
+"""Settings of the KV connector of a disaggregated instance (prefill or decode role): the
+fabric agent, the messenger and the transfer deadlines. An aggregated instance ignores them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """``prefill_endpoints`` (decode role): ``host:port,...`` of the prefill instances'
+    messengers. ``messenger_host`` / ``messenger_port`` (prefill role): where this instance's
+    messenger listens (port 0: any free port). ``stream_layers`` (prefill role): post each
+    layer's pages as soon as the layer is written (false: everything after the prefill, for
+    measuring the overlap). ``kv_transfer_timeout_s`` (decode role): a request's whole transfer
+    deadline. ``kv_xfer_timeout_s``: one NIXL transfer stuck this long fails its request.
+    ``kv_quarantine_s``: pages of a failed request are reused after this long at the latest
+    (sooner when the sender confirms it stopped). ``meta_slots``: receive slots for the last
+    hidden state and logits (requests in transfer at once)."""
+
+    fabric_backend: str = "UCX"
+    meta_slots: int = 64
+    kv_quarantine_s: float = 12.0
+    kv_xfer_timeout_s: float = 10.0
+    kv_transfer_timeout_s: float = 20.0
+    prefill_endpoints: str = ""
+    messenger_host: str = "127.0.0.1"
+    messenger_port: int = 0
+    stream_layers: bool = True
+
+    def __post_init__(self) -> None:
+        if self.meta_slots < 1:
+            raise ValueError(f"meta_slots must be >= 1, got {self.meta_slots}")
+        for name in ("kv_quarantine_s", "kv_xfer_timeout_s", "kv_transfer_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.messenger_port < 65536:
+            raise ValueError(f"messenger_port must be in [0, 65535], got {self.messenger_port}")
+        if self.prefill_endpoints:
+            self.endpoints()   # validates the syntax
+
+    def endpoints(self) -> list[tuple[str, int]]:
+        """``prefill_endpoints`` as [(host, port), ...]; an error names a malformed entry."""
+        out = []
+        for item in filter(None, (s.strip() for s in self.prefill_endpoints.split(","))):
+            host, sep, port = item.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"prefill endpoint {item!r} must be host:port")
+            out.append((host, int(port)))
+        if not out:
+            raise ValueError("no prefill endpoints configured (parameter 'prefill_endpoints')")
+        return out

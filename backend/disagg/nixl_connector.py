@@ -1,0 +1,257 @@
+"""The NIXL KV connector: :class:`NixlKVSender` (prefill role) and :class:`NixlKVReceiver`
+(decode role) on top of ``fabric_bridge`` (one agent per instance, every TP shard of the
+instance's pool registered once).
+
+Sender bookkeeping, per request: before each step, the chunk of the request that the step
+computes decides which destination pages become complete (full pages, or all of them at the
+last chunk), so each page is sent exactly once and the receiver knows the count in advance;
+after each layer has written its KV those pages' writes for that layer are posted (with
+``stream_layers`` off, everything is posted after the prefill instead); after the last chunk
+the last hidden state and logits go to the receiver's meta slot. The pages are freed only
+when every write that reads them is done.
+
+Receiver bookkeeping: the number of writes to expect (from both sides' layouts and the page
+count), the deadline, and splitting the meta block back into (hidden state, logits).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from fabric_bridge.agent import FabricAgent
+from fabric_bridge.layout import KVLayout
+from fabric_bridge.plan import TransferPlan, build_plan, expected_writes
+
+from backend.disagg.config import ConnectorConfig
+from backend.disagg.connector import (FreeableCallback, KVReceiver, KVSender, ReadyCallback, ReceiveTicket,
+                                      ReleaseCallback, SendRequest)
+from backend.engine.outputs import EngineOutput, FinishReason
+from backend.engine.protocol import Engine, KVCacheSpec
+from backend.engine.scheduler import StepBatch
+
+log = logging.getLogger("triton_disagg.connector")
+
+
+def kv_layout(kv: KVCacheSpec) -> KVLayout:
+    return KVLayout(model=kv.model, num_layers=kv.num_layers, page_size=kv.page_size,
+                    num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim, dtype=kv.dtype, tp_size=kv.tp_size,
+                    layout="HND", mem_kind="VRAM" if kv.device_type == "cuda" else "DRAM")
+
+
+def make_agent(engine: Engine, name: str, config: ConnectorConfig,
+               on_send_error: Optional[Callable[[str, int, str], None]] = None) -> FabricAgent:
+    """The instance's fabric agent: its KV layout, every shard pool, the meta slots."""
+    kv, dims = engine.kv_cache(), engine.dims()
+    return FabricAgent(name, kv_layout(kv), list(kv.shards), meta_slots=config.meta_slots,
+                       meta_slot_floats=dims.hidden_size + dims.vocab_size, backend=config.fabric_backend,
+                       quarantine_s=config.kv_quarantine_s, xfer_timeout_s=config.kv_xfer_timeout_s,
+                       on_send_error=on_send_error)
+
+
+@dataclass
+class _SendJob:
+    request: SendRequest
+    dst_layout: KVLayout
+    plan: Optional[TransferPlan] = None
+    sent_upto: int = 0                      # page positions [0, sent_upto) are posted or planned
+    step_positions: list[int] = field(default_factory=list)
+    writes: int = 0
+    t_start: float = field(default_factory=time.perf_counter)
+    t_compute_done: float = 0.0
+
+    @property
+    def n_pages(self) -> int:
+        return len(self.request.dst_pages)
+
+
+class NixlKVSender(KVSender):
+    """Prefill role (see the module docstring). ``peer_layouts(peer)`` gives a receiver's KV
+    layout (learnt at the messenger handshake); ``on_send_error(req_id, reason)`` is told when
+    a transfer fails so the prefill can be aborted."""
+
+    def __init__(self, engine: Engine, config: ConnectorConfig, name: str,
+                 peer_layout: Callable[[str], KVLayout], on_send_error: Callable[[str, str], None]):
+        self.engine = engine
+        self.layout = kv_layout(engine.kv_cache())
+        self.page_size = self.layout.page_size
+        self.stream_layers = config.stream_layers
+        self._peer_layout = peer_layout
+        self._on_send_error = on_send_error
+        self.agent = make_agent(engine, name, config, on_send_error=self._send_error)
+        self.jobs: dict[str, _SendJob] = {}
+        self._lock = threading.Lock()
+        self._rng = random.Random()
+        self.totals = {"kv_writes_total": 0, "kv_transfer_bytes_total": 0, "prefills_total": 0,
+                       "prefill_compute_seconds_total": 0.0, "kv_transfer_tail_seconds_total": 0.0}
+        engine.set_kv_listener(self, layer_events=self.stream_layers)
+
+    # ------------------------------------------------------------ scheduler side
+    def add_request(self, request: SendRequest) -> None:
+        n = request.n_tokens
+        if n < 1 or len(request.dst_pages) != math.ceil(n / self.page_size):
+            raise ValueError(f"{n} tokens do not fill {len(request.dst_pages)} destination pages")
+        layout = self._peer_layout(request.peer)
+        with self._lock:
+            if request.req_id in self.jobs:
+                raise ValueError("duplicate request id")
+            self.jobs[request.req_id] = _SendJob(request, layout)
+
+    def has(self, req_id: str) -> bool:
+        with self._lock:
+            return req_id in self.jobs
+
+    def requests_of(self, peer: str) -> list[str]:
+        with self._lock:
+            return [j.request.req_id for j in self.jobs.values() if j.request.peer == peer]
+
+    def request_finished(self, output: EngineOutput, on_freeable: FreeableCallback) -> None:
+        job = self.jobs.get(output.req_id)
+        if job is None:
+            on_freeable(output.req_id, False, "unknown request")
+            return
+        job.t_compute_done = time.perf_counter()
+        req = job.request
+        if output.finish_reason == FinishReason.PREFILL_DONE:
+            if not self.stream_layers:   # the switch for measuring overlap: send everything now
+                self._plan(job)
+                for layer in range(self.layout.num_layers):
+                    self._post(job, layer, range(job.n_pages))
+            if req.slot is not None:
+                self.agent.post_meta(req.peer, req.req_id, req.generation, req.slot,
+                                     output.hidden_state, output.logits)
+        else:
+            self.agent.cancel(req.req_id, output.error or output.finish_reason or "aborted")
+
+        def done(req_id: str, ok: bool, err: Optional[str]) -> None:
+            with self._lock:
+                finished = self.jobs.pop(req_id, None)
+            if finished is not None:
+                now = time.perf_counter()
+                self.totals["prefills_total"] += 1
+                self.totals["prefill_compute_seconds_total"] += finished.t_compute_done - finished.t_start
+                self.totals["kv_transfer_tail_seconds_total"] += now - finished.t_compute_done
+                log.info("prefill %s %s: %d tokens, %d writes, compute %.3fs, transfer tail %.3fs%s",
+                         req_id, "sent" if ok else "failed", finished.request.n_tokens, finished.writes,
+                         finished.t_compute_done - finished.t_start, now - finished.t_compute_done,
+                         f" ({err})" if err else "")
+            on_freeable(req_id, ok, err)
+        self.agent.finish_send(req.req_id, done)
+
+    def cancel(self, req_id: str, reason: str) -> None:
+        if self.has(req_id):
+            self.agent.cancel(req_id, reason)
+
+    # ------------------------------------------------------------ worker side (engine thread)
+    def step_scheduled(self, batch: StepBatch) -> None:
+        for c in batch.prefill_only_chunks:
+            job = self.jobs.get(c.req_id)
+            if job is None:
+                continue
+            self._plan(job)
+            ready = job.n_pages if c.is_last_chunk else (c.start + c.num_tokens) // self.page_size
+            job.step_positions = list(range(job.sent_upto, ready)) if self.stream_layers else []
+            job.sent_upto = ready
+
+    def layer_written(self, layer: int, batch: StepBatch) -> None:
+        for c in batch.prefill_only_chunks:
+            job = self.jobs.get(c.req_id)
+            if job is not None and job.step_positions:
+                self._post(job, layer, job.step_positions)
+
+    def _plan(self, job: _SendJob) -> None:
+        if job.plan is None:
+            src_pages = self.engine.page_table(job.request.req_id)[:job.n_pages]
+            job.plan = build_plan(self.layout, job.dst_layout, src_pages, job.request.dst_pages, self._rng)
+
+    def _post(self, job: _SendJob, layer: int, positions) -> None:
+        req = job.request
+        if self.agent.post_layer(req.peer, req.req_id, req.generation, job.plan, layer, positions):
+            n = job.plan.writes(positions)
+            job.writes += n
+            self.totals["kv_writes_total"] += n
+            self.totals["kv_transfer_bytes_total"] += len(positions) * sum(int(p.length.sum())
+                                                                           for p in job.plan.pairs)
+
+    def _send_error(self, req_id: str, generation: int, err: str) -> None:
+        log.warning("prefill %s: transfer error %s", req_id, err)
+        self._on_send_error(req_id, err)
+
+    def stats(self) -> dict:
+        with self._lock:
+            depth = len(self.jobs)
+        return {"prefill_queue_depth": depth, **self.totals}
+
+    def handshake_payload(self) -> dict:
+        return self.agent.handshake_payload()
+
+    def close(self) -> None:
+        self.agent.close()
+
+
+@dataclass
+class _Receive:
+    n_pages: int
+    expected: int
+    t_start: float = field(default_factory=time.perf_counter)
+
+
+class NixlKVReceiver(KVReceiver):
+    """Decode role (see the module docstring). ``source`` of :meth:`expect` is the sending
+    instance's (peer name, KV layout)."""
+
+    def __init__(self, engine: Engine, config: ConnectorConfig, name: str):
+        self.layout = kv_layout(engine.kv_cache())
+        self.dims = engine.dims()
+        self.timeout_s = config.kv_transfer_timeout_s
+        self.agent = make_agent(engine, name, config)
+        self._active: dict[str, _Receive] = {}
+        self._lock = threading.Lock()
+        self.totals = {"kv_transfer_seconds_total": 0.0, "kv_transfer_bytes_total": 0, "kv_writes_total": 0}
+
+    def num_external_tokens(self, prompt_len: int) -> int:
+        """All prompt tokens but the last come from a prefill instance; the last one is the
+        first decode step."""
+        return max(0, prompt_len - 1)
+
+    def expect(self, req_id: str, n_tokens: int, source: tuple[str, KVLayout], on_ready: ReadyCallback,
+               on_release: ReleaseCallback) -> ReceiveTicket:
+        peer, src_layout = source
+        n_pages = math.ceil(n_tokens / self.layout.page_size)
+        expected = expected_writes(src_layout, self.layout, n_pages)
+        with self._lock:
+            self._active[req_id] = _Receive(n_pages, expected)
+
+        def done(rid: str, ok: bool, err: Optional[str], meta) -> None:
+            with self._lock:
+                rec = self._active.pop(rid, None)
+            if ok and rec is not None:
+                self.totals["kv_transfer_seconds_total"] += time.perf_counter() - rec.t_start
+                self.totals["kv_writes_total"] += rec.expected
+                self.totals["kv_transfer_bytes_total"] += (rec.n_pages * self.layout.num_layers
+                                                           * self.layout.page_bytes * self.layout.tp_size)
+            on_ready(rid, ok, err, self.split_meta(meta) if ok else None)
+
+        handle = self.agent.expect(req_id, expected, on_done=done, timeout_s=self.timeout_s, peer=peer,
+                                   on_release=lambda rid, generation: on_release(rid))
+        return ReceiveTicket(handle.generation, handle.slot, n_pages, expected)
+
+    def split_meta(self, meta):
+        """The meta block (fp32 hidden ++ logits of the last prefilled position) as (hidden, logits)."""
+        if meta is None:
+            return None
+        h = self.dims.hidden_size
+        return meta[:h], meta[h: h + self.dims.vocab_size]
+
+    def cancel(self, req_id: str, reason: str) -> None:
+        self.agent.cancel(req_id, reason)
+
+    def stats(self) -> dict:
+        return dict(self.totals)
+
+    def close(self) -> None:
+        self.agent.close()

@@ -1,0 +1,136 @@
+"""The KV messenger protocol between decode and prefill instances: typed messages, a version
+checked at the handshake, validation of every field before a message reaches a worker.
+
+Frames and the handshake exchange are ``fabric_bridge.control``'s (4-byte length + UTF-8 JSON;
+a refusal is ``{"error": reason}``); a message is a JSON object with ``"type"`` and its fields. The KV bytes never travel here: they go over NIXL.
+
+  decode -> prefill   Hello(version, name, fabric)    fabric: the agent's handshake payload
+  prefill -> decode   Hello(version, name, fabric)  or  {"error": reason} (refused)
+  decode -> prefill   PrefillRequest(req_id, generation, slot, tokens, dst_pages)
+  decode -> prefill   Cancel(req_id)
+  prefill -> decode   PrefillFailed(req_id, kind, message)   the prefill will not complete
+
+Version history: 1 = this set of messages (the first typed, versioned protocol).
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from backend.engine.outputs import ErrorKind
+
+PROTOCOL_VERSION = 1
+MAX_PROMPT_TOKENS = 1 << 20
+MAX_REQ_ID_LEN = 256
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the protocol (unknown type, missing or bad field)."""
+
+
+@dataclass(frozen=True)
+class Hello:
+    version: int
+    name: str
+    fabric: dict
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    req_id: str
+    generation: int
+    slot: Optional[int]
+    tokens: list[int]
+    dst_pages: list[int]
+
+
+@dataclass(frozen=True)
+class Cancel:
+    req_id: str
+
+
+@dataclass(frozen=True)
+class PrefillFailed:
+    req_id: str
+    kind: ErrorKind
+    message: str
+
+
+Message = Union[Hello, PrefillRequest, Cancel, PrefillFailed]
+TYPES: dict[str, type] = {"hello": Hello, "prefill": PrefillRequest, "cancel": Cancel,
+                          "prefill_failed": PrefillFailed}
+_NAMES = {cls: name for name, cls in TYPES.items()}
+
+
+def encode(msg: Message) -> dict:
+    return {"type": _NAMES[type(msg)], **dataclasses.asdict(msg)}
+
+
+def decode(obj) -> Message:
+    """A validated message from a received JSON value; :class:`ProtocolError` says what is wrong."""
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"a message must be a JSON object, got {type(obj).__name__}")
+    name = obj.get("type")
+    cls = TYPES.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {name!r}; known: {sorted(TYPES)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    extra = sorted(set(obj) - fields - {"type"})
+    if extra:
+        raise ProtocolError(f"{name}: unknown field(s) {extra}")
+    values = {}
+    for field in fields:
+        if field not in obj:
+            raise ProtocolError(f"{name}: missing field {field!r}")
+        values[field] = _check(name, field, obj[field], hints[field])
+    msg = cls(**values)
+    if isinstance(msg, (PrefillRequest, Cancel, PrefillFailed)) and not 0 < len(msg.req_id) <= MAX_REQ_ID_LEN:
+        raise ProtocolError(f"{name}: req_id must be 1..{MAX_REQ_ID_LEN} characters")
+    if isinstance(msg, PrefillRequest) and len(msg.tokens) > MAX_PROMPT_TOKENS:
+        raise ProtocolError(f"prefill: {len(msg.tokens)} tokens exceed {MAX_PROMPT_TOKENS}")
+    return msg
+
+
+def _check(msg_name: str, field: str, value, typ):
+    where = f"{msg_name}.{field}"
+    if typ is ErrorKind:
+        try:
+            return ErrorKind(value)
+        except ValueError:
+            raise ProtocolError(f"{where}: unknown error kind {value!r}") from None
+    optional = type(None) in typing.get_args(typ)
+    if optional:
+        if value is None:
+            return None
+        typ = next(a for a in typing.get_args(typ) if a is not type(None))
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ProtocolError(f"{where} must be a non-negative integer, got {value!r}")
+        return value
+    if typ is str:
+        if not isinstance(value, str):
+            raise ProtocolError(f"{where} must be a string")
+        return value
+    if typ is dict:
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where} must be an object")
+        return value
+    if typing.get_origin(typ) is list:
+        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                                  for v in value):
+            raise ProtocolError(f"{where} must be a list of non-negative integers")
+        return value
+    raise AssertionError(f"unhandled field type {typ} of {where}")
+
+
+def check_hello(msg: Message) -> Hello:
+    """The peer's hello, or :class:`ProtocolError` naming the version mismatch."""
+    if not isinstance(msg, Hello):
+        raise ProtocolError(f"expected hello, got {_NAMES[type(msg)]}")
+    if msg.version != PROTOCOL_VERSION:
+        raise ProtocolError(f"messenger protocol version {msg.version} is not supported (this instance "
+                            f"speaks version {PROTOCOL_VERSION})")
+    return msg

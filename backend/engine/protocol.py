@@ -1,0 +1,91 @@
+"""The seams of the engine layer, typed: what a serving worker or a KV connector may ask of an
+engine (:class:`Engine`), what it learns about the model and the KV cache (:class:`ModelDims`,
+:class:`KVCacheSpec`), and what the engine tells a KV connector while it runs
+(:class:`KVStepListener`). ``LLMEngine`` (the torch engine) implements :class:`Engine`; a
+TensorRT-LLM engine would implement the same protocol in its own module."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from backend.engine.outputs import EngineOutput
+from backend.engine.sampling.params import SamplingParams
+from backend.engine.scheduler import StepBatch
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    num_kv_heads: int      # of the whole model (all TP shards)
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The instance's paged HND KV cache: per TP rank one tensor
+    ``[num_layers, num_pages, 2, num_kv_heads / tp_size, page_size, head_dim]``."""
+
+    model: str
+    num_layers: int
+    num_pages: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    tp_size: int
+    device_type: str          # "cpu" or "cuda"
+    shards: tuple[torch.Tensor, ...]
+
+    @property
+    def bytes_per_page_per_layer(self) -> int:
+        """One page of one layer, all heads of all shards (K and V)."""
+        return sum(t[0, 0].numel() * t.element_size() for t in self.shards)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.shards)
+
+
+class KVStepListener(Protocol):
+    """Worker side of a KV connector, as the engine calls it (engine thread)."""
+
+    def step_scheduled(self, batch: StepBatch) -> None:
+        """Before a step with prefill-only chunks runs: which chunks it computes."""
+
+    def layer_written(self, layer: int, batch: StepBatch) -> None:
+        """After each layer of such a step has written its KV into the pool (TP: on every rank)."""
+
+
+class Engine(Protocol):
+    max_model_len: int
+
+    # requests (the engine loop thread calls these)
+    def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    prefill_only: bool = False, kv_ready_tokens: int = 0,
+                    prefill_hidden: torch.Tensor | None = None,
+                    prefill_logits: torch.Tensor | None = None) -> None: ...
+    def abort(self, req_id: str) -> EngineOutput | None: ...
+    def step(self) -> list[EngineOutput]: ...
+    def has_work(self) -> bool: ...
+    def fail(self, req_ids: list[str], message: str) -> list[EngineOutput]: ...
+    def active_request_ids(self) -> list[str]: ...
+    def queue_lengths(self) -> tuple[int, int]: ...
+
+    # pages (thread-safe)
+    def reserve(self, req_id: str, n_tokens: int) -> list[int]: ...
+    def cancel_reservation(self, req_id: str) -> None: ...
+    def release(self, req_id: str) -> int: ...
+    def page_table(self, req_id: str) -> list[int]: ...
+    def pool_stats(self) -> dict: ...
+
+    # the model, the KV cache, health
+    def dims(self) -> ModelDims: ...
+    def kv_cache(self) -> KVCacheSpec: ...
+    def set_kv_listener(self, listener: KVStepListener | None, layer_events: bool = True) -> None: ...
+    def health(self) -> str | None: ...
+    def on_out_of_service(self, callback: Callable[[str], None]) -> None: ...
+    def close(self) -> None: ...

@@ -1,0 +1,160 @@
+"""The configuration tree of a model instance, parsed once from its ``config.pbtxt`` string
+parameters: ``role``, then one typed section per layer (engine, serving, KV connector).
+Defaults live in the section dataclasses and nowhere else; an unknown or malformed parameter
+fails the model load with a message naming it. Tensor parallelism is the engine section's
+``tensor_parallel_size``."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from backend.disagg.config import ConnectorConfig
+from backend.engine.config import EngineConfig, field_types, parse_section
+from backend.engine.sampling.params import DRAFT_METHODS, MAX_DRAFT_TOKENS
+
+ROLES = ("aggregated", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """Admission and request defaults. ``max_queue_size``: requests active at once in the
+    instance (more are refused as overloaded). ``speculative_k`` / ``draft_method``: what a
+    request that sets neither gets. ``cpu_affinity``: cores to pin the instance's process to
+    ("0", "0,1", "2-3"; empty: no pinning). Decode role: ``max_waiting_for_pages`` requests may
+    wait up to ``page_wait_timeout_s`` for free KV pages, more are refused as overloaded."""
+
+    max_queue_size: int = 256
+    speculative_k: int = 0
+    draft_method: str = "lookup"
+    cpu_affinity: str = ""
+    max_waiting_for_pages: int = 32
+    page_wait_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.max_queue_size < 1:
+            raise ValueError(f"max_queue_size must be >= 1, got {self.max_queue_size}")
+        if not 0 <= self.speculative_k <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"speculative_k must be in [0, {MAX_DRAFT_TOKENS}], got {self.speculative_k}")
+        if self.draft_method not in DRAFT_METHODS:
+            raise ValueError(f"draft_method must be one of {list(DRAFT_METHODS)}, got {self.draft_method!r}")
+        if self.max_waiting_for_pages < 0:
+            raise ValueError(f"max_waiting_for_pages must be >= 0, got {self.max_waiting_for_pages}")
+        if self.page_wait_timeout_s <= 0:
+            raise ValueError(f"page_wait_timeout_s must be > 0, got {self.page_wait_timeout_s}")
+        self.cores()
+
+    def cores(self) -> set[int]:
+        """``cpu_affinity`` as a set of core ids (empty: no pinning)."""
+        cores: set[int] = set()
+        for part in filter(None, (p.strip() for p in self.cpu_affinity.split(","))):
+            lo, _, hi = part.partition("-")
+            try:
+                first, last = int(lo), int(hi or lo)
+            except ValueError:
+                raise ValueError(f"cpu_affinity {self.cpu_affinity!r}: {part!r} is not a core or a range") from None
+            if first < 0 or last < first:
+                raise ValueError(f"cpu_affinity {self.cpu_affinity!r}: bad range {part!r}")
+            cores.update(range(first, last + 1))
+        return cores
+
+    def apply_cpu_affinity(self) -> None:
+        if self.cpu_affinity.strip():
+            os.sched_setaffinity(0, self.cores())
+
+
+SECTIONS = {"engine": EngineConfig, "serving": ServingConfig, "connector": ConnectorConfig}
+
+
+def _section_keys() -> dict[str, str]:
+    """parameter name -> its section (names are unique across sections)."""
+    keys: dict[str, str] = {}
+    for section, cls in SECTIONS.items():
+        for name in field_types(cls):
+            if name in keys:
+                raise AssertionError(f"parameter {name!r} is in sections {keys[name]} and {section}")
+            keys[name] = section
+    return keys
+
+
+SECTION_OF = _section_keys()
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    role: str
+    engine: EngineConfig
+    serving: ServingConfig
+    connector: ConnectorConfig
+
+    @classmethod
+    def from_parameters(cls, params: dict) -> "InstanceConfig":
+        """Parse a model's parameters (``{"role": "decode", "page_size": "16", ...}``)."""
+        role = str(params.get("role") or "aggregated").strip()
+        if role not in ROLES:
+            raise ValueError(f"parameter 'role' must be one of {list(ROLES)}, got {role!r}")
+        unknown = sorted(k for k in params if k != "role" and k not in SECTION_OF)
+        if unknown:
+            raise ValueError(f"unknown parameter(s) {unknown}; known: {sorted(['role', *SECTION_OF])}")
+        by_section: dict[str, dict] = {s: {} for s in SECTIONS}
+        for key, value in params.items():
+            if key != "role":
+                by_section[SECTION_OF[key]][key] = value
+        if not str(by_section["engine"].get("model_path") or "").strip():
+            raise ValueError("parameter 'model_path' is empty: give the checkpoint directory "
+                             "(`triton-disagg serve` renders it; `triton-disagg prepare` makes the default one)")
+        return cls(role=role, engine=EngineConfig.from_dict(by_section["engine"]),
+                   serving=parse_section(ServingConfig, by_section["serving"], "serving"),
+                   connector=parse_section(ConnectorConfig, by_section["connector"], "connector"))
+
+
+@dataclass(frozen=True)
+class FrontConfig:
+    """The disaggregated front model: ``decode_models`` it routes to (comma-separated)."""
+
+    decode_models: str = "decode"
+
+    def __post_init__(self) -> None:
+        if not self.targets():
+            raise ValueError("parameter 'decode_models' lists no decode model")
+
+    def targets(self) -> list[str]:
+        return [m.strip() for m in self.decode_models.split(",") if m.strip()]
+
+    @classmethod
+    def from_parameters(cls, params: dict) -> "FrontConfig":
+        return parse_section(cls, params, "front model")
+
+
+def parameter_defaults(role: str) -> dict[str, str]:
+    """Every parameter of a role's model with its default, as config.pbtxt strings."""
+    if role == "front":
+        return {"decode_models": FrontConfig.decode_models}
+    out = {"role": role, "model_path": ""}
+    for cls in (EngineConfig, ServingConfig, ConnectorConfig):
+        for f in cls.__dataclass_fields__.values():
+            if f.init and f.name != "model_path":
+                out[f.name] = _to_string(f.default)
+    return out
+
+
+def check_parameters(role: str, params: dict) -> None:
+    """Refuse unknown keys and malformed values without building anything (for rendering)."""
+    if role == "front":
+        FrontConfig.from_parameters(params)
+        return
+    unknown = sorted(k for k in params if k != "role" and k not in SECTION_OF)
+    if unknown:
+        raise ValueError(f"unknown parameter(s) {unknown} for a {role} model")
+    types = {**field_types(EngineConfig), **field_types(ServingConfig), **field_types(ConnectorConfig)}
+    from backend.engine.config import parse_value
+    for key, value in params.items():
+        if key != "role" and str(value).strip():
+            parse_value(key, value, types[key])
+
+
+def _to_string(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)

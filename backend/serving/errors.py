@@ -1,0 +1,37 @@
+"""How an error's kind travels in a Triton error message: ``[kind] message``. The kind is the
+:class:`ErrorKind` value, written by :func:`format_error` and read back into the enum by
+:func:`parse_error` (a structured prefix, not a search in the text), so the front model can
+route on it. The Triton error code follows the kind, so HTTP clients get a fitting status."""
+from __future__ import annotations
+
+import re
+
+from backend.engine.outputs import ErrorKind
+
+_TAGGED = re.compile(r"^\[(?P<kind>[a-z_]+)\] (?P<message>.*)$", re.S)
+
+# ErrorKind -> the name of the Triton error code (pb_utils.TritonError.<CODE>)
+TRITON_CODES = {
+    ErrorKind.BAD_REQUEST: "INVALID_ARG",
+    ErrorKind.OVERLOADED: "UNAVAILABLE",
+    ErrorKind.OUT_OF_SERVICE: "UNAVAILABLE",
+    ErrorKind.PREFILL_UNAVAILABLE: "UNAVAILABLE",
+    ErrorKind.KV_TRANSFER_FAILED: "INTERNAL",
+    ErrorKind.ENGINE: "INTERNAL",
+    ErrorKind.INTERNAL: "INTERNAL",
+}
+
+
+def format_error(kind: ErrorKind, message: str) -> str:
+    return f"[{kind.value}] {message}"
+
+
+def parse_error(text: str) -> tuple[ErrorKind | None, str]:
+    """(kind, message) of a message made by :func:`format_error`; (None, text) otherwise."""
+    m = _TAGGED.match(text or "")
+    if m is None:
+        return None, text
+    try:
+        return ErrorKind(m["kind"]), m["message"]
+    except ValueError:
+        return None, text

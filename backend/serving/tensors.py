@@ -1,0 +1,66 @@
+"""The client-facing tensors (the names of NVIDIA's TensorRT-LLM backend): one definition from
+which requests are parsed (``backend/serving/request.py``) and every model's ``config.pbtxt``
+input and output lists are rendered (``build_scripts/render_repository.py``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Triton data type -> (numpy dtype kinds accepted, Python type of one value)
+_KINDS = {"TYPE_STRING": ("OSU", str), "TYPE_INT32": ("iu", int), "TYPE_UINT64": ("iu", int),
+          "TYPE_FP32": ("f", float), "TYPE_BOOL": ("b", bool)}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    data_type: str
+    optional: bool = True
+    dims: str = "-1"
+
+    @property
+    def numpy_kinds(self) -> str:
+        return _KINDS[self.data_type][0]
+
+    @property
+    def py_type(self) -> type:
+        return _KINDS[self.data_type][1]
+
+    def pbtxt(self, force_optional: bool = False) -> str:
+        opt = ", optional: true" if self.optional or force_optional else ""
+        return f'  {{ name: "{self.name}", data_type: {self.data_type}, dims: [ {self.dims} ]{opt} }}'
+
+
+INPUTS = (
+    TensorSpec("text_input", "TYPE_STRING", optional=False),
+    TensorSpec("max_tokens", "TYPE_INT32", optional=False),
+    TensorSpec("stream", "TYPE_BOOL"),
+    TensorSpec("temperature", "TYPE_FP32"),
+    TensorSpec("top_k", "TYPE_INT32"),
+    TensorSpec("top_p", "TYPE_FP32"),
+    TensorSpec("random_seed", "TYPE_UINT64"),
+    TensorSpec("end_id", "TYPE_INT32"),
+    TensorSpec("stop_words", "TYPE_STRING"),
+    TensorSpec("ignore_eos", "TYPE_BOOL"),
+    TensorSpec("apply_chat_template", "TYPE_BOOL"),
+    TensorSpec("num_draft_tokens", "TYPE_INT32"),
+    TensorSpec("draft_method", "TYPE_STRING"),
+    TensorSpec("guided_json", "TYPE_STRING"),
+    TensorSpec("guided_regex", "TYPE_STRING"),
+)
+# Sent by the front model to a decode model: cancel the request with this Triton request id.
+CANCEL_INPUT = TensorSpec("cancel_request_id", "TYPE_STRING")
+
+OUTPUTS = (
+    TensorSpec("text_output", "TYPE_STRING", optional=False),
+    TensorSpec("output_token_ids", "TYPE_INT32", optional=False),
+    TensorSpec("num_input_tokens", "TYPE_INT32", optional=False, dims="1"),
+    TensorSpec("num_output_tokens", "TYPE_INT32", optional=False, dims="1"),
+    TensorSpec("finish_reason", "TYPE_STRING", optional=False, dims="1"),
+)
+
+INPUTS_BY_NAME = {t.name: t for t in INPUTS + (CANCEL_INPUT,)}
+
+
+def pbtxt_list(specs, force_optional: bool = False) -> str:
+    """The body of a config.pbtxt ``input [...]`` / ``output [...]`` list."""
+    return ",\n".join(s.pbtxt(force_optional) for s in specs)

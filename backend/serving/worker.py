@@ -1,0 +1,62 @@
+"""The worker behind a model instance, as the Triton layer sees it (:class:`Worker`), what every
+worker shares (building the engine, turning a client request into sampling parameters, handing
+engine outputs to the session, the KV-pool gauges), and picking the worker for a role."""
+from __future__ import annotations
+
+from typing import Protocol
+
+from backend.engine.outputs import EngineOutput
+from backend.engine.protocol import Engine
+from backend.engine.sampling.params import SamplingParams
+from backend.parallel.engine_factory import build_engine
+from backend.serving.config import InstanceConfig, ServingConfig
+from backend.serving.session import GenerationSession
+
+
+class Worker(Protocol):
+    """``submit`` a session (answered through the session), ``cancel`` one; ``stats`` feeds the
+    metrics; ``health`` is None while the instance serves."""
+
+    max_model_len: int
+    vocab_size: int
+
+    def describe(self) -> str: ...
+    def submit(self, session: GenerationSession) -> None: ...
+    def cancel(self, req_id: str) -> None: ...
+    def stats(self) -> dict: ...
+    def health(self) -> str | None: ...
+    def shutdown(self) -> None: ...
+
+
+def start_engine(config: InstanceConfig) -> Engine:
+    """Pin the process (``cpu_affinity``), then build this instance's engine."""
+    config.serving.apply_cpu_affinity()
+    return build_engine(config.engine)
+
+
+def sampling_params(session: GenerationSession, serving: ServingConfig) -> SamplingParams:
+    r = session.request
+    k = serving.speculative_k if r.num_draft_tokens is None else r.num_draft_tokens
+    return SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, top_k=r.top_k,
+                          top_p=r.top_p, seed=r.seed, end_ids=(r.end_id,) if r.end_id is not None else (),
+                          ignore_eos=r.ignore_eos, num_draft_tokens=k,
+                          draft_method=r.draft_method or serving.draft_method, grammar=r.grammar)
+
+
+def deliver(session: GenerationSession, out: EngineOutput) -> None:
+    """Hand one engine output to the session (engine loop thread)."""
+    session.on_output(out.new_token_ids, out.finished, out.finish_reason, out.error, out.error_kind)
+
+
+def pool_gauges(pool: dict) -> dict:
+    return {"kv_pages_total": pool["total"], "kv_pages_free": pool["free"], "kv_pages_used": pool["used"]}
+
+
+def make_worker(config: InstanceConfig, name: str) -> Worker:
+    """The client-facing worker of a role (the prefill role has no client-facing worker)."""
+    from backend.serving.aggregated_worker import AggregatedWorker
+    from backend.serving.decode_worker import DecodeWorker
+    workers = {"aggregated": AggregatedWorker, "decode": DecodeWorker}
+    if config.role not in workers:
+        raise ValueError(f"role {config.role!r} has no client-facing worker; expected one of {sorted(workers)}")
+    return workers[config.role](config, name)
