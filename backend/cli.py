@@ -1,10 +1,11 @@
 """``triton-disagg``: prepare the model, serve it on a real Triton server, and query it.
 
-  triton-disagg prepare [--model PATH]
-  triton-disagg serve [--mode aggregated|disagg] [--host H] [--http-port P] ...   (Ctrl-C stops)
-  triton-disagg demo                 serve, answer a sample prompt through Triton, stop
-  triton-disagg generate "prompt"    stream an answer from a running server
+triton-disagg prepare [--model PATH]
+triton-disagg serve [--mode aggregated|disagg] [--host H] [--http-port P] ...   (Ctrl-C stops)
+triton-disagg demo                 serve, answer a sample prompt through Triton, stop
+triton-disagg generate "prompt"    stream an answer from a running server
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,9 +21,13 @@ SAMPLE_PROMPT = "What is the capital of France?"
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", choices=["aggregated", "disagg", "prefill", "decode"], default="aggregated",
-                   help="disagg: prefill + decode + front in this server; prefill/decode: one side of a "
-                        "deployment split across servers or hosts")
+    p.add_argument(
+        "--mode",
+        choices=["aggregated", "disagg", "prefill", "decode"],
+        default="aggregated",
+        help="disagg: prefill + decode + front in this server; prefill/decode: one side of a "
+        "deployment split across servers or hosts",
+    )
     p.add_argument("--model", default=None, help="HF checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1", help="bind address for HTTP, gRPC and metrics")
     p.add_argument("--http-port", type=int, default=8000)
@@ -30,13 +35,22 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=8002)
     p.add_argument("--prefill-instances", type=int, default=1)
     p.add_argument("--decode-instances", type=int, default=1)
-    p.add_argument("--messenger-host", default="127.0.0.1",
-                   help="prefill side: address decode instances reach its KV messenger on")
-    p.add_argument("--prefill-endpoints", default=None,
-                   help="decode side: comma-separated host:port of the prefill instances' messengers")
+    p.add_argument(
+        "--messenger-host", default="127.0.0.1", help="prefill side: address decode instances reach its KV messenger on"
+    )
+    p.add_argument(
+        "--prefill-endpoints",
+        default=None,
+        help="decode side: comma-separated host:port of the prefill instances' messengers",
+    )
     p.add_argument("--with-aggregated", action="store_true", help="also serve llm_aggregated for comparison")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a model parameter for every model (e.g. kv_cache_tokens=32768)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a model parameter for every model (e.g. kv_cache_tokens=32768)",
+    )
     p.add_argument("--log-file", default=None)
 
 
@@ -56,33 +70,49 @@ def start_server(args):
     from build_scripts.prepare_model import ensure_model
 
     model_dir = ensure_model(args.model)
-    repo = render_deployment(Path(tempfile.mkdtemp(prefix="triton-disagg-repo-")), mode=args.mode,
-                             model_path=str(model_dir), overrides=_overrides(args.set),
-                             prefill_instances=args.prefill_instances,
-                             decode_instances=args.decode_instances, messenger_host=args.messenger_host,
-                             prefill_endpoints=args.prefill_endpoints.split(",") if args.prefill_endpoints else None,
-                             with_aggregated=args.with_aggregated)
-    server = TritonServer(repo, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
-                          metrics_port=args.metrics_port, log_file=args.log_file)
+    repo = render_deployment(
+        Path(tempfile.mkdtemp(prefix="triton-disagg-repo-")),
+        mode=args.mode,
+        model_path=str(model_dir),
+        overrides=_overrides(args.set),
+        prefill_instances=args.prefill_instances,
+        decode_instances=args.decode_instances,
+        messenger_host=args.messenger_host,
+        prefill_endpoints=args.prefill_endpoints.split(",") if args.prefill_endpoints else None,
+        with_aggregated=args.with_aggregated,
+    )
+    server = TritonServer(
+        repo,
+        host=args.host,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
+        log_file=args.log_file,
+    )
     log.info("serving %s in %s mode from %s", model_dir, args.mode, repo)
     server.start()
     if args.mode in ("disagg", "prefill"):
         from backend.launch.deployment import prefill_endpoints_of
+
         print(f"prefill messenger endpoints: {','.join(prefill_endpoints_of(repo))}", flush=True)
     return server
 
 
 def cmd_prepare(args) -> int:
     from build_scripts.prepare_model import ensure_model
+
     print(ensure_model(args.model))
     return 0
 
 
 def cmd_serve(args) -> int:
     server = start_server(args)
-    print(f"Triton is serving ({args.mode}) on {args.host}: HTTP {server.http_port}, gRPC {server.grpc_port}, "
-          f"metrics {server.metrics_port}. Try:\n  triton-disagg generate --url {server.grpc_url} "
-          f"--chat \"{SAMPLE_PROMPT}\"\nCtrl-C stops.", flush=True)
+    print(
+        f"Triton is serving ({args.mode}) on {args.host}: HTTP {server.http_port}, gRPC {server.grpc_port}, "
+        f"metrics {server.metrics_port}. Try:\n  triton-disagg generate --url {server.grpc_url} "
+        f'--chat "{SAMPLE_PROMPT}"\nCtrl-C stops.',
+        flush=True,
+    )
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *a: stop.update(now=True))
     try:
@@ -98,20 +128,21 @@ def cmd_serve(args) -> int:
 
 def cmd_demo(args) -> int:
     from backend.client import stream_generate
+
     if args.log_file is None:
         args.log_file = str(Path(tempfile.mkdtemp(prefix="triton-disagg-")) / "tritonserver.log")
         print(f"tritonserver log: {args.log_file}", flush=True)
     server = start_server(args)
     try:
         print(f"> {SAMPLE_PROMPT}", flush=True)
-        res = stream_generate(server.grpc_url, SAMPLE_PROMPT, 48, chat=True,
-                              on_text=lambda t: print(t, end="", flush=True))
+        res = stream_generate(
+            server.grpc_url, SAMPLE_PROMPT, 48, chat=True, on_text=lambda t: print(t, end="", flush=True)
+        )
         print(flush=True)
         if res.error:
             print(f"error: {res.error}", file=sys.stderr)
             return 1
-        print(f"[{len(res.token_ids)} tokens, time to first token {res.ttft:.3f}s, "
-              f"finish reason {res.finish_reason}]")
+        print(f"[{len(res.token_ids)} tokens, time to first token {res.ttft:.3f}s, finish reason {res.finish_reason}]")
     finally:
         server.stop()
     return 0
@@ -119,9 +150,18 @@ def cmd_demo(args) -> int:
 
 def cmd_generate(args) -> int:
     from backend.client import stream_generate
-    res = stream_generate(args.url, args.prompt, args.max_tokens, model=args.model_name,
-                          chat=args.chat, temperature=args.temperature, seed=args.seed,
-                          stream=not args.no_stream, on_text=lambda t: print(t, end="", flush=True))
+
+    res = stream_generate(
+        args.url,
+        args.prompt,
+        args.max_tokens,
+        model=args.model_name,
+        chat=args.chat,
+        temperature=args.temperature,
+        seed=args.seed,
+        stream=not args.no_stream,
+        on_text=lambda t: print(t, end="", flush=True),
+    )
     print(flush=True)
     if res.error:
         print(f"error: {res.error}", file=sys.stderr)
@@ -131,14 +171,17 @@ def cmd_generate(args) -> int:
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    p = argparse.ArgumentParser(prog="triton-disagg", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="triton-disagg", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     sp = sub.add_parser("prepare", help="convert the packaged GGUF model into a checkpoint dir")
     sp.add_argument("--model", default=None)
     sp.set_defaults(fn=cmd_prepare)
-    for name, fn, help_ in (("serve", cmd_serve, "run tritonserver until Ctrl-C"),
-                            ("demo", cmd_demo, "serve, answer a sample prompt, stop")):
+    for name, fn, help_ in (
+        ("serve", cmd_serve, "run tritonserver until Ctrl-C"),
+        ("demo", cmd_demo, "serve, answer a sample prompt, stop"),
+    ):
         sp = sub.add_parser(name, help=help_)
         _add_server_args(sp)
         sp.set_defaults(fn=fn)

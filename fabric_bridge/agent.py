@@ -37,8 +37,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -51,9 +51,9 @@ from .plan import TransferPlan, all_pairs
 
 log = logging.getLogger("triton_disagg.fabric")
 
-SendCallback = Callable[[str, bool, Optional[str]], None]
+SendCallback = Callable[[str, bool, str | None], None]
 ErrorCallback = Callable[[str, int, str], None]
-ShardPools = Sequence[Union[torch.Tensor, Sequence[torch.Tensor]]]
+ShardPools = Sequence[torch.Tensor | Sequence[torch.Tensor]]
 
 _REMEMBER_STOPPED = 4096  # stopped (req_id -> generation) kept to drop late posts
 
@@ -88,13 +88,16 @@ def _layer_views(layout: KVLayout, shard: int, pool) -> tuple[list[torch.Tensor]
     n_pages = layers[0].shape[0]
     for i, t in enumerate(layers):
         if tuple(t.shape) != (n_pages, *page_shape):
-            raise ValueError(f"shard {shard} layer {i}: shape {tuple(t.shape)}, expected "
-                             f"[{n_pages}, {', '.join(map(str, page_shape))}] ({layout.layout})")
+            raise ValueError(
+                f"shard {shard} layer {i}: shape {tuple(t.shape)}, expected "
+                f"[{n_pages}, {', '.join(map(str, page_shape))}] ({layout.layout})"
+            )
     return layers, [pool] if stacked else layers
 
 
-def _dlist(bases: list[list[int]], n_pages: list[int], page_bytes: int,
-           tables: list[dict], devs: list[int]) -> tuple[np.ndarray, list[int]]:
+def _dlist(
+    bases: list[list[int]], n_pages: list[int], page_bytes: int, tables: list[dict], devs: list[int]
+) -> tuple[np.ndarray, list[int]]:
     """Descriptor rows ``(addr, len, dev)`` for every shard/layer/page/segment, and the row
     where each shard starts. Row of (s, layer, page, seg) = start[s] + (layer*n_pages[s] +
     page) * len(tables[s]) + seg."""
@@ -104,9 +107,11 @@ def _dlist(bases: list[list[int]], n_pages: list[int], page_bytes: int,
         if not table:
             continue
         segs = np.array(list(table), dtype=np.uint64)  # insertion order == segment id
-        addr = (np.array(bases[s], dtype=np.uint64)[:, None, None]
-                + (np.arange(n_pages[s], dtype=np.uint64) * np.uint64(page_bytes))[None, :, None]
-                + segs[None, None, :, 0])
+        addr = (
+            np.array(bases[s], dtype=np.uint64)[:, None, None]
+            + (np.arange(n_pages[s], dtype=np.uint64) * np.uint64(page_bytes))[None, :, None]
+            + segs[None, None, :, 0]
+        )
         block = np.empty((addr.size, 3), dtype=np.uint64)
         block[:, 0] = addr.ravel()
         block[:, 1] = np.broadcast_to(segs[:, 1], addr.shape).ravel()
@@ -123,10 +128,14 @@ def _seg_tables(pairs, n_src: int, n_dst: int):
     dst_t = [dict() for _ in range(n_dst)]
     pair_ids = {}
     for p in pairs:
-        sid = [src_t[p.src_shard].setdefault((int(o), int(n)), len(src_t[p.src_shard]))
-               for o, n in zip(p.src_off, p.length)]
-        did = [dst_t[p.dst_shard].setdefault((int(o), int(n)), len(dst_t[p.dst_shard]))
-               for o, n in zip(p.dst_off, p.length)]
+        sid = [
+            src_t[p.src_shard].setdefault((int(o), int(n)), len(src_t[p.src_shard]))
+            for o, n in zip(p.src_off, p.length)
+        ]
+        did = [
+            dst_t[p.dst_shard].setdefault((int(o), int(n)), len(dst_t[p.dst_shard]))
+            for o, n in zip(p.dst_off, p.length)
+        ]
         pair_ids[(p.src_shard, p.dst_shard)] = (np.array(sid, dtype=np.int64), np.array(did, dtype=np.int64))
     return src_t, dst_t, pair_ids
 
@@ -143,7 +152,7 @@ class _Peer:
     local_nseg: list[int]
     remote_nseg: list[int]
     pair_ids: dict
-    meta_dl: Optional[object]
+    meta_dl: object | None
 
 
 @dataclass
@@ -151,9 +160,9 @@ class _Send:
     peer: str
     generation: int
     inflight: int = 0
-    error: Optional[str] = None
+    error: str | None = None
     stopping: bool = False
-    on_done: Optional[SendCallback] = None
+    on_done: SendCallback | None = None
 
 
 @dataclass
@@ -162,16 +171,25 @@ class _Xfer:
     req_id: str
     send: _Send
     posted_at: float
-    stage_slot: Optional[int] = None
+    stage_slot: int | None = None
 
 
 class FabricAgent:
     """One NIXL agent per engine instance (see module docstring)."""
 
-    def __init__(self, name: str, layout: KVLayout, shards: ShardPools, meta_slots: int = 0,
-                 meta_slot_floats: int = 0, backend: str = "UCX", quarantine_s: float = 5.0,
-                 xfer_timeout_s: float = 30.0, on_send_error: Optional[ErrorCallback] = None,
-                 nixl_progress_thread: bool = False):
+    def __init__(
+        self,
+        name: str,
+        layout: KVLayout,
+        shards: ShardPools,
+        meta_slots: int = 0,
+        meta_slot_floats: int = 0,
+        backend: str = "UCX",
+        quarantine_s: float = 5.0,
+        xfer_timeout_s: float = 30.0,
+        on_send_error: ErrorCallback | None = None,
+        nixl_progress_thread: bool = False,
+    ):
         if len(shards) != layout.tp_size:
             raise ValueError(f"{len(shards)} shard pools given, layout has TP {layout.tp_size}")
         self.name, self.layout, self.backend = name, layout, backend
@@ -184,17 +202,24 @@ class FabricAgent:
         self._n_pages = [v[0].shape[0] for v in self._layers]
         self._devs = [_dev_id(v[0]) for v in self._layers]
         device = self._layers[0][0].device
-        self.meta = (torch.zeros(meta_slots, meta_slot_floats, dtype=torch.float32, device=device)
-                     if meta_slots else None)
+        self.meta = (
+            torch.zeros(meta_slots, meta_slot_floats, dtype=torch.float32, device=device) if meta_slots else None
+        )
         if self.meta is not None:
             to_register.append(self.meta)
 
         self._nixl = self._start_nixl(name, backend, nixl_progress_thread)
         self._regs = [self._nixl.register_memory(t, backends=[backend]) for t in to_register]
-        self._meta_local_dl = (self._nixl.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", self._meta_rows(self.meta.data_ptr(), meta_slots, meta_slot_floats,
-                                               _dev_id(self.meta)), layout.mem_kind, backends=[backend])
-            if self.meta is not None else None)
+        self._meta_local_dl = (
+            self._nixl.prep_xfer_dlist(
+                "NIXL_INIT_AGENT",
+                self._meta_rows(self.meta.data_ptr(), meta_slots, meta_slot_floats, _dev_id(self.meta)),
+                layout.mem_kind,
+                backends=[backend],
+            )
+            if self.meta is not None
+            else None
+        )
 
         self._tracker = CompletionTracker(self.meta, quarantine_s)
         self._peers: dict[str, _Peer] = {}
@@ -208,24 +233,33 @@ class FabricAgent:
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._progress_loop, name=f"fabric-{name}", daemon=True)
         self._thread.start()
-        log.info("fabric agent %s: %s, %d shard(s), %s pages/shard, backend %s", name,
-                 layout.layout, layout.tp_size, self._n_pages, backend)
+        log.info(
+            "fabric agent %s: %s, %d shard(s), %s pages/shard, backend %s",
+            name,
+            layout.layout,
+            layout.tp_size,
+            self._n_pages,
+            backend,
+        )
 
     # ---------------------------------------------------------------- setup / handshake
     @staticmethod
     def _start_nixl(name: str, backend: str, progress_thread: bool) -> nixl_agent:
-        conf = nixl_agent_config(enable_prog_thread=progress_thread, backends=[backend],
-                                 sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        conf = nixl_agent_config(
+            enable_prog_thread=progress_thread, backends=[backend], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+        )
         try:
             agent = nixl_agent(name, conf)
         except Exception as e:
             raise TransportUnavailable(
                 f"NIXL transport {backend!r} failed to start on this machine "
-                f"({type(e).__name__}: {e}); UCX is the default, LIBFABRIC needs EFA") from e
+                f"({type(e).__name__}: {e}); UCX is the default, LIBFABRIC needs EFA"
+            ) from e
         if backend not in agent.backends:
             raise TransportUnavailable(
                 f"NIXL transport {backend!r} is not available: no such plugin "
-                f"(available plugins: {', '.join(agent.get_plugin_list())})")
+                f"(available plugins: {', '.join(agent.get_plugin_list())})"
+            )
         return agent
 
     @staticmethod
@@ -240,13 +274,22 @@ class FabricAgent:
         """JSON-serialisable description of this agent for a peer (see ``control.py``)."""
         meta = None
         if self.meta is not None:
-            meta = {"addr": self.meta.data_ptr(), "slots": self.meta.shape[0],
-                    "floats": self.meta.shape[1], "dev": _dev_id(self.meta)}
-        return {"name": self.name, "md": b64(self._nixl.get_agent_metadata()),
-                "layout": self.layout.to_dict(),
-                "shards": [{"bases": [t.data_ptr() for t in views], "num_pages": n, "dev": d}
-                           for views, n, d in zip(self._layers, self._n_pages, self._devs)],
-                "meta": meta}
+            meta = {
+                "addr": self.meta.data_ptr(),
+                "slots": self.meta.shape[0],
+                "floats": self.meta.shape[1],
+                "dev": _dev_id(self.meta),
+            }
+        return {
+            "name": self.name,
+            "md": b64(self._nixl.get_agent_metadata()),
+            "layout": self.layout.to_dict(),
+            "shards": [
+                {"bases": [t.data_ptr() for t in views], "num_pages": n, "dev": d}
+                for views, n, d in zip(self._layers, self._n_pages, self._devs)
+            ],
+            "meta": meta,
+        }
 
     def add_peer(self, payload: dict) -> str:
         """Validate a peer's payload, load its NIXL metadata and prep the descriptor lists for
@@ -255,16 +298,19 @@ class FabricAgent:
         check_compatible(self.layout, layout)
         meta = payload["meta"]
         if meta is not None and self.meta is not None and meta["floats"] != self.meta.shape[1]:
-            raise ValueError(f"meta slot size differs: {self.meta.shape[1]} floats here, "
-                             f"{meta['floats']} at peer {payload['name']}")
+            raise ValueError(
+                f"meta slot size differs: {self.meta.shape[1]} floats here, {meta['floats']} at peer {payload['name']}"
+            )
         pairs = all_pairs(self.layout, layout)
         src_t, dst_t, pair_ids = _seg_tables(pairs, self.layout.tp_size, layout.tp_size)
-        local_rows, local_start = _dlist([[t.data_ptr() for t in v] for v in self._layers],
-                                         self._n_pages, self.layout.page_bytes, src_t, self._devs)
+        local_rows, local_start = _dlist(
+            [[t.data_ptr() for t in v] for v in self._layers], self._n_pages, self.layout.page_bytes, src_t, self._devs
+        )
         shards = payload["shards"]
         remote_n = [s["num_pages"] for s in shards]
-        remote_rows, remote_start = _dlist([s["bases"] for s in shards], remote_n, layout.page_bytes,
-                                           dst_t, [s["dev"] for s in shards])
+        remote_rows, remote_start = _dlist(
+            [s["bases"] for s in shards], remote_n, layout.page_bytes, dst_t, [s["dev"] for s in shards]
+        )
         with self._lock:
             if payload["name"] in self._peers:
                 self._drop_peer(payload["name"])
@@ -272,17 +318,37 @@ class FabricAgent:
             name = name.decode() if isinstance(name, bytes) else name
             bk = [self.backend]
             peer = _Peer(
-                name, layout, remote_n,
+                name,
+                layout,
+                remote_n,
                 self._nixl.prep_xfer_dlist("NIXL_INIT_AGENT", local_rows, self.layout.mem_kind, backends=bk),
                 self._nixl.prep_xfer_dlist(name, remote_rows, layout.mem_kind, backends=bk),
-                local_start, remote_start, [len(t) for t in src_t], [len(t) for t in dst_t], pair_ids,
-                self._nixl.prep_xfer_dlist(name, self._meta_rows(meta["addr"], meta["slots"], meta["floats"],
-                                                                 meta["dev"]), layout.mem_kind, backends=bk)
-                if meta is not None else None)
+                local_start,
+                remote_start,
+                [len(t) for t in src_t],
+                [len(t) for t in dst_t],
+                pair_ids,
+                self._nixl.prep_xfer_dlist(
+                    name,
+                    self._meta_rows(meta["addr"], meta["slots"], meta["floats"], meta["dev"]),
+                    layout.mem_kind,
+                    backends=bk,
+                )
+                if meta is not None
+                else None,
+            )
             self._peers[name] = peer
-        log.info("fabric agent %s: peer %s added (%s TP %d -> %s TP %d, %d+%d descriptors)", self.name,
-                 name, self.layout.layout, self.layout.tp_size, layout.layout, layout.tp_size,
-                 len(local_rows), len(remote_rows))
+        log.info(
+            "fabric agent %s: peer %s added (%s TP %d -> %s TP %d, %d+%d descriptors)",
+            self.name,
+            name,
+            self.layout.layout,
+            self.layout.tp_size,
+            layout.layout,
+            layout.tp_size,
+            len(local_rows),
+            len(remote_rows),
+        )
         return name
 
     def _drop_peer(self, name: str) -> None:
@@ -293,9 +359,16 @@ class FabricAgent:
         self._nixl.remove_remote_agent(name)
 
     # ---------------------------------------------------------------- receiver side
-    def expect(self, req_id: str, expected_writes: int, on_done: Optional[DoneCallback] = None,
-               timeout_s: float = 30.0, with_meta: Optional[bool] = None, peer: Optional[str] = None,
-               on_release: Optional[ReleaseCallback] = None) -> RecvHandle:
+    def expect(
+        self,
+        req_id: str,
+        expected_writes: int,
+        on_done: DoneCallback | None = None,
+        timeout_s: float = 30.0,
+        with_meta: bool | None = None,
+        peer: str | None = None,
+        on_release: ReleaseCallback | None = None,
+    ) -> RecvHandle:
         """Expect ``expected_writes`` KV writes (plus a meta block if ``with_meta``, default:
         when this agent has meta slots) for ``req_id``. ``peer`` is told to stop on
         cancel/timeout. ``on_release(req_id, generation)`` says when a failed request's pages
@@ -304,8 +377,15 @@ class FabricAgent:
         return self._tracker.expect(req_id, expected_writes, on_done, timeout_s, with_meta, peer, on_release)
 
     # ---------------------------------------------------------------- sender side
-    def post_layer(self, peer: str, req_id: str, generation: int, plan: TransferPlan, layer: int,
-                   positions: Optional[Sequence[int]] = None) -> bool:
+    def post_layer(
+        self,
+        peer: str,
+        req_id: str,
+        generation: int,
+        plan: TransferPlan,
+        layer: int,
+        positions: Sequence[int] | None = None,
+    ) -> bool:
         """Post one xfer writing layer ``layer`` of the plan's pages (``positions``: indices into
         the plan's page lists, e.g. the pages a prefill chunk filled; default all). Returns at
         once: True if posted, False if the request was cancelled or has failed."""
@@ -323,19 +403,24 @@ class FabricAgent:
             s, d = pair.src_shard, pair.dst_shard
             lid, rid = p.pair_ids[(s, d)]
             if sp.max() >= self._n_pages[s] or dp.max() >= p.n_pages[d] or min(sp.min(), dp.min()) < 0:
-                raise IndexError(f"page id out of range (source shard {s}: {self._n_pages[s]} pages, "
-                                 f"destination shard {d}: {p.n_pages[d]} pages)")
-            local.append((p.local_start[s] + (layer * self._n_pages[s] + sp)[:, None] * p.local_nseg[s]
-                          + lid[None, :]).ravel())
-            remote.append((p.remote_start[d] + (layer * p.n_pages[d] + dp)[:, None] * p.remote_nseg[d]
-                           + rid[None, :]).ravel())
+                raise IndexError(
+                    f"page id out of range (source shard {s}: {self._n_pages[s]} pages, "
+                    f"destination shard {d}: {p.n_pages[d]} pages)"
+                )
+            local.append(
+                (p.local_start[s] + (layer * self._n_pages[s] + sp)[:, None] * p.local_nseg[s] + lid[None, :]).ravel()
+            )
+            remote.append(
+                (p.remote_start[d] + (layer * p.n_pages[d] + dp)[:, None] * p.remote_nseg[d] + rid[None, :]).ravel()
+            )
         li = np.concatenate(local).astype(np.int32)
         ri = np.concatenate(remote).astype(np.int32)
         msg = f"W:{generation}:{len(li)}:{req_id}".encode()
         return self._post(p, req_id, generation, p.local_dl, li, p.remote_dl, ri, msg, None)
 
-    def post_meta(self, peer: str, req_id: str, generation: int, slot: int,
-                  hidden: torch.Tensor, logits: torch.Tensor) -> bool:
+    def post_meta(
+        self, peer: str, req_id: str, generation: int, slot: int, hidden: torch.Tensor, logits: torch.Tensor
+    ) -> bool:
         """Write ``hidden`` and ``logits`` (as fp32, concatenated) into the receiver's meta
         ``slot``. Staged through a free local meta slot. Returns like :meth:`post_layer`."""
         p = self._peers[peer]
@@ -345,16 +430,26 @@ class FabricAgent:
         if flat.numel() > self.meta.shape[1]:
             raise ValueError(f"meta block of {flat.numel()} floats exceeds the slot size {self.meta.shape[1]}")
         stage = self._tracker.acquire_slot()
-        self.meta[stage, :flat.numel()].copy_(flat)
+        self.meta[stage, : flat.numel()].copy_(flat)
         msg = f"M:{generation}:{flat.numel()}:{req_id}".encode()
-        ok = self._post(p, req_id, generation, self._meta_local_dl, np.array([stage], dtype=np.int32),
-                        p.meta_dl, np.array([slot], dtype=np.int32), msg, stage)
+        ok = self._post(
+            p,
+            req_id,
+            generation,
+            self._meta_local_dl,
+            np.array([stage], dtype=np.int32),
+            p.meta_dl,
+            np.array([slot], dtype=np.int32),
+            msg,
+            stage,
+        )
         if not ok:
             self._tracker.release_slot(stage)
         return ok
 
-    def _post(self, p: _Peer, req_id: str, generation: int, local_dl, li, remote_dl, ri, msg,
-              stage: Optional[int]) -> bool:
+    def _post(
+        self, p: _Peer, req_id: str, generation: int, local_dl, li, remote_dl, ri, msg, stage: int | None
+    ) -> bool:
         fired, posted = [], False
         with self._lock:
             st = self._sends.get(req_id)

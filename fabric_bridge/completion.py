@@ -21,14 +21,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import torch
 
 log = logging.getLogger("triton_disagg.fabric")
 
-DoneCallback = Callable[[str, bool, Optional[str], Optional[torch.Tensor]], None]
+DoneCallback = Callable[[str, bool, str | None, torch.Tensor | None], None]
 ReleaseCallback = Callable[[str, int], None]
 
 
@@ -39,14 +39,14 @@ class RecvHandle:
 
     req_id: str
     generation: int
-    slot: Optional[int]
+    slot: int | None
     expected: int
     done: threading.Event = field(default_factory=threading.Event, repr=False)
-    ok: Optional[bool] = None
-    error: Optional[str] = None
-    meta: Optional[torch.Tensor] = field(default=None, repr=False)
+    ok: bool | None = None
+    error: str | None = None
+    meta: torch.Tensor | None = field(default=None, repr=False)
 
-    def wait(self, timeout: Optional[float] = None) -> bool:
+    def wait(self, timeout: float | None = None) -> bool:
         """Block until done; return ``ok`` (False on timeout of this wait)."""
         return bool(self.done.wait(timeout) and self.ok)
 
@@ -54,21 +54,21 @@ class RecvHandle:
 @dataclass
 class _Entry:
     handle: RecvHandle
-    peer: Optional[str]
+    peer: str | None
     deadline: float
     with_meta: bool
-    on_done: Optional[DoneCallback]
-    on_release: Optional[ReleaseCallback]
+    on_done: DoneCallback | None
+    on_release: ReleaseCallback | None
     landed: int = 0
-    meta_floats: Optional[int] = None
+    meta_floats: int | None = None
     release_at: float = field(default=float("inf"))
-    meta_out: Optional[torch.Tensor] = None
+    meta_out: torch.Tensor | None = None
 
 
 class CompletionTracker:
     """Counts landed writes per (req_id, generation); owns the meta slots (see module doc)."""
 
-    def __init__(self, meta: Optional[torch.Tensor], quarantine_s: float = 5.0):
+    def __init__(self, meta: torch.Tensor | None, quarantine_s: float = 5.0):
         self._meta = meta
         self._free_slots = list(range(meta.shape[0])) if meta is not None else []
         self._quarantine_s = quarantine_s
@@ -78,20 +78,26 @@ class CompletionTracker:
         self._lock = threading.Lock()
 
     # -- called by the owner of the request --------------------------------------------------
-    def expect(self, req_id: str, expected_writes: int, on_done: Optional[DoneCallback] = None,
-               timeout_s: float = 30.0, with_meta: bool = False, peer: Optional[str] = None,
-               on_release: Optional[ReleaseCallback] = None) -> RecvHandle:
+    def expect(
+        self,
+        req_id: str,
+        expected_writes: int,
+        on_done: DoneCallback | None = None,
+        timeout_s: float = 30.0,
+        with_meta: bool = False,
+        peer: str | None = None,
+        on_release: ReleaseCallback | None = None,
+    ) -> RecvHandle:
         with self._lock:
             if req_id in self._active:
                 raise ValueError(f"request {req_id!r} is already expected")
             slot = self._take_slot() if with_meta else None
             handle = RecvHandle(req_id, self._next_gen, slot, expected_writes)
             self._next_gen += 1
-            self._active[req_id] = _Entry(handle, peer, time.monotonic() + timeout_s, with_meta,
-                                          on_done, on_release)
+            self._active[req_id] = _Entry(handle, peer, time.monotonic() + timeout_s, with_meta, on_done, on_release)
             return handle
 
-    def cancel(self, req_id: str, reason: str = "cancelled") -> Optional[tuple[Optional[str], int]]:
+    def cancel(self, req_id: str, reason: str = "cancelled") -> tuple[str | None, int] | None:
         """Fail an active request; return ``(peer, generation)`` to tell the sender, or None."""
         with self._lock:
             entry = self._active.pop(req_id, None)
@@ -114,7 +120,7 @@ class CompletionTracker:
         with self._lock:
             return req_id in self._active
 
-    def counts(self, req_id: str) -> Optional[tuple[int, int]]:
+    def counts(self, req_id: str) -> tuple[int, int] | None:
         """``(landed, expected)`` of an active request."""
         with self._lock:
             e = self._active.get(req_id)
@@ -157,7 +163,7 @@ class CompletionTracker:
         if released is not None:
             self._release(released)
 
-    def tick(self, now: Optional[float] = None) -> list[tuple[str, Optional[str], int]]:
+    def tick(self, now: float | None = None) -> list[tuple[str, str | None, int]]:
         """Time out overdue requests and end expired quarantines.
 
         Returns ``(req_id, peer, generation)`` of requests that just timed out, so the agent
@@ -177,8 +183,9 @@ class CompletionTracker:
             meta = "" if not e.with_meta else f", meta {'yes' if e.meta_floats is not None else 'no'}"
             self._fire(e, False, f"timeout: {e.landed}/{e.handle.expected} writes{meta}", None)
         for e in released:
-            log.warning("request %s gen %d: quarantine ended without sender confirmation",
-                        e.handle.req_id, e.handle.generation)
+            log.warning(
+                "request %s gen %d: quarantine ended without sender confirmation", e.handle.req_id, e.handle.generation
+            )
             self._release(e)
         return [(e.handle.req_id, e.peer, e.handle.generation) for e in late]
 
@@ -191,22 +198,23 @@ class CompletionTracker:
             return len(self._active) + len(self._quarantined)
 
     # -- internals ----------------------------------------------------------------------------
-    def _current(self, req_id: str, generation: int) -> Optional[_Entry]:
+    def _current(self, req_id: str, generation: int) -> _Entry | None:
         entry = self._active.get(req_id)
         if entry is None or entry.handle.generation != generation:
             log.debug("ignoring stale notification for %s gen %d", req_id, generation)
             return None
         return entry
 
-    def _take_if_done(self, entry: _Entry) -> Optional[_Entry]:
+    def _take_if_done(self, entry: _Entry) -> _Entry | None:
         if entry.landed < entry.handle.expected or (entry.with_meta and entry.meta_floats is None):
             return None
         if entry.landed > entry.handle.expected:
-            log.warning("request %s: %d writes landed, expected %d", entry.handle.req_id,
-                        entry.landed, entry.handle.expected)
+            log.warning(
+                "request %s: %d writes landed, expected %d", entry.handle.req_id, entry.landed, entry.handle.expected
+            )
         del self._active[entry.handle.req_id]
         if entry.with_meta:  # copy before the slot can be handed out again
-            entry.meta_out = self._meta[entry.handle.slot, :entry.meta_floats].clone()
+            entry.meta_out = self._meta[entry.handle.slot, : entry.meta_floats].clone()
         self._free_slot(entry)
         return entry
 
@@ -215,7 +223,7 @@ class CompletionTracker:
             raise RuntimeError("no free meta slot (all in use or quarantined)")
         return self._free_slots.pop(0)
 
-    def _quarantine(self, entry: _Entry, now: Optional[float] = None) -> None:
+    def _quarantine(self, entry: _Entry, now: float | None = None) -> None:
         entry.release_at = (time.monotonic() if now is None else now) + self._quarantine_s
         self._quarantined[(entry.handle.req_id, entry.handle.generation)] = entry
 
@@ -224,7 +232,7 @@ class CompletionTracker:
             self._free_slots.append(entry.handle.slot)
 
     @staticmethod
-    def _fire(entry: _Entry, ok: bool, err: Optional[str], meta: Optional[torch.Tensor]) -> None:
+    def _fire(entry: _Entry, ok: bool, err: str | None, meta: torch.Tensor | None) -> None:
         h = entry.handle
         h.ok, h.error, h.meta = ok, err, meta
         h.done.set()

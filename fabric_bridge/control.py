@@ -22,7 +22,8 @@ import logging
 import socket
 import struct
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("triton_disagg.fabric")
 
@@ -100,8 +101,9 @@ class HandshakeServer:
     a peer's payload, raising to refuse it.
     """
 
-    def __init__(self, payload: Callable[[], dict], on_peer: Callable[[dict], Any],
-                 host: str = "127.0.0.1", port: int = 0):
+    def __init__(
+        self, payload: Callable[[], dict], on_peer: Callable[[dict], Any], host: str = "127.0.0.1", port: int = 0
+    ):
         self._payload, self._on_peer = payload, on_peer
         self._sock = socket.create_server((host, port))
         self.host, self.port = self._sock.getsockname()[:2]

@@ -58,9 +58,7 @@ class KVLayout:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         heads, tp = self.num_kv_heads, self.tp_size
         if (tp <= heads and heads % tp) or (tp > heads and tp % heads):
-            raise ValueError(
-                f"{heads} KV heads cannot be sharded over TP {tp}: one must divide the other"
-            )
+            raise ValueError(f"{heads} KV heads cannot be sharded over TP {tp}: one must divide the other")
 
     @property
     def heads_per_shard(self) -> int:
@@ -108,7 +106,8 @@ def check_compatible(src: KVLayout, dst: KVLayout) -> None:
 
     TP size, layout (HND/NHD) and memory kind may differ: the plan adapts to them.
     """
-    bad = [f"{f}: {getattr(src, f)!r} vs {getattr(dst, f)!r}" for f in _MUST_MATCH
-           if getattr(src, f) != getattr(dst, f)]
+    bad = [
+        f"{f}: {getattr(src, f)!r} vs {getattr(dst, f)!r}" for f in _MUST_MATCH if getattr(src, f) != getattr(dst, f)
+    ]
     if bad:
         raise LayoutMismatch("incompatible KV layouts (local vs peer): " + "; ".join(bad))

@@ -20,8 +20,8 @@ the request's source pages and destination pages, :func:`build_plan` returns a
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -50,7 +50,7 @@ def _row_index(layout: KVLayout, kv: np.ndarray, head: np.ndarray, tok: np.ndarr
     return (tok * 2 + kv) * hps + head
 
 
-def page_segments(src: KVLayout, dst: KVLayout, src_shard: int, dst_shard: int) -> Optional[PairSegments]:
+def page_segments(src: KVLayout, dst: KVLayout, src_shard: int, dst_shard: int) -> PairSegments | None:
     """Segments of one page for a shard pair, or None when the shards share no head."""
     s_heads, d_heads = src.shard_heads(src_shard), dst.shard_heads(dst_shard)
     lo, hi = max(s_heads.start, d_heads.start), min(s_heads.stop, d_heads.stop)
@@ -66,10 +66,13 @@ def page_segments(src: KVLayout, dst: KVLayout, src_shard: int, dst_shard: int) 
     starts = np.concatenate(([0], np.nonzero(breaks)[0] + 1))
     n_rows = np.diff(np.concatenate((starts, [len(s_rows)])))
     row_bytes = src.head_dim * src.itemsize
-    return PairSegments(src_shard, dst_shard,
-                        s_rows[starts].astype(np.int64) * row_bytes,
-                        d_rows[starts].astype(np.int64) * row_bytes,
-                        n_rows.astype(np.int64) * row_bytes)
+    return PairSegments(
+        src_shard,
+        dst_shard,
+        s_rows[starts].astype(np.int64) * row_bytes,
+        d_rows[starts].astype(np.int64) * row_bytes,
+        n_rows.astype(np.int64) * row_bytes,
+    )
 
 
 def _source_groups(src: KVLayout) -> list[list[int]]:
@@ -81,7 +84,7 @@ def _source_groups(src: KVLayout) -> list[list[int]]:
     return list(groups.values())
 
 
-def choose_pairs(src: KVLayout, dst: KVLayout, rng: Optional[random.Random] = None) -> list[PairSegments]:
+def choose_pairs(src: KVLayout, dst: KVLayout, rng: random.Random | None = None) -> list[PairSegments]:
     """Pick, per destination shard, one source replica per head group; return their segments.
 
     ``rng=None`` picks the first replica (deterministic); pass a ``random.Random`` to spread
@@ -100,8 +103,12 @@ def choose_pairs(src: KVLayout, dst: KVLayout, rng: Optional[random.Random] = No
 
 def all_pairs(src: KVLayout, dst: KVLayout) -> list[PairSegments]:
     """Segments of every (source shard, destination shard) pair any plan may use."""
-    return [seg for d in range(dst.tp_size) for s in range(src.tp_size)
-            if (seg := page_segments(src, dst, s, d)) is not None]
+    return [
+        seg
+        for d in range(dst.tp_size)
+        for s in range(src.tp_size)
+        if (seg := page_segments(src, dst, s, d)) is not None
+    ]
 
 
 def writes_per_page(src: KVLayout, dst: KVLayout) -> int:
@@ -137,12 +144,12 @@ class TransferPlan:
         (HND <-> NHD): reported to show what the layout choice saves."""
         return writes_per_page(_other_layout(self.src), _other_layout(self.dst))
 
-    def writes(self, positions: Optional[Sequence[int]] = None, n_layers: int = 1) -> int:
+    def writes(self, positions: Sequence[int] | None = None, n_layers: int = 1) -> int:
         """Number of writes for ``positions`` (default: all pages) over ``n_layers`` layers."""
         n = self.n_pages if positions is None else len(positions)
         return n * self.writes_per_page * n_layers
 
-    def iter_writes(self, positions: Optional[Iterable[int]] = None):
+    def iter_writes(self, positions: Iterable[int] | None = None):
         """Yield ``(src_shard, src_byte, dst_shard, dst_byte, length)`` for one layer, bytes
         counted from the start of that shard's per-layer pool. For tests and debugging."""
         idx = range(self.n_pages) if positions is None else positions
@@ -150,22 +157,34 @@ class TransferPlan:
             for i in idx:
                 sp, dp = int(self.src_pages[i]), int(self.dst_pages[i])
                 for so, do, ln in zip(p.src_off, p.dst_off, p.length):
-                    yield (p.src_shard, sp * self.src.page_bytes + int(so),
-                           p.dst_shard, dp * self.dst.page_bytes + int(do), int(ln))
+                    yield (
+                        p.src_shard,
+                        sp * self.src.page_bytes + int(so),
+                        p.dst_shard,
+                        dp * self.dst.page_bytes + int(do),
+                        int(ln),
+                    )
 
 
-def build_plan(src: KVLayout, dst: KVLayout, src_pages: Sequence[int], dst_pages: Sequence[int],
-               rng: Optional[random.Random] = None) -> TransferPlan:
+def build_plan(
+    src: KVLayout, dst: KVLayout, src_pages: Sequence[int], dst_pages: Sequence[int], rng: random.Random | None = None
+) -> TransferPlan:
     """Plan moving ``src_pages[i]`` to ``dst_pages[i]`` for every layer. Raises on mismatch."""
     check_compatible(src, dst)
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"page count differs: {len(src_pages)} source vs {len(dst_pages)} destination")
-    return TransferPlan(src, dst, np.asarray(src_pages, dtype=np.int64),
-                        np.asarray(dst_pages, dtype=np.int64), tuple(choose_pairs(src, dst, rng)))
+    return TransferPlan(
+        src,
+        dst,
+        np.asarray(src_pages, dtype=np.int64),
+        np.asarray(dst_pages, dtype=np.int64),
+        tuple(choose_pairs(src, dst, rng)),
+    )
 
 
-def expected_writes(src: KVLayout, dst: KVLayout, n_pages: int, n_layers: Optional[int] = None,
-                    chunk_pages: Optional[Sequence[int]] = None) -> int:
+def expected_writes(
+    src: KVLayout, dst: KVLayout, n_pages: int, n_layers: int | None = None, chunk_pages: Sequence[int] | None = None
+) -> int:
     """KV writes the receiver must see for a request.
 
     ``n_pages``: pages of the request; ``n_layers``: layers sent (default all);

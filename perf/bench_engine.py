@@ -9,6 +9,7 @@ Prints a markdown table; writes JSON to perf/results/.
 
     python -m perf.bench_engine [--model DIR] [--threads 2] [--repeats 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,9 +25,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.engine.config import EngineConfig  # noqa: E402
-from backend.engine.sampling.params import SamplingParams  # noqa: E402
+from backend.engine.llm_engine import LLMEngine  # noqa: E402
+from backend.engine.sampling_params import SamplingParams  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TARGETS = {"prefill": 0.8, "decode_b1": 1.0, "decode_b16": 4.0}
@@ -80,11 +81,18 @@ class StepClock:
 
 def hf_decode_step_times(model, prompts: list[list[int]], new_tokens: int) -> list[float]:
     from transformers import LogitsProcessorList
+
     ids = torch.tensor(prompts)
     clock = StepClock()
-    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens + 1,
-                   min_new_tokens=new_tokens + 1, do_sample=False, pad_token_id=0,
-                   logits_processor=LogitsProcessorList([clock]))
+    model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens + 1,
+        min_new_tokens=new_tokens + 1,
+        do_sample=False,
+        pad_token_id=0,
+        logits_processor=LogitsProcessorList([clock]),
+    )
     return clock.step_times()
 
 
@@ -110,11 +118,20 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     if args.model is None:
         from build_scripts.prepare_model import ensure_model
+
         args.model = str(ensure_model())
 
     from transformers import AutoModelForCausalLM
-    engine = LLMEngine(EngineConfig(model_path=args.model, num_threads=args.threads, kv_cache_tokens=16 * 320,
-                                    max_num_batched_tokens=4096, max_num_seqs=16))
+
+    engine = LLMEngine(
+        EngineConfig(
+            model_path=args.model,
+            num_threads=args.threads,
+            kv_cache_tokens=16 * 320,
+            max_num_batched_tokens=4096,
+            max_num_seqs=16,
+        )
+    )
     hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     vocab = hf.config.vocab_size
     load_before = os.getloadavg()
@@ -128,27 +145,45 @@ def main(argv=None) -> dict:
         for _ in range(args.repeats):
             theirs.append(timed(lambda: hf(ids, logits_to_keep=1)))
             ours.append(timed(lambda: engine_prefill(engine, prompt512)))
-        results["prefill"] = {"ours_tok_s": 512 / min(ours), "hf_tok_s": 512 / min(theirs),
-                              "baseline": "transformers forward, 512 tokens, logits of the last position"}
+        results["prefill"] = {
+            "ours_tok_s": 512 / min(ours),
+            "hf_tok_s": 512 / min(theirs),
+            "baseline": "transformers forward, 512 tokens, logits of the last position",
+        }
 
         n = args.decode_tokens
         ours_b1, hf_b1 = compare_decode(engine, hf, [random_prompt(32, vocab, 1)], n, args.repeats, args.repeats)
-        results["decode_b1"] = {"ours_tok_s": ours_b1, "hf_tok_s": hf_b1,
-                                "baseline": f"transformers generate, batch 1, context 32, {n} tokens"}
+        results["decode_b1"] = {
+            "ours_tok_s": ours_b1,
+            "hf_tok_s": hf_b1,
+            "baseline": f"transformers generate, batch 1, context 32, {n} tokens",
+        }
 
         b16 = [random_prompt(256, vocab, 2 + i) for i in range(16)]
         ours_b16, hf_b16 = compare_decode(engine, hf, b16, n, args.repeats, 1)
-        results["decode_b16"] = {"ours_tok_s": ours_b16, "hf_tok_s": hf_b1, "hf_batch16_tok_s": hf_b16,
-                                 "baseline": "transformers generate, batch 1 (target: 4x); "
-                                             "hf_batch16_tok_s: generate at batch 16, context 256"}
+        results["decode_b16"] = {
+            "ours_tok_s": ours_b16,
+            "hf_tok_s": hf_b1,
+            "hf_batch16_tok_s": hf_b16,
+            "baseline": "transformers generate, batch 1 (target: 4x); "
+            "hf_batch16_tok_s: generate at batch 16, context 256",
+        }
     for name, row in results.items():
         row["ratio"] = row["ours_tok_s"] / row["hf_tok_s"]
         row["target"] = TARGETS[name]
         row["met"] = row["ratio"] >= TARGETS[name]
-    report = {"results": results, "threads": args.threads, "repeats": args.repeats, "model": args.model,
-              "torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
-              "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-              "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    report = {
+        "results": results,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "model": args.model,
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     print_table(report)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"bench_engine_{time.strftime('%Y%m%d_%H%M%S')}.json"
@@ -158,14 +193,18 @@ def main(argv=None) -> dict:
 
 
 def print_table(report: dict) -> None:
-    print(f"\nthreads={report['threads']}, {report['repeats']} runs (prefill: best run; decode: median step); "
-          f"load average before/after {report['loadavg_before'][0]:.1f}/{report['loadavg_after'][0]:.1f} "
-          f"on {report['cpus']} CPUs\n")
+    print(
+        f"\nthreads={report['threads']}, {report['repeats']} runs (prefill: best run; decode: median step); "
+        f"load average before/after {report['loadavg_before'][0]:.1f}/{report['loadavg_after'][0]:.1f} "
+        f"on {report['cpus']} CPUs\n"
+    )
     print("| measure | ours tok/s | transformers tok/s | ratio | target | met |")
     print("|---|---:|---:|---:|---:|---|")
     for name, row in report["results"].items():
-        print(f"| {name} | {row['ours_tok_s']:.1f} | {row['hf_tok_s']:.1f} | {row['ratio']:.2f}x | "
-              f">= {row['target']}x | {'yes' if row['met'] else 'NO'} |")
+        print(
+            f"| {name} | {row['ours_tok_s']:.1f} | {row['hf_tok_s']:.1f} | {row['ratio']:.2f}x | "
+            f">= {row['target']}x | {'yes' if row['met'] else 'NO'} |"
+        )
     b16 = report["results"]["decode_b16"]
     print(f"\n(transformers generate at batch 16, context 256: {b16['hf_batch16_tok_s']:.1f} tok/s)")
 

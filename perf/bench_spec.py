@@ -14,6 +14,7 @@ Prints a markdown table; writes JSON to perf/results/.
 
     python -m perf.bench_spec [--model DIR] [--k 4] [--method lookup] [--max-tokens 64] [--repeats 2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,13 +26,13 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.engine.config import EngineConfig  # noqa: E402
-from backend.engine.sampling.params import SamplingParams  # noqa: E402
+from backend.engine.llm_engine import LLMEngine  # noqa: E402
+from backend.engine.sampling_params import SamplingParams  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TARGETS = {"lookup_friendly": 1.5, "no_lookup": 0.95, "rejected_drafts": 0.95}
-CODE = '''def load_users(path):
+CODE = """def load_users(path):
     users = []
     with open(path) as f:
         for line in f:
@@ -42,7 +43,7 @@ CODE = '''def load_users(path):
 
 def adults(users):
     return [u for u in users if u["age"] >= 18]
-'''
+"""
 WORKLOADS = {
     "lookup_friendly": [
         "Rewrite this code with one change: rename the function load_users to read_users. "
@@ -52,15 +53,9 @@ WORKLOADS = {
         "order number 44-1873-XQ. You can reach me at margaret.hamilton@example.org or on 555-0142. "
         "I live in Cambridge and the parcel never arrived.",
     ],
-    "no_lookup": [
-        "Write a short poem about the sea at night.",
-        "Give three tips for learning a new language.",
-    ],
+    "no_lookup": ["Write a short poem about the sea at night.", "Give three tips for learning a new language."],
     # the worst case: the drafter is replaced by one whose drafts are always rejected
-    "rejected_drafts": [
-        "Write a short poem about the sea at night.",
-        "Give three tips for learning a new language.",
-    ],
+    "rejected_drafts": ["Write a short poem about the sea at night.", "Give three tips for learning a new language."],
 }
 
 
@@ -86,8 +81,12 @@ def decode_run(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> 
             continue
         steps += 1
         tokens += new
-    return {"tokens": tokens, "decode_tokens": len(tokens) - n_first, "steps": steps,
-            "seconds": time.perf_counter() - t_first if steps else float("nan")}
+    return {
+        "tokens": tokens,
+        "decode_tokens": len(tokens) - n_first,
+        "steps": steps,
+        "seconds": time.perf_counter() - t_first if steps else float("nan"),
+    }
 
 
 def bench(engine, tokenizer, k: int, method: str, max_tokens: int, repeats: int) -> dict:
@@ -99,34 +98,56 @@ def bench(engine, tokenizer, k: int, method: str, max_tokens: int, repeats: int)
             drafters[method] = RejectedDrafter()
         rows = []
         for text in texts:
-            prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                   tokenize=True, return_dict=False)
+            prompt = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
             runs = {"off": [], "on": []}
             for _ in range(repeats):
                 for mode, n in (("off", 0), ("on", k)):
-                    runs[mode].append(decode_run(engine, prompt, SamplingParams(
-                        max_tokens=max_tokens, num_draft_tokens=n, draft_method=method)))
+                    runs[mode].append(
+                        decode_run(
+                            engine,
+                            prompt,
+                            SamplingParams(max_tokens=max_tokens, num_draft_tokens=n, draft_method=method),
+                        )
+                    )
             off, on = runs["off"][0], runs["on"][0]
             t_off = statistics.median(r["seconds"] for r in runs["off"])
             t_on = statistics.median(r["seconds"] for r in runs["on"])
-            rows.append({"prompt": text[:50], "identical": off["tokens"] == on["tokens"],
-                         "decode_tokens": on["decode_tokens"], "steps_off": off["steps"], "steps_on": on["steps"],
-                         "tok_s_off": off["decode_tokens"] / t_off, "tok_s_on": on["decode_tokens"] / t_on})
+            rows.append(
+                {
+                    "prompt": text[:50],
+                    "identical": off["tokens"] == on["tokens"],
+                    "decode_tokens": on["decode_tokens"],
+                    "steps_off": off["steps"],
+                    "steps_on": on["steps"],
+                    "tok_s_off": off["decode_tokens"] / t_off,
+                    "tok_s_on": on["decode_tokens"] / t_on,
+                }
+            )
         drafters[method] = real_drafter
         decode_tokens = sum(r["decode_tokens"] for r in rows)
         steps_on = sum(r["steps_on"] for r in rows)
         tok_s_off = statistics.mean(r["tok_s_off"] for r in rows)
         tok_s_on = statistics.mean(r["tok_s_on"] for r in rows)
-        results[name] = {"tokens_per_step": decode_tokens / steps_on,
-                         "accepted_per_step": decode_tokens / steps_on - 1,
-                         "tok_s_off": tok_s_off, "tok_s_on": tok_s_on, "speedup": tok_s_on / tok_s_off,
-                         "target": TARGETS[name], "identical": all(r["identical"] for r in rows), "prompts": rows}
+        results[name] = {
+            "tokens_per_step": decode_tokens / steps_on,
+            "accepted_per_step": decode_tokens / steps_on - 1,
+            "tok_s_off": tok_s_off,
+            "tok_s_on": tok_s_on,
+            "speedup": tok_s_on / tok_s_off,
+            "target": TARGETS[name],
+            "identical": all(r["identical"] for r in rows),
+            "prompts": rows,
+        }
     return results
 
 
 def main(argv=None) -> None:
-    from build_scripts.prepare_model import ensure_model
     from transformers import AutoTokenizer
+
+    from build_scripts.prepare_model import ensure_model
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--threads", type=int, default=2)
@@ -136,22 +157,40 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args(argv)
     model = str(ensure_model(args.model))
-    engine = LLMEngine(EngineConfig(model_path=model, num_threads=args.threads, kv_cache_tokens=4096,
-                                    max_model_len=2048))
+    engine = LLMEngine(
+        EngineConfig(model_path=model, num_threads=args.threads, kv_cache_tokens=4096, max_model_len=2048)
+    )
     tokenizer = AutoTokenizer.from_pretrained(model)
     results = bench(engine, tokenizer, args.k, args.method, args.max_tokens, args.repeats)
-    print(f"\nSpeculative decoding ({args.method}, k={args.k}) vs plain greedy decoding, one stream, "
-          f"{args.max_tokens} max tokens, {args.threads} threads\n")
-    print("| workload | tokens/step (spec) | accepted drafts/step | tok/s plain | tok/s spec | speedup | target "
-          "| identical |")
+    print(
+        f"\nSpeculative decoding ({args.method}, k={args.k}) vs plain greedy decoding, one stream, "
+        f"{args.max_tokens} max tokens, {args.threads} threads\n"
+    )
+    print(
+        "| workload | tokens/step (spec) | accepted drafts/step | tok/s plain | tok/s spec | speedup | target "
+        "| identical |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['tokens_per_step']:.2f} | {r['accepted_per_step']:.2f} | {r['tok_s_off']:.1f} | "
-              f"{r['tok_s_on']:.1f} | {r['speedup']:.2f}x | >= {r['target']}x | {r['identical']} |")
+        print(
+            f"| {name} | {r['tokens_per_step']:.2f} | {r['accepted_per_step']:.2f} | {r['tok_s_off']:.1f} | "
+            f"{r['tok_s_on']:.1f} | {r['speedup']:.2f}x | >= {r['target']}x | {r['identical']} |"
+        )
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"bench_spec_{time.strftime('%Y%m%d_%H%M%S')}.json"
-    path.write_text(json.dumps({"results": results, "k": args.k, "method": args.method,
-                                "max_tokens": args.max_tokens, "threads": args.threads, "model": model}, indent=2))
+    path.write_text(
+        json.dumps(
+            {
+                "results": results,
+                "k": args.k,
+                "method": args.method,
+                "max_tokens": args.max_tokens,
+                "threads": args.threads,
+                "model": model,
+            },
+            indent=2,
+        )
+    )
     print(f"\nwrote {path}")
 
 

@@ -49,6 +49,7 @@ def smollm2_layout(layers: int = 30) -> KVLayout:
 
 def _raw_agent(name: str):
     from nixl_cu12._api import nixl_agent, nixl_agent_config
+
     return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 
 
@@ -84,17 +85,17 @@ def _receiver(conn, layers: int, pages: int) -> None:
             h = agent.expect(req_id, n, on_done=on_done, timeout_s=60, with_meta=False)
             conn.send(h.generation)
         elif cmd == "wait":
-            req_id, = args
+            (req_id,) = args
             while req_id not in handles:
                 time.sleep(0.001)
             conn.send(handles[req_id])
         elif cmd == "raw_arm":
-            tag, = args
+            (tag,) = args
             pollers[tag] = threading.Thread(target=poll_raw, args=(tag,))
             pollers[tag].start()
             conn.send(True)
         elif cmd == "raw_wait":
-            tag, = args
+            (tag,) = args
             pollers.pop(tag).join()
             conn.send(raw_done[tag])
         elif cmd == "close":
@@ -112,8 +113,9 @@ def _call(conn, *msg):
 def _page_rows(base: int, layers: int, pool_pages: int, page_ids, page_bytes: int) -> np.ndarray:
     """(addr, len, dev) rows of ``page_ids`` in every layer of a [layers, pool_pages] pool."""
     ids = np.asarray(page_ids, dtype=np.uint64)
-    addr = (base + (np.arange(layers, dtype=np.uint64)[:, None] * np.uint64(pool_pages) + ids[None, :])
-            * np.uint64(page_bytes))
+    addr = base + (np.arange(layers, dtype=np.uint64)[:, None] * np.uint64(pool_pages) + ids[None, :]) * np.uint64(
+        page_bytes
+    )
     rows = np.zeros((addr.size, 3), dtype=np.uint64)
     rows[:, 0], rows[:, 1] = addr.ravel(), page_bytes
     return rows
@@ -154,8 +156,12 @@ def run(reps: int, tokens: int, layers: int) -> dict:
             ok, err, t_recv = _call(conn, "wait", req)
             assert ok and sent.wait(30), err
             in_transfer = agent.stats["transfer_call_s"] - before["transfer_call_s"]
-            return {"transfer_s": t_recv - t0, "post_s": post_s, "transfer_call_s": in_transfer,
-                    "python_post_s": post_s - in_transfer}
+            return {
+                "transfer_s": t_recv - t0,
+                "post_s": post_s,
+                "transfer_call_s": in_transfer,
+                "python_post_s": post_s - in_transfer,
+            }
 
         def raw_write(tag: bytes, local_rows: np.ndarray, remote_rows: np.ndarray) -> dict:
             _call(conn, "raw_arm", tag)
@@ -181,8 +187,10 @@ def run(reps: int, tokens: int, layers: int) -> dict:
                 "page_scattered": page_level(f"s{rep}", scattered),
                 "page_contiguous": page_level(f"c{rep}", range(pages)),
                 "raw_pages_scattered": raw_write(
-                    f"p{rep}".encode(), _page_rows(raw_src.data_ptr(), layers, pages, range(pages), lay.page_bytes),
-                    _page_rows(raw_addr, layers, 2 * pages, scattered, lay.page_bytes)),
+                    f"p{rep}".encode(),
+                    _page_rows(raw_src.data_ptr(), layers, pages, range(pages), lay.page_bytes),
+                    _page_rows(raw_addr, layers, 2 * pages, scattered, lay.page_bytes),
+                ),
                 "raw_bulk": raw_write(f"b{rep}".encode(), bulk_src, bulk_dst),
             }
             if rep:
@@ -205,17 +213,29 @@ def run(reps: int, tokens: int, layers: int) -> dict:
 
     med = {k: {f: statistics.median(r[f] for r in v) for f in v[0]} for k, v in runs.items()}
     raw_t = med["raw_bulk"]["transfer_s"]
-    for k, m in med.items():
+    for m in med.values():
         m["bw_vs_raw_bulk"] = raw_t / m["transfer_s"]
         if "python_post_s" in m:
             m["python_post_fraction"] = m["python_post_s"] / m["transfer_s"]
             m["post_fraction"] = m["post_s"] / m["transfer_s"]
     return {
-        "shape": {"model": lay.model, "layers": layers, "kv_heads": lay.num_kv_heads,
-                  "head_dim": lay.head_dim, "page_size": lay.page_size, "dtype": lay.dtype,
-                  "tokens": tokens, "pages_per_layer": pages, "page_bytes": lay.page_bytes},
-        "bytes": total_bytes, "writes": n_writes, "xfers": layers, "reps": reps,
-        "median": med, "runs": runs,
+        "shape": {
+            "model": lay.model,
+            "layers": layers,
+            "kv_heads": lay.num_kv_heads,
+            "head_dim": lay.head_dim,
+            "page_size": lay.page_size,
+            "dtype": lay.dtype,
+            "tokens": tokens,
+            "pages_per_layer": pages,
+            "page_bytes": lay.page_bytes,
+        },
+        "bytes": total_bytes,
+        "writes": n_writes,
+        "xfers": layers,
+        "reps": reps,
+        "median": med,
+        "runs": runs,
         "ucx_tls": os.environ.get("UCX_TLS", "(unset: UCX default, all available)"),
         "host": {"cpus": os.cpu_count(), "machine": platform.machine()},
     }
@@ -225,9 +245,14 @@ def ucx_protocols() -> list[str]:
     """Re-run a tiny transfer with UCX_PROTO_INFO=y; return one line per distinct UCX
     protocol table: operation, then the size ranges with the protocol and transport used."""
     env = dict(os.environ, UCX_PROTO_INFO="y")
-    out = subprocess.run([sys.executable, "-m", "perf.bench_transfer", "--reps", "1", "--layers", "2",
-                          "--no-probe", "--no-save"], env=env, capture_output=True, text=True,
-                         timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    out = subprocess.run(
+        [sys.executable, "-m", "perf.bench_transfer", "--reps", "1", "--layers", "2", "--no-probe", "--no-save"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     cells = [re.sub(r"^\[[^]]*\] \[[^]]*\]\s*", "", ln).strip() for ln in (out.stdout + out.stderr).splitlines()]
     summary, block = set(), []
 
@@ -257,19 +282,25 @@ def table(r: dict) -> str:
         ("raw NIXL, one bulk write", "raw_bulk", 1),
         ("local memcpy", "memcpy", 1),
     ]
-    out = ["| path | bytes | writes | time (ms) | writes/s | GB/s | vs raw bulk |",
-           "|---|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        "| path | bytes | writes | time (ms) | writes/s | GB/s | vs raw bulk |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, key, n in rows:
         t = m[key]["transfer_s"]
-        out.append(f"| {name} | {r['bytes']:,} | {n:,} | {t * 1e3:.1f} | {n / t:,.0f} | {gb / t:.2f} "
-                   f"| {m[key]['bw_vs_raw_bulk']:.2f}x |")
+        out.append(
+            f"| {name} | {r['bytes']:,} | {n:,} | {t * 1e3:.1f} | {n / t:,.0f} | {gb / t:.2f} "
+            f"| {m[key]['bw_vs_raw_bulk']:.2f}x |"
+        )
     out.append("")
     for key in ("page_scattered", "page_contiguous"):
         k = m[key]
-        out.append(f"- {key}: post_layer total {k['post_s'] * 1e3:.1f} ms, of which inside NIXL transfer() "
-                   f"{k['transfer_call_s'] * 1e3:.1f} ms (the transport copies synchronously there); "
-                   f"Python-side posting {k['python_post_s'] * 1e3:.2f} ms for {r['xfers']} xfers = "
-                   f"**{k['python_post_fraction'] * 100:.1f}%** of the transfer time")
+        out.append(
+            f"- {key}: post_layer total {k['post_s'] * 1e3:.1f} ms, of which inside NIXL transfer() "
+            f"{k['transfer_call_s'] * 1e3:.1f} ms (the transport copies synchronously there); "
+            f"Python-side posting {k['python_post_s'] * 1e3:.2f} ms for {r['xfers']} xfers = "
+            f"**{k['python_post_fraction'] * 100:.1f}%** of the transfer time"
+        )
     out.append(f"- median of {r['reps']} runs after one warm-up; UCX_TLS: {r['ucx_tls']}")
     return "\n".join(out)
 

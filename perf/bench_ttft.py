@@ -4,13 +4,15 @@ KV transfer overlaps the prefill compute (layer-wise streaming vs sending after 
 Runs four deployments one after the other on this machine (see ``perf/servers.py``):
 aggregated with every core, aggregated on only the prefill instance's cores (the same compute
 as the disaggregated prefill, which isolates what disaggregation itself adds), disaggregated
-with layer-wise streaming, disaggregated sending all KV after the prefill (``stream_layers=false``). Requests are sequential (low load). For the disaggregated
+with layer-wise streaming, disaggregated sending all KV after the prefill
+(``stream_layers=false``). Requests are sequential (low load). For the disaggregated
 runs the prefill instance's counters give the compute time and the *transfer tail* (from the
 last chunk computed to every write done): with layer-wise streaming the tail is what did
 not overlap with compute.
 
     python -m perf.bench_ttft [--prompt-tokens 1024] [--repeats 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,13 +36,18 @@ def long_prompt(tokenizer, n_tokens: int) -> str:
 
 
 def counters(url: str, model: str) -> dict:
-    names = ["prefill_compute_seconds_total", "kv_transfer_tail_seconds_total", "prefills_total",
-             "kv_writes_total", "kv_transfer_bytes_total"]
+    names = [
+        "prefill_compute_seconds_total",
+        "kv_transfer_tail_seconds_total",
+        "prefills_total",
+        "kv_writes_total",
+        "kv_transfer_bytes_total",
+    ]
     return {n: sum(metric_values(url, f"triton_disagg_{n}", model=model)) for n in names}
 
 
 def measure(server, prompt: str, repeats: int, disagg: bool) -> dict:
-    stream_generate(server.grpc_url, prompt, 2, ignore_eos=True)    # warm-up
+    stream_generate(server.grpc_url, prompt, 2, ignore_eos=True)  # warm-up
     time.sleep(0.6)
     before = counters(server.metrics_url, "prefill_0") if disagg else None
     ttfts = []
@@ -54,15 +61,22 @@ def measure(server, prompt: str, repeats: int, disagg: bool) -> dict:
         after = counters(server.metrics_url, "prefill_0")
         n = after["prefills_total"] - before["prefills_total"]
         d = {k: (after[k] - before[k]) / max(n, 1) for k in after}
-        out.update({"prefill_compute_s": d["prefill_compute_seconds_total"],
-                    "transfer_tail_s": d["kv_transfer_tail_seconds_total"],
-                    "writes_per_request": d["kv_writes_total"], "bytes_per_request": d["kv_transfer_bytes_total"]})
+        out.update(
+            {
+                "prefill_compute_s": d["prefill_compute_seconds_total"],
+                "transfer_tail_s": d["kv_transfer_tail_seconds_total"],
+                "writes_per_request": d["kv_writes_total"],
+                "bytes_per_request": d["kv_transfer_bytes_total"],
+            }
+        )
     return out
 
 
 def main(argv=None) -> int:
     from transformers import AutoTokenizer
+
     from build_scripts.prepare_model import ensure_model
+
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3)
@@ -74,10 +88,12 @@ def main(argv=None) -> int:
     runs = {}
     pre_cores, _, n_pre, _ = servers.core_split()
     same_compute = {"llm": {"cpu_affinity": pre_cores, "num_threads": str(n_pre)}}
-    for name, mode, per_model in (("aggregated", "aggregated", {}),
-                                  ("aggregated_prefill_cores", "aggregated", same_compute),
-                                  ("disagg_layerwise", "disagg", {"prefill": {"stream_layers": "true"}}),
-                                  ("disagg_after_prefill", "disagg", {"prefill": {"stream_layers": "false"}})):
+    for name, mode, per_model in (
+        ("aggregated", "aggregated", {}),
+        ("aggregated_prefill_cores", "aggregated", same_compute),
+        ("disagg_layerwise", "disagg", {"prefill": {"stream_layers": "true"}}),
+        ("disagg_after_prefill", "disagg", {"prefill": {"stream_layers": "false"}}),
+    ):
         server = servers.start(mode, overrides=common, per_model=per_model)
         try:
             runs[name] = measure(server, prompt, args.repeats, mode == "disagg")
@@ -90,16 +106,29 @@ def main(argv=None) -> int:
     lw, after = runs["disagg_layerwise"], runs["disagg_after_prefill"]
     overlap = 1 - lw["transfer_tail_s"] / after["transfer_tail_s"] if after["transfer_tail_s"] > 0 else float("nan")
     print(f"\n## TTFT, {n_tokens}-token prompt ({platform.node()}, {args.repeats} runs each, p50)\n")
-    print("| deployment | TTFT p50 (s) | vs aggregated | vs aggregated on the prefill's cores | prefill compute (s) "
-          "| transfer tail (s) | writes/request | MiB/request |")
+    print(
+        "| deployment | TTFT p50 (s) | vs aggregated | vs aggregated on the prefill's cores | prefill compute (s) "
+        "| transfer tail (s) | writes/request | MiB/request |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name, r in runs.items():
-        extra = (f"{r['prefill_compute_s']:.3f} | {r['transfer_tail_s']:.4f} | {r['writes_per_request']:.0f} | "
-                 f"{r['bytes_per_request'] / 2**20:.1f}") if "prefill_compute_s" in r else "- | - | - | -"
-        print(f"| {name} | {r['ttft_p50_s']:.3f} | {r['ttft_p50_s'] / agg:.2f}x | {r['ttft_p50_s'] / agg_same:.2f}x "
-              f"| {extra} |")
-    print(f"\nLayer-wise streaming hid {overlap:.1%} of the post-prefill transfer time "
-          f"(tail {lw['transfer_tail_s'] * 1e3:.1f} ms vs {after['transfer_tail_s'] * 1e3:.1f} ms when sending after the prefill).")
+        extra = (
+            (
+                f"{r['prefill_compute_s']:.3f} | {r['transfer_tail_s']:.4f} | {r['writes_per_request']:.0f} | "
+                f"{r['bytes_per_request'] / 2**20:.1f}"
+            )
+            if "prefill_compute_s" in r
+            else "- | - | - | -"
+        )
+        print(
+            f"| {name} | {r['ttft_p50_s']:.3f} | {r['ttft_p50_s'] / agg:.2f}x | {r['ttft_p50_s'] / agg_same:.2f}x "
+            f"| {extra} |"
+        )
+    print(
+        f"\nLayer-wise streaming hid {overlap:.1%} of the post-prefill transfer time "
+        f"(tail {lw['transfer_tail_s'] * 1e3:.1f} ms vs {after['transfer_tail_s'] * 1e3:.1f} ms "
+        "when sending after the prefill)."
+    )
     RESULTS_DIR.mkdir(exist_ok=True)
     out = RESULTS_DIR / f"bench_ttft_{time.strftime('%Y%m%d_%H%M%S')}.json"
     out.write_text(json.dumps({"runs": runs, "overlap_fraction": overlap}, indent=2))

@@ -9,6 +9,7 @@ figures, the plots, the machine and the command.
 
     python -m perf.compare_modes [--rate 0.1] [--duration 120] [--low-rate 0.03]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,25 +39,34 @@ def summarize(records, wall_s: float) -> dict:
     gaps = [g for r in ok for g in r.gaps]
     ttft = [r.ttft for r in ok]
     tps = [r.decode_tokens_per_s for r in ok if not math.isnan(r.decode_tokens_per_s)]
-    return {"requests": len(records), "completed": len(ok),
-            "errors": [r.error for r in records if r.error][:5],
-            "decode_tps_p50": pct(tps, 50), "itl_p50": pct(gaps, 50), "itl_p99": pct(gaps, 99),
-            "itl_max": max(gaps) if gaps else float("nan"), "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
-            "req_per_s": len(ok) / wall_s if wall_s > 0 else float("nan"), "wall_s": wall_s}
+    return {
+        "requests": len(records),
+        "completed": len(ok),
+        "errors": [r.error for r in records if r.error][:5],
+        "decode_tps_p50": pct(tps, 50),
+        "itl_p50": pct(gaps, 50),
+        "itl_p99": pct(gaps, 99),
+        "itl_max": max(gaps) if gaps else float("nan"),
+        "ttft_p50": pct(ttft, 50),
+        "ttft_p99": pct(ttft, 99),
+        "req_per_s": len(ok) / wall_s if wall_s > 0 else float("nan"),
+        "wall_s": wall_s,
+    }
 
 
 def plot(runs: dict, out_dir: Path, stamp: str) -> list[Path]:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     paths = []
     fig, axes = plt.subplots(len(runs), 1, figsize=(10, 3.2 * len(runs)), sharex=True, sharey=True)
     for ax, (mode, recs) in zip(np.atleast_1d(axes), runs.items()):
         t0 = min(r.t_submit for r in recs) if recs else 0
         busiest = sorted([r for r in recs if len(r.token_times) > 2], key=lambda r: -max(r.gaps))[:4]
         for r in sorted(busiest, key=lambda r: r.index):
-            ax.plot([t - t0 for t in r.token_times[1:]], [g * 1e3 for g in r.gaps], lw=0.9,
-                    label=f"request {r.index}")
+            ax.plot([t - t0 for t in r.token_times[1:]], [g * 1e3 for g in r.gaps], lw=0.9, label=f"request {r.index}")
         ax.set_title(f"{mode}: inter-token latency of the 4 streams with the largest stall")
         ax.set_ylabel("ITL (ms)")
         ax.legend(fontsize=7, loc="upper right")
@@ -90,22 +100,34 @@ def ratio(b: float, a: float) -> float:
 def report(stats: dict, low: dict, plots: list[Path], w: loadgen.Workload, args, out: Path) -> str:
     a, b = stats["aggregated"], stats["disagg"]
     pre, dec, n_pre, n_dec = servers.core_split()
-    rows = [("per-stream decode tokens/s, p50", "decode_tps_p50", "{:.1f}"),
-            ("inter-token latency p50 (ms)", "itl_p50", "{:.1f}"), ("inter-token latency p99 (ms)", "itl_p99", "{:.1f}"),
-            ("inter-token latency max (ms)", "itl_max", "{:.1f}"), ("TTFT p50 (s)", "ttft_p50", "{:.2f}"),
-            ("TTFT p99 (s)", "ttft_p99", "{:.2f}"), ("requests/s completed", "req_per_s", "{:.3f}")]
+    rows = [
+        ("per-stream decode tokens/s, p50", "decode_tps_p50", "{:.1f}"),
+        ("inter-token latency p50 (ms)", "itl_p50", "{:.1f}"),
+        ("inter-token latency p99 (ms)", "itl_p99", "{:.1f}"),
+        ("inter-token latency max (ms)", "itl_max", "{:.1f}"),
+        ("TTFT p50 (s)", "ttft_p50", "{:.2f}"),
+        ("TTFT p99 (s)", "ttft_p99", "{:.2f}"),
+        ("requests/s completed", "req_per_s", "{:.3f}"),
+    ]
     ms = {"itl_p50", "itl_p99", "itl_max"}
-    lines = [f"# Aggregated vs disaggregated serving under load ({time.strftime('%Y-%m-%d %H:%M')})", "",
-             f"Machine: {platform.node()}, {platform.machine()}, {os.cpu_count()} cores "
-             f"({len(os.sched_getaffinity(0))} usable), Python {platform.python_version()}. "
-             f"Model: SmolLM2-135M-Instruct fp32 on CPU.", "",
-             f"(a) aggregated `llm`, all cores ({len(os.sched_getaffinity(0))} torch threads); "
-             f"(b) disaggregated 1 prefill (cores {pre}, {n_pre} threads) + 1 decode (cores {dec}, "
-             f"{n_dec} threads), KV over NIXL/UCX between the two processes.", "",
-             f"Workload: Poisson arrivals at {w.rate} req/s for {w.duration_s:.0f}s, prompts "
-             f"{w.prompt_tokens[0]}-{w.prompt_tokens[1]} tokens, outputs {w.output_tokens[0]}-{w.output_tokens[1]} "
-             f"tokens (ignore_eos), seed {w.seed}; per-step token budget {args.token_budget}.", "",
-             "| metric | (a) aggregated | (b) disaggregated | (b)/(a) |", "|---|---|---|---|"]
+    lines = [
+        f"# Aggregated vs disaggregated serving under load ({time.strftime('%Y-%m-%d %H:%M')})",
+        "",
+        f"Machine: {platform.node()}, {platform.machine()}, {os.cpu_count()} cores "
+        f"({len(os.sched_getaffinity(0))} usable), Python {platform.python_version()}. "
+        f"Model: SmolLM2-135M-Instruct fp32 on CPU.",
+        "",
+        f"(a) aggregated `llm`, all cores ({len(os.sched_getaffinity(0))} torch threads); "
+        f"(b) disaggregated 1 prefill (cores {pre}, {n_pre} threads) + 1 decode (cores {dec}, "
+        f"{n_dec} threads), KV over NIXL/UCX between the two processes.",
+        "",
+        f"Workload: Poisson arrivals at {w.rate} req/s for {w.duration_s:.0f}s, prompts "
+        f"{w.prompt_tokens[0]}-{w.prompt_tokens[1]} tokens, outputs {w.output_tokens[0]}-{w.output_tokens[1]} "
+        f"tokens (ignore_eos), seed {w.seed}; per-step token budget {args.token_budget}.",
+        "",
+        "| metric | (a) aggregated | (b) disaggregated | (b)/(a) |",
+        "|---|---|---|---|",
+    ]
     for label, key, fmt in rows:
         va, vb = a[key], b[key]
         scale = 1e3 if key in ms else 1
@@ -113,11 +135,16 @@ def report(stats: dict, low: dict, plots: list[Path], w: loadgen.Workload, args,
     lines += ["", f"Completed: (a) {a['completed']}/{a['requests']}, (b) {b['completed']}/{b['requests']}."]
     if low:
         la, lb = low["aggregated"], low["disagg"]
-        lines += ["", f"Low load ({args.low_rate} req/s, {args.low_duration:.0f}s): TTFT p50 (a) {la['ttft_p50']:.2f}s, "
-                  f"(b) {lb['ttft_p50']:.2f}s, ratio {ratio(lb['ttft_p50'], la['ttft_p50']):.2f}."]
-    checks = {"decode_tps_p50": ratio(b["decode_tps_p50"], a["decode_tps_p50"]),
-              "itl_p99": ratio(b["itl_p99"], a["itl_p99"]),
-              "ttft_p50_low_load": ratio(low["disagg"]["ttft_p50"], low["aggregated"]["ttft_p50"]) if low else float("nan")}
+        lines += [
+            "",
+            f"Low load ({args.low_rate} req/s, {args.low_duration:.0f}s): TTFT p50 (a) {la['ttft_p50']:.2f}s, "
+            f"(b) {lb['ttft_p50']:.2f}s, ratio {ratio(lb['ttft_p50'], la['ttft_p50']):.2f}.",
+        ]
+    checks = {
+        "decode_tps_p50": ratio(b["decode_tps_p50"], a["decode_tps_p50"]),
+        "itl_p99": ratio(b["itl_p99"], a["itl_p99"]),
+        "ttft_p50_low_load": ratio(low["disagg"]["ttft_p50"], low["aggregated"]["ttft_p50"]) if low else float("nan"),
+    }
     lines += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
     for k, (op, goal) in TARGETS.items():
         v = checks[k]
@@ -131,11 +158,21 @@ def report(stats: dict, low: dict, plots: list[Path], w: loadgen.Workload, args,
 
 
 def run_mode(mode: str, tokenizer, w: loadgen.Workload, args) -> tuple[list, float]:
-    server = servers.start(mode, overrides={"kv_cache_tokens": "16384", "max_num_batched_tokens": str(args.token_budget),
-                                            "max_tokens_limit": "256", "max_num_seqs": "32"})
+    server = servers.start(
+        mode,
+        overrides={
+            "kv_cache_tokens": "16384",
+            "max_num_batched_tokens": str(args.token_budget),
+            "max_tokens_limit": "256",
+            "max_num_seqs": "32",
+        },
+    )
     try:
-        loadgen.run(server.grpc_url, tokenizer, loadgen.Workload(rate=1.0, duration_s=1.5, prompt_tokens=(64, 64),
-                                                                 output_tokens=(4, 4), seed=99))   # warm-up
+        loadgen.run(
+            server.grpc_url,
+            tokenizer,
+            loadgen.Workload(rate=1.0, duration_s=1.5, prompt_tokens=(64, 64), output_tokens=(4, 4), seed=99),
+        )  # warm-up
         return loadgen.run(server.grpc_url, tokenizer, w)
     finally:
         server.stop()
@@ -143,7 +180,9 @@ def run_mode(mode: str, tokenizer, w: loadgen.Workload, args) -> tuple[list, flo
 
 def main(argv=None) -> int:
     from transformers import AutoTokenizer
+
     from build_scripts.prepare_model import ensure_model
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rate", type=float, default=0.1, help="requests/s for the main comparison")
     p.add_argument("--duration", type=float, default=120.0)
@@ -157,23 +196,36 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(str(ensure_model()))
     stamp = time.strftime("%Y%m%d_%H%M%S")
     RESULTS_DIR.mkdir(exist_ok=True)
-    w = loadgen.Workload(rate=args.rate, duration_s=args.duration, prompt_tokens=tuple(args.prompt_tokens),
-                         output_tokens=tuple(args.output_tokens), seed=args.seed)
+    w = loadgen.Workload(
+        rate=args.rate,
+        duration_s=args.duration,
+        prompt_tokens=tuple(args.prompt_tokens),
+        output_tokens=tuple(args.output_tokens),
+        seed=args.seed,
+    )
     runs, stats, low = {}, {}, {}
     for mode in MODES:
         recs, wall = run_mode(mode, tok, w, args)
         runs[mode], stats[mode] = recs, summarize(recs, wall)
         print(mode, json.dumps(stats[mode]), flush=True)
         if args.low_rate > 0:
-            lw = loadgen.Workload(rate=args.low_rate, duration_s=args.low_duration, prompt_tokens=w.prompt_tokens,
-                                  output_tokens=w.output_tokens, seed=args.seed + 1)
+            lw = loadgen.Workload(
+                rate=args.low_rate,
+                duration_s=args.low_duration,
+                prompt_tokens=w.prompt_tokens,
+                output_tokens=w.output_tokens,
+                seed=args.seed + 1,
+            )
             lrecs, lwall = run_mode(mode, tok, lw, args)
             low[mode] = summarize(lrecs, lwall)
             print(mode, "low load", json.dumps(low[mode]), flush=True)
     plots = plot(runs, RESULTS_DIR, stamp)
     text = report(stats, low, plots, w, args, RESULTS_DIR / f"report_{stamp}.md")
-    (RESULTS_DIR / f"compare_{stamp}.json").write_text(json.dumps(
-        {"stats": stats, "low_load": low, "records": {m: loadgen.records_to_json(r) for m, r in runs.items()}}))
+    (RESULTS_DIR / f"compare_{stamp}.json").write_text(
+        json.dumps(
+            {"stats": stats, "low_load": low, "records": {m: loadgen.records_to_json(r) for m, r in runs.items()}}
+        )
+    )
     print(text)
     print(f"report: {RESULTS_DIR / f'report_{stamp}.md'}")
     return 0

@@ -6,6 +6,7 @@ Arrivals stop after ``duration_s``; in-flight requests are awaited (bounded by
 ``drain_timeout_s``). Per request it records submit time, time to first token, the arrival
 time of every token, end-to-end latency and token counts.
 """
+
 from __future__ import annotations
 
 import random
@@ -18,7 +19,7 @@ from backend.client import stream_generate
 
 @dataclass
 class Workload:
-    rate: float = 0.1                       # requests per second (Poisson)
+    rate: float = 0.1  # requests per second (Poisson)
     duration_s: float = 120.0
     prompt_tokens: tuple[int, int] = (512, 1024)
     output_tokens: tuple[int, int] = (64, 128)
@@ -58,8 +59,10 @@ class RequestRecord:
 
 def make_prompt(tokenizer, n_tokens: int, rng: random.Random) -> str:
     """A distinct prompt of about ``n_tokens`` tokens (no prefix shared across requests)."""
-    words = " ".join(f"{rng.choice(['item', 'case', 'note', 'part'])}{rng.randint(0, 99999)} "
-                     f"is {rng.randint(0, 999)};" for _ in range(n_tokens // 4 + 8))
+    words = " ".join(
+        f"{rng.choice(['item', 'case', 'note', 'part'])}{rng.randint(0, 99999)} is {rng.randint(0, 999)};"
+        for _ in range(n_tokens // 4 + 8)
+    )
     ids = tokenizer.encode(words, add_special_tokens=False)[:n_tokens]
     return tokenizer.decode(ids)
 
@@ -71,8 +74,7 @@ def plan_requests(tokenizer, w: Workload) -> list[tuple[float, str, int, int]]:
     while t < w.duration_s:
         n_in = rng.randint(*w.prompt_tokens)
         prompt = make_prompt(tokenizer, n_in, rng)
-        out.append((t, prompt, len(tokenizer.encode(prompt, add_special_tokens=False)),
-                    rng.randint(*w.output_tokens)))
+        out.append((t, prompt, len(tokenizer.encode(prompt, add_special_tokens=False)), rng.randint(*w.output_tokens)))
         t += rng.expovariate(w.rate)
     return out
 
@@ -85,12 +87,12 @@ def run(url: str, tokenizer, w: Workload, model: str = "llm") -> tuple[list[Requ
     t0 = time.perf_counter()
 
     def one(rec: RequestRecord, prompt: str) -> None:
-        res = stream_generate(url, prompt, rec.max_tokens, model=model, ignore_eos=True,
-                              timeout_s=w.drain_timeout_s)
+        res = stream_generate(url, prompt, rec.max_tokens, model=model, ignore_eos=True, timeout_s=w.drain_timeout_s)
         rec.token_times = list(res.times)
         rec.n_tokens = len(res.token_ids)
         rec.error = res.error
         # stream_generate stamps its own start; keep the scheduled submit time for TTFT
+
     for i, (offset, prompt, n_in, n_out) in enumerate(plan):
         delay = t0 + offset - time.perf_counter()
         if delay > 0:

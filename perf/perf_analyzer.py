@@ -8,6 +8,7 @@ deployment itself unless ``--url`` points at a running server.
 
     python -m perf.perf_analyzer [--mode aggregated|disagg] [--concurrency 1:2] [--url HOST:PORT]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PA = ROOT / ".venv" / "perf_analyzer" / "tritonclient-2.50.0.data" / "data" / "bin" / "perf_analyzer"
-PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
-           "Explain what a KV cache is in one paragraph.", "List five prime numbers."]
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a KV cache is in one paragraph.",
+    "List five prime numbers.",
+]
 
 
 def ensure_libb64() -> None:
@@ -36,6 +41,7 @@ def ensure_libb64() -> None:
 
 def pa_env() -> dict:
     import nvidia.cuda_runtime
+
     cudart = Path(list(nvidia.cuda_runtime.__path__)[0]) / "lib"
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(cudart), env.get("LD_LIBRARY_PATH", "")) if p)
@@ -43,9 +49,15 @@ def pa_env() -> dict:
 
 
 def input_file(max_tokens: int, path: Path) -> Path:
-    data = [{"text_input": {"content": [p], "shape": [1]}, "max_tokens": {"content": [max_tokens], "shape": [1]},
-             "stream": {"content": [True], "shape": [1]}, "ignore_eos": {"content": [True], "shape": [1]}}
-            for p in PROMPTS]
+    data = [
+        {
+            "text_input": {"content": [p], "shape": [1]},
+            "max_tokens": {"content": [max_tokens], "shape": [1]},
+            "stream": {"content": [True], "shape": [1]},
+            "ignore_eos": {"content": [True], "shape": [1]},
+        }
+        for p in PROMPTS
+    ]
     path.write_text(json.dumps({"data": data}))
     return path
 
@@ -66,15 +78,35 @@ def main(argv=None) -> int:
     server = None
     if args.url is None:
         from perf import servers
+
         server = servers.start(args.mode, log_dir=tmp)
         url = server.grpc_url
     else:
         url = args.url
-    cmd = [str(PA), "-m", args.model_name, "-u", url, "-i", "grpc", "--streaming",
-           "--input-data", str(input_file(args.max_tokens, tmp / "inputs.json")),
-           "--concurrency-range", args.concurrency, "--measurement-mode", "count_windows",
-           "--measurement-request-count", str(args.requests_per_window), "--stability-percentage", "50",
-           "--max-trials", "4", "-f", str(tmp / "perf_analyzer.csv")]
+    cmd = [
+        str(PA),
+        "-m",
+        args.model_name,
+        "-u",
+        url,
+        "-i",
+        "grpc",
+        "--streaming",
+        "--input-data",
+        str(input_file(args.max_tokens, tmp / "inputs.json")),
+        "--concurrency-range",
+        args.concurrency,
+        "--measurement-mode",
+        "count_windows",
+        "--measurement-request-count",
+        str(args.requests_per_window),
+        "--stability-percentage",
+        "50",
+        "--max-trials",
+        "4",
+        "-f",
+        str(tmp / "perf_analyzer.csv"),
+    ]
     print(" ".join(cmd), flush=True)
     try:
         rc = subprocess.run(cmd, env=pa_env()).returncode

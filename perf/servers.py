@@ -4,6 +4,7 @@ Aggregated: ``llm`` gets every core. Disaggregated (1 prefill + 1 decode): the p
 instance is pinned to the first half of the cores and the decode instance to the rest, each
 with as many torch threads as cores, so the two processes don't fight over the same cores.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,14 @@ def core_split() -> tuple[str, str, int, int]:
     return ",".join(map(str, pre)), ",".join(map(str, dec)), len(pre), len(dec)
 
 
-def start(mode: str, *, model: str | None = None, overrides: dict | None = None,
-          per_model: dict | None = None, log_dir: Path | None = None) -> TritonServer:
+def start(
+    mode: str,
+    *,
+    model: str | None = None,
+    overrides: dict | None = None,
+    per_model: dict | None = None,
+    log_dir: Path | None = None,
+) -> TritonServer:
     """``mode``: ``aggregated`` or ``disagg`` (1 prefill + 1 decode, cores split)."""
     model_dir = ensure_model(model)
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="triton-disagg-perf-"))
@@ -37,6 +44,7 @@ def start(mode: str, *, model: str | None = None, overrides: dict | None = None,
         pre, dec, n_pre, n_dec = core_split()
         per_model["prefill"] = {"cpu_affinity": pre, "num_threads": str(n_pre), **per_model.get("prefill", {})}
         per_model["decode"] = {"cpu_affinity": dec, "num_threads": str(n_dec), **per_model.get("decode", {})}
-    repo = render_deployment(log_dir / f"repo-{mode}", mode=mode, model_path=str(model_dir),
-                             overrides=overrides, per_model=per_model)
+    repo = render_deployment(
+        log_dir / f"repo-{mode}", mode=mode, model_path=str(model_dir), overrides=overrides, per_model=per_model
+    )
     return TritonServer(repo, log_file=log_dir / f"tritonserver-{mode}.log").start(timeout_s=400)

@@ -1,4 +1,5 @@
 """Shared fixtures: the real model checkpoint and real Triton servers (stopped by PID)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -17,12 +18,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     from build_scripts.prepare_model import ensure_model
+
     return ensure_model()
 
 
 @pytest.fixture(scope="session")
 def tokenizer(model_dir):
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
@@ -61,6 +64,7 @@ def wait_pool_free(url: str, model: str, timeout_s: float = 30.0) -> None:
 def running_server(repo, log_file, timeout_s: float = 400, **kw):
     """A started TritonServer that is stopped (whole process group) however the block ends."""
     from backend.launch.server import TritonServer
+
     server = TritonServer(repo, log_file=log_file, **kw)
     try:
         server.start(timeout_s=timeout_s)
@@ -76,9 +80,18 @@ def aggregated_server(model_dir, tmp_path_factory):
     from backend.launch.deployment import render_deployment
 
     tmp = tmp_path_factory.mktemp("agg")
-    repo = render_deployment(tmp / "repo", mode="aggregated", model_path=str(model_dir), overrides={
-        "kv_cache_tokens": "4096", "max_tokens_limit": "256", "max_queue_size": "16",
-        "max_num_batched_tokens": "128", "num_threads": "2"})
+    repo = render_deployment(
+        tmp / "repo",
+        mode="aggregated",
+        model_path=str(model_dir),
+        overrides={
+            "kv_cache_tokens": "4096",
+            "max_tokens_limit": "256",
+            "max_queue_size": "16",
+            "max_num_batched_tokens": "128",
+            "num_threads": "2",
+        },
+    )
     with running_server(repo, tmp / "tritonserver.log", timeout_s=300) as server:
         yield server
 
@@ -93,7 +106,8 @@ PROMPTS = [
     "The theory of relativity says that",
     "Translate to French: I like apples.",
     "Summarize: " + "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 16,
-    "Read the text and answer. " + " ".join(f"Item {i} costs {i * 3} dollars." for i in range(40))
+    "Read the text and answer. "
+    + " ".join(f"Item {i} costs {i * 3} dollars." for i in range(40))
     + " Which item is the most expensive?",
 ]
 
@@ -108,14 +122,26 @@ def disagg_server(model_dir, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("disagg")
     repo = render_deployment(
-        tmp / "repo", mode="disagg", model_path=str(model_dir), prefill_instances=2, decode_instances=3,
+        tmp / "repo",
+        mode="disagg",
+        model_path=str(model_dir),
+        prefill_instances=2,
+        decode_instances=3,
         with_aggregated=True,
-        overrides={"kv_cache_tokens": "4096", "max_num_batched_tokens": "64", "max_tokens_limit": "256",
-                   "num_threads": "1", "kv_transfer_timeout_s": "15", "kv_quarantine_s": "4",
-                   "kv_xfer_timeout_s": "3"},
-        per_model={"front": {"decode_models": "decode_0,decode_1"},
-                   "decode_2": {"kv_cache_tokens": "512", "max_waiting_for_pages": "1",
-                                "page_wait_timeout_s": "4"}})
+        overrides={
+            "kv_cache_tokens": "4096",
+            "max_num_batched_tokens": "64",
+            "max_tokens_limit": "256",
+            "num_threads": "1",
+            "kv_transfer_timeout_s": "15",
+            "kv_quarantine_s": "4",
+            "kv_xfer_timeout_s": "3",
+        },
+        per_model={
+            "front": {"decode_models": "decode_0,decode_1"},
+            "decode_2": {"kv_cache_tokens": "512", "max_waiting_for_pages": "1", "page_wait_timeout_s": "4"},
+        },
+    )
     with running_server(repo, tmp / "tritonserver.log", timeout_s=400) as server:
         yield server
 
@@ -123,6 +149,7 @@ def disagg_server(model_dir, tmp_path_factory):
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     """Reference: n greedy tokens from transformers (its own forward and KV cache), EOS not special."""
     import torch
+
     out, past = [], None
     x = torch.tensor([ids])
     with torch.inference_mode():
@@ -138,12 +165,25 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
 def generate_concurrently(url: str, prompts: list[str], model: str, n_tokens: int, **kw) -> list:
     """One streamed greedy request per prompt, all in flight at once; results in prompt order."""
     import threading
+
     from backend.client import stream_generate
+
     out = [None] * len(prompts)
 
     def run(i):
         out[i] = stream_generate(url, prompts[i], n_tokens, model=model, ignore_eos=True, **kw)
+
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     [t.start() for t in threads]
     [t.join(300) for t in threads]
     return out
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark each test by its folder: ``unit`` (no server, no peer process) or ``integration``."""
+    for item in items:
+        parts = item.path.parts
+        if "unit" in parts:
+            item.add_marker(pytest.mark.unit)
+        elif "integration" in parts:
+            item.add_marker(pytest.mark.integration)

@@ -1,5 +1,6 @@
 """Shared helpers for the engine tests: a tiny random Llama checkpoint, the real checkpoint, and
 running an engine until its requests finish."""
+
 from __future__ import annotations
 
 import os
@@ -10,9 +11,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from backend.engine.config import EngineConfig  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.engine.outputs import EngineOutput  # noqa: E402
-from backend.engine.config import EngineConfig  # noqa: E402
 from backend.parallel.engine_factory import build_engine  # noqa: E402
 
 REAL_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct"
@@ -22,10 +23,20 @@ TINY_VOCAB = 256
 def build_tiny_llama(path: Path) -> Path:
     """Random 2-layer Llama (hidden 64, 4 heads, 2 KV heads, vocab 256) saved as a checkpoint."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(1234)
-    config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # sharper logits than the default init, so greedy choices are not near-ties
         model.lm_head.weight.mul_(20)
@@ -37,6 +48,7 @@ def real_model_dir() -> Path:
     if not (REAL_MODEL_DIR / "config.json").is_file():
         try:
             from build_scripts.prepare_model import ensure_model
+
             return ensure_model()
         except Exception as exc:  # the checkpoint cannot be made on this machine
             print(f"SKIP: real model unavailable: {exc}")
@@ -45,8 +57,7 @@ def real_model_dir() -> Path:
 
 
 def make_engine(model_dir: Path, **overrides) -> LLMEngine:
-    settings = dict(model_path=str(model_dir), kv_cache_tokens=2048, max_num_batched_tokens=64,
-                    max_model_len=512)
+    settings = dict(model_path=str(model_dir), kv_cache_tokens=2048, max_num_batched_tokens=64, max_model_len=512)
     settings.update(overrides)
     return build_engine(EngineConfig(**settings))
 

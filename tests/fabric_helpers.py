@@ -64,9 +64,15 @@ class Side:
     def create(self, name, layout: dict, n_pages, seed=None, meta_slots=4, meta_floats=64, **kw) -> int:
         lay = KVLayout.from_dict(layout)
         self.pools[name] = make_pools(lay, n_pages, seed)
-        self.agents[name] = FabricAgent(name, lay, self.pools[name], meta_slots=meta_slots,
-                                        meta_slot_floats=meta_floats,
-                                        on_send_error=lambda *e: self.errors.append(e), **kw)
+        self.agents[name] = FabricAgent(
+            name,
+            lay,
+            self.pools[name],
+            meta_slots=meta_slots,
+            meta_slot_floats=meta_floats,
+            on_send_error=lambda *e: self.errors.append(e),
+            **kw,
+        )
         self.servers[name] = control.serve(self.agents[name])
         return self.servers[name].port
 
@@ -77,7 +83,9 @@ class Side:
         return [to_bytes(p) for p in self.pools[name]]
 
     def expect(self, name, req_id, n, **kw) -> tuple:
-        h = self.agents[name].expect(req_id, n, on_release=lambda r, g: self.released.setdefault(r, time.monotonic()), **kw)
+        h = self.agents[name].expect(
+            req_id, n, on_release=lambda r, g: self.released.setdefault(r, time.monotonic()), **kw
+        )
         self.handles[req_id] = h
         return h.generation, h.slot
 
@@ -111,6 +119,7 @@ class Side:
         def done(r, ok, err):
             self.sent[r] = (ev, ok, err, time.monotonic())
             ev.set()
+
         self.agents[name].finish_send(req_id, done)
 
     def wait_sent(self, req_id, timeout=20.0):
@@ -167,6 +176,7 @@ class Worker:
             if status == "err":
                 raise RuntimeError(f"worker {method} failed: {value}")
             return value
+
         return call
 
     def signal(self, sig):

@@ -1,27 +1,59 @@
 """The JSON schemas the structured-output tests use, and a small validator for the keywords they
 use (type, properties, required, additionalProperties false, enum, pattern, maxLength, minimum,
 maximum, items, minItems, maxItems): ``jsonschema`` is not a dependency of this project."""
+
 from __future__ import annotations
 
 import re
 
 SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[A-Z][a-z]{1,10}$"},
-                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-     "required": ["name", "age"]},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,10}$"},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+    },
     {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
-    {"type": "object", "properties": {"fruits": {"type": "array", "items": {"type": "string", "maxLength": 12},
-                                                 "minItems": 1, "maxItems": 3}}, "required": ["fruits"]},
-    {"type": "object", "properties": {"city": {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20}},
-        "required": ["name", "country"]}}, "required": ["city"]},
-    {"type": "object", "properties": {"temperature": {"type": "integer", "minimum": -50, "maximum": 60},
-                                      "unit": {"enum": ["C", "F"]}, "ok": {"type": "boolean"}},
-     "required": ["temperature", "unit", "ok"]},
+    {
+        "type": "object",
+        "properties": {
+            "fruits": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1, "maxItems": 3}
+        },
+        "required": ["fruits"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "city": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 20},
+                    "country": {"type": "string", "maxLength": 20},
+                },
+                "required": ["name", "country"],
+            }
+        },
+        "required": ["city"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "temperature": {"type": "integer", "minimum": -50, "maximum": 60},
+            "unit": {"enum": ["C", "F"]},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["temperature", "unit", "ok"],
+    },
 ]
-PROMPTS = ["Give a person's name and age as JSON.", "Pick a color. Answer in JSON.",
-           "List up to three fruits as JSON.", "Name a city and its country as JSON.",
-           "Report today's temperature as JSON."]
+PROMPTS = [
+    "Give a person's name and age as JSON.",
+    "Pick a color. Answer in JSON.",
+    "List up to three fruits as JSON.",
+    "Name a city and its country as JSON.",
+    "Report today's temperature as JSON.",
+]
 
 _TYPES = {"object": dict, "array": list, "string": str, "boolean": bool}
 

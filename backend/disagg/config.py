@@ -1,5 +1,6 @@
 """Settings of the KV connector of a disaggregated instance (prefill or decode role): the
 fabric agent, the messenger and the transfer deadlines. An aggregated instance ignores them."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ class ConnectorConfig:
         if not 0 <= self.messenger_port < 65536:
             raise ValueError(f"messenger_port must be in [0, 65535], got {self.messenger_port}")
         if self.prefill_endpoints:
-            self.endpoints()   # validates the syntax
+            self.endpoints()  # validates the syntax
 
     def endpoints(self) -> list[tuple[str, int]]:
         """``prefill_endpoints`` as [(host, port), ...]; an error names a malformed entry."""

@@ -7,11 +7,12 @@ pages a step's chunks complete, a layer's KV is written: post it).
 The NIXL implementation is ``backend/disagg/nixl_connector.py``; another transport would
 implement these two classes and nothing above this layer would change.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
@@ -19,9 +20,9 @@ from backend.engine.outputs import EngineOutput
 from backend.engine.scheduler import StepBatch
 
 # (req_id, ok, error) once the pages a request sent from may be freed (every write done or stopped)
-FreeableCallback = Callable[[str, bool, Optional[str]], None]
+FreeableCallback = Callable[[str, bool, str | None], None]
 # (req_id, ok, error, (hidden, logits) or None) once a request's KV has arrived or cannot
-ReadyCallback = Callable[[str, bool, Optional[str], Optional[tuple[torch.Tensor, torch.Tensor]]], None]
+ReadyCallback = Callable[[str, bool, str | None, tuple[torch.Tensor, torch.Tensor] | None], None]
 # (req_id) once no late write can land in a failed request's pages any more
 ReleaseCallback = Callable[[str], None]
 
@@ -33,7 +34,7 @@ class SendRequest:
     req_id: str
     peer: str
     generation: int
-    slot: Optional[int]
+    slot: int | None
     n_tokens: int
     dst_pages: list[int]
 
@@ -43,7 +44,7 @@ class ReceiveTicket:
     """What the receiver expects for one request; the sender needs generation and slot."""
 
     generation: int
-    slot: Optional[int]
+    slot: int | None
     n_pages: int
     expected_writes: int
 
@@ -88,8 +89,9 @@ class KVReceiver(ABC):
     def num_external_tokens(self, prompt_len: int) -> int: ...
 
     @abstractmethod
-    def expect(self, req_id: str, n_tokens: int, source, on_ready: ReadyCallback,
-               on_release: ReleaseCallback) -> ReceiveTicket: ...
+    def expect(
+        self, req_id: str, n_tokens: int, source, on_ready: ReadyCallback, on_release: ReleaseCallback
+    ) -> ReceiveTicket: ...
 
     @abstractmethod
     def cancel(self, req_id: str, reason: str) -> None: ...

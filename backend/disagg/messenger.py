@@ -8,18 +8,18 @@ instances, answers their hello, dispatches their messages tagged with the connec
 came on). A message that breaks the protocol is logged and dropped; a dropped connection is
 reported to the owner, who fails the requests that depended on it.
 """
+
 from __future__ import annotations
 
 import logging
 import socket
 import threading
 import time
-from typing import Callable, Optional
-
-from fabric_bridge.control import answer_handshake, offer_handshake, recv_msg, send_msg
-from fabric_bridge.layout import KVLayout
+from collections.abc import Callable
 
 from backend.disagg.protocol import PROTOCOL_VERSION, Hello, Message, ProtocolError, check_hello, decode, encode
+from fabric_bridge.control import answer_handshake, offer_handshake, recv_msg, send_msg
+from fabric_bridge.layout import KVLayout
 
 log = logging.getLogger("triton_disagg.messenger")
 
@@ -27,8 +27,9 @@ log = logging.getLogger("triton_disagg.messenger")
 class Connection:
     """A framed connection with a reader thread carrying protocol messages; ``send`` is thread-safe."""
 
-    def __init__(self, sock: socket.socket, on_message: Callable[[Message], None],
-                 on_closed: Callable[[str], None], name: str):
+    def __init__(
+        self, sock: socket.socket, on_message: Callable[[Message], None], on_closed: Callable[[str], None], name: str
+    ):
         self.sock = sock
         self.name = name
         self._on_message, self._on_closed = on_message, on_closed
@@ -94,21 +95,28 @@ class PrefillEndpoint:
 
     RETRY_S = 1.0
 
-    def __init__(self, host: str, port: int, agent, name: str,
-                 on_message: Callable[["PrefillEndpoint", Message], None],
-                 on_lost: Callable[["PrefillEndpoint", str], None], connect_timeout_s: float = 5.0):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        agent,
+        name: str,
+        on_message: Callable[["PrefillEndpoint", Message], None],
+        on_lost: Callable[["PrefillEndpoint", str], None],
+        connect_timeout_s: float = 5.0,
+    ):
         self.host, self.port = host, port
         self.address = f"{host}:{port}"
         self.agent, self.name = agent, name
-        self.peer: Optional[str] = None
-        self.layout: Optional[KVLayout] = None
+        self.peer: str | None = None
+        self.layout: KVLayout | None = None
         self.outstanding: set[str] = set()
         self._on_message, self._on_lost = on_message, on_lost
         self._connect_timeout_s = connect_timeout_s
-        self._conn: Optional[Connection] = None
+        self._conn: Connection | None = None
         self._lock = threading.Lock()
         self._last_attempt = 0.0
-        self.last_error: Optional[str] = None
+        self.last_error: str | None = None
 
     @property
     def connected(self) -> bool:
@@ -126,19 +134,21 @@ class PrefillEndpoint:
             try:
                 sock = socket.create_connection((self.host, self.port), timeout=self._connect_timeout_s)
                 sock.settimeout(self._connect_timeout_s)
-                reply = offer_handshake(sock, encode(Hello(PROTOCOL_VERSION, self.name,
-                                                           self.agent.handshake_payload())))
+                reply = offer_handshake(
+                    sock, encode(Hello(PROTOCOL_VERSION, self.name, self.agent.handshake_payload()))
+                )
                 hello = check_hello(decode(reply))
                 self.peer = self.agent.add_peer(hello.fabric)
                 self.layout = KVLayout.from_dict(hello.fabric["layout"])
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
-                if error != self.last_error:   # log changes, not every retry
+                if error != self.last_error:  # log changes, not every retry
                     log.warning("prefill endpoint %s unavailable: %s", self.address, error)
                 self.last_error = error
                 return False
-            self._conn = Connection(sock, lambda m: self._on_message(self, m), self._closed,
-                                    f"prefill@{self.address}").start()
+            self._conn = Connection(
+                sock, lambda m: self._on_message(self, m), self._closed, f"prefill@{self.address}"
+            ).start()
             log.info("connected to prefill instance %s (agent %s)", self.address, self.peer)
             return True
 
@@ -188,15 +198,22 @@ class MessengerServer:
     def _handshake(self, sock: socket.socket, addr) -> None:
         try:
             sock.settimeout(30)
-            peer = answer_handshake(sock, self._accept_hello,
-                                    lambda: encode(Hello(PROTOCOL_VERSION, self.name, self.agent.handshake_payload())))
+            peer = answer_handshake(
+                sock,
+                self._accept_hello,
+                lambda: encode(Hello(PROTOCOL_VERSION, self.name, self.agent.handshake_payload())),
+            )
         except Exception as e:
             log.warning("refused decode instance at %s: %s", addr, e)
             sock.close()
             return
         holder = {}
-        conn = Connection(sock, lambda m: self._on_message(peer, m, holder["conn"]),
-                          lambda reason: self._on_peer_lost(peer, reason), f"decode@{addr[0]}:{addr[1]}")
+        conn = Connection(
+            sock,
+            lambda m: self._on_message(peer, m, holder["conn"]),
+            lambda reason: self._on_peer_lost(peer, reason),
+            f"decode@{addr[0]}:{addr[1]}",
+        )
         holder["conn"] = conn
         self._conns.append(conn)
         conn.start()
@@ -210,7 +227,7 @@ class MessengerServer:
 
     def close(self) -> None:
         try:
-            self._sock.shutdown(socket.SHUT_RDWR)   # wakes accept(); close() alone leaves it listening
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept(); close() alone leaves it listening
         except OSError:
             pass
         self._sock.close()

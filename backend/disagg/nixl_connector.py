@@ -13,6 +13,7 @@ when every write that reads them is done.
 Receiver bookkeeping: the number of writes to expect (from both sides' layouts and the page
 count), the deadline, and splitting the meta block back into (hidden state, logits).
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,45 +21,67 @@ import math
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
-
-from fabric_bridge.agent import FabricAgent
-from fabric_bridge.layout import KVLayout
-from fabric_bridge.plan import TransferPlan, build_plan, expected_writes
 
 from backend.disagg.config import ConnectorConfig
-from backend.disagg.connector import (FreeableCallback, KVReceiver, KVSender, ReadyCallback, ReceiveTicket,
-                                      ReleaseCallback, SendRequest)
+from backend.disagg.connector import (
+    FreeableCallback,
+    KVReceiver,
+    KVSender,
+    ReadyCallback,
+    ReceiveTicket,
+    ReleaseCallback,
+    SendRequest,
+)
 from backend.engine.outputs import EngineOutput, FinishReason
 from backend.engine.protocol import Engine, KVCacheSpec
 from backend.engine.scheduler import StepBatch
+from fabric_bridge.agent import FabricAgent
+from fabric_bridge.layout import KVLayout
+from fabric_bridge.plan import TransferPlan, build_plan, expected_writes
 
 log = logging.getLogger("triton_disagg.connector")
 
 
 def kv_layout(kv: KVCacheSpec) -> KVLayout:
-    return KVLayout(model=kv.model, num_layers=kv.num_layers, page_size=kv.page_size,
-                    num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim, dtype=kv.dtype, tp_size=kv.tp_size,
-                    layout="HND", mem_kind="VRAM" if kv.device_type == "cuda" else "DRAM")
+    return KVLayout(
+        model=kv.model,
+        num_layers=kv.num_layers,
+        page_size=kv.page_size,
+        num_kv_heads=kv.num_kv_heads,
+        head_dim=kv.head_dim,
+        dtype=kv.dtype,
+        tp_size=kv.tp_size,
+        layout="HND",
+        mem_kind="VRAM" if kv.device_type == "cuda" else "DRAM",
+    )
 
 
-def make_agent(engine: Engine, name: str, config: ConnectorConfig,
-               on_send_error: Optional[Callable[[str, int, str], None]] = None) -> FabricAgent:
+def make_agent(
+    engine: Engine, name: str, config: ConnectorConfig, on_send_error: Callable[[str, int, str], None] | None = None
+) -> FabricAgent:
     """The instance's fabric agent: its KV layout, every shard pool, the meta slots."""
     kv, dims = engine.kv_cache(), engine.dims()
-    return FabricAgent(name, kv_layout(kv), list(kv.shards), meta_slots=config.meta_slots,
-                       meta_slot_floats=dims.hidden_size + dims.vocab_size, backend=config.fabric_backend,
-                       quarantine_s=config.kv_quarantine_s, xfer_timeout_s=config.kv_xfer_timeout_s,
-                       on_send_error=on_send_error)
+    return FabricAgent(
+        name,
+        kv_layout(kv),
+        list(kv.shards),
+        meta_slots=config.meta_slots,
+        meta_slot_floats=dims.hidden_size + dims.vocab_size,
+        backend=config.fabric_backend,
+        quarantine_s=config.kv_quarantine_s,
+        xfer_timeout_s=config.kv_xfer_timeout_s,
+        on_send_error=on_send_error,
+    )
 
 
 @dataclass
 class _SendJob:
     request: SendRequest
     dst_layout: KVLayout
-    plan: Optional[TransferPlan] = None
-    sent_upto: int = 0                      # page positions [0, sent_upto) are posted or planned
+    plan: TransferPlan | None = None
+    sent_upto: int = 0  # page positions [0, sent_upto) are posted or planned
     step_positions: list[int] = field(default_factory=list)
     writes: int = 0
     t_start: float = field(default_factory=time.perf_counter)
@@ -74,8 +97,14 @@ class NixlKVSender(KVSender):
     layout (learnt at the messenger handshake); ``on_send_error(req_id, reason)`` is told when
     a transfer fails so the prefill can be aborted."""
 
-    def __init__(self, engine: Engine, config: ConnectorConfig, name: str,
-                 peer_layout: Callable[[str], KVLayout], on_send_error: Callable[[str, str], None]):
+    def __init__(
+        self,
+        engine: Engine,
+        config: ConnectorConfig,
+        name: str,
+        peer_layout: Callable[[str], KVLayout],
+        on_send_error: Callable[[str, str], None],
+    ):
         self.engine = engine
         self.layout = kv_layout(engine.kv_cache())
         self.page_size = self.layout.page_size
@@ -86,8 +115,13 @@ class NixlKVSender(KVSender):
         self.jobs: dict[str, _SendJob] = {}
         self._lock = threading.Lock()
         self._rng = random.Random()
-        self.totals = {"kv_writes_total": 0, "kv_transfer_bytes_total": 0, "prefills_total": 0,
-                       "prefill_compute_seconds_total": 0.0, "kv_transfer_tail_seconds_total": 0.0}
+        self.totals = {
+            "kv_writes_total": 0,
+            "kv_transfer_bytes_total": 0,
+            "prefills_total": 0,
+            "prefill_compute_seconds_total": 0.0,
+            "kv_transfer_tail_seconds_total": 0.0,
+        }
         engine.set_kv_listener(self, layer_events=self.stream_layers)
 
     # ------------------------------------------------------------ scheduler side
@@ -117,17 +151,16 @@ class NixlKVSender(KVSender):
         job.t_compute_done = time.perf_counter()
         req = job.request
         if output.finish_reason == FinishReason.PREFILL_DONE:
-            if not self.stream_layers:   # the switch for measuring overlap: send everything now
+            if not self.stream_layers:  # the switch for measuring overlap: send everything now
                 self._plan(job)
                 for layer in range(self.layout.num_layers):
                     self._post(job, layer, range(job.n_pages))
             if req.slot is not None:
-                self.agent.post_meta(req.peer, req.req_id, req.generation, req.slot,
-                                     output.hidden_state, output.logits)
+                self.agent.post_meta(req.peer, req.req_id, req.generation, req.slot, output.hidden_state, output.logits)
         else:
             self.agent.cancel(req.req_id, output.error or output.finish_reason or "aborted")
 
-        def done(req_id: str, ok: bool, err: Optional[str]) -> None:
+        def done(req_id: str, ok: bool, err: str | None) -> None:
             with self._lock:
                 finished = self.jobs.pop(req_id, None)
             if finished is not None:
@@ -135,11 +168,18 @@ class NixlKVSender(KVSender):
                 self.totals["prefills_total"] += 1
                 self.totals["prefill_compute_seconds_total"] += finished.t_compute_done - finished.t_start
                 self.totals["kv_transfer_tail_seconds_total"] += now - finished.t_compute_done
-                log.info("prefill %s %s: %d tokens, %d writes, compute %.3fs, transfer tail %.3fs%s",
-                         req_id, "sent" if ok else "failed", finished.request.n_tokens, finished.writes,
-                         finished.t_compute_done - finished.t_start, now - finished.t_compute_done,
-                         f" ({err})" if err else "")
+                log.info(
+                    "prefill %s %s: %d tokens, %d writes, compute %.3fs, transfer tail %.3fs%s",
+                    req_id,
+                    "sent" if ok else "failed",
+                    finished.request.n_tokens,
+                    finished.writes,
+                    finished.t_compute_done - finished.t_start,
+                    now - finished.t_compute_done,
+                    f" ({err})" if err else "",
+                )
             on_freeable(req_id, ok, err)
+
         self.agent.finish_send(req.req_id, done)
 
     def cancel(self, req_id: str, reason: str) -> None:
@@ -165,7 +205,7 @@ class NixlKVSender(KVSender):
 
     def _plan(self, job: _SendJob) -> None:
         if job.plan is None:
-            src_pages = self.engine.page_table(job.request.req_id)[:job.n_pages]
+            src_pages = self.engine.page_table(job.request.req_id)[: job.n_pages]
             job.plan = build_plan(self.layout, job.dst_layout, src_pages, job.request.dst_pages, self._rng)
 
     def _post(self, job: _SendJob, layer: int, positions) -> None:
@@ -174,8 +214,7 @@ class NixlKVSender(KVSender):
             n = job.plan.writes(positions)
             job.writes += n
             self.totals["kv_writes_total"] += n
-            self.totals["kv_transfer_bytes_total"] += len(positions) * sum(int(p.length.sum())
-                                                                           for p in job.plan.pairs)
+            self.totals["kv_transfer_bytes_total"] += len(positions) * sum(int(p.length.sum()) for p in job.plan.pairs)
 
     def _send_error(self, req_id: str, generation: int, err: str) -> None:
         log.warning("prefill %s: transfer error %s", req_id, err)
@@ -218,26 +257,39 @@ class NixlKVReceiver(KVReceiver):
         first decode step."""
         return max(0, prompt_len - 1)
 
-    def expect(self, req_id: str, n_tokens: int, source: tuple[str, KVLayout], on_ready: ReadyCallback,
-               on_release: ReleaseCallback) -> ReceiveTicket:
+    def expect(
+        self,
+        req_id: str,
+        n_tokens: int,
+        source: tuple[str, KVLayout],
+        on_ready: ReadyCallback,
+        on_release: ReleaseCallback,
+    ) -> ReceiveTicket:
         peer, src_layout = source
         n_pages = math.ceil(n_tokens / self.layout.page_size)
         expected = expected_writes(src_layout, self.layout, n_pages)
         with self._lock:
             self._active[req_id] = _Receive(n_pages, expected)
 
-        def done(rid: str, ok: bool, err: Optional[str], meta) -> None:
+        def done(rid: str, ok: bool, err: str | None, meta) -> None:
             with self._lock:
                 rec = self._active.pop(rid, None)
             if ok and rec is not None:
                 self.totals["kv_transfer_seconds_total"] += time.perf_counter() - rec.t_start
                 self.totals["kv_writes_total"] += rec.expected
-                self.totals["kv_transfer_bytes_total"] += (rec.n_pages * self.layout.num_layers
-                                                           * self.layout.page_bytes * self.layout.tp_size)
+                self.totals["kv_transfer_bytes_total"] += (
+                    rec.n_pages * self.layout.num_layers * self.layout.page_bytes * self.layout.tp_size
+                )
             on_ready(rid, ok, err, self.split_meta(meta) if ok else None)
 
-        handle = self.agent.expect(req_id, expected, on_done=done, timeout_s=self.timeout_s, peer=peer,
-                                   on_release=lambda rid, generation: on_release(rid))
+        handle = self.agent.expect(
+            req_id,
+            expected,
+            on_done=done,
+            timeout_s=self.timeout_s,
+            peer=peer,
+            on_release=lambda rid, generation: on_release(rid),
+        )
         return ReceiveTicket(handle.generation, handle.slot, n_pages, expected)
 
     def split_meta(self, meta):
@@ -245,7 +297,7 @@ class NixlKVReceiver(KVReceiver):
         if meta is None:
             return None
         h = self.dims.hidden_size
-        return meta[:h], meta[h: h + self.dims.vocab_size]
+        return meta[:h], meta[h : h + self.dims.vocab_size]
 
     def cancel(self, req_id: str, reason: str) -> None:
         self.agent.cancel(req_id, reason)

@@ -2,7 +2,8 @@
 checked at the handshake, validation of every field before a message reaches a worker.
 
 Frames and the handshake exchange are ``fabric_bridge.control``'s (4-byte length + UTF-8 JSON;
-a refusal is ``{"error": reason}``); a message is a JSON object with ``"type"`` and its fields. The KV bytes never travel here: they go over NIXL.
+a refusal is ``{"error": reason}``); a message is a JSON object with ``"type"`` and its fields.
+The KV bytes never travel here: they go over NIXL.
 
   decode -> prefill   Hello(version, name, fabric)    fabric: the agent's handshake payload
   prefill -> decode   Hello(version, name, fabric)  or  {"error": reason} (refused)
@@ -12,12 +13,12 @@ a refusal is ``{"error": reason}``); a message is a JSON object with ``"type"`` 
 
 Version history: 1 = this set of messages (the first typed, versioned protocol).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import typing
 from dataclasses import dataclass
-from typing import Optional, Union
 
 from backend.engine.outputs import ErrorKind
 
@@ -41,7 +42,7 @@ class Hello:
 class PrefillRequest:
     req_id: str
     generation: int
-    slot: Optional[int]
+    slot: int | None
     tokens: list[int]
     dst_pages: list[int]
 
@@ -58,9 +59,8 @@ class PrefillFailed:
     message: str
 
 
-Message = Union[Hello, PrefillRequest, Cancel, PrefillFailed]
-TYPES: dict[str, type] = {"hello": Hello, "prefill": PrefillRequest, "cancel": Cancel,
-                          "prefill_failed": PrefillFailed}
+Message = Hello | PrefillRequest | Cancel | PrefillFailed
+TYPES: dict[str, type] = {"hello": Hello, "prefill": PrefillRequest, "cancel": Cancel, "prefill_failed": PrefillFailed}
 _NAMES = {cls: name for name, cls in TYPES.items()}
 
 
@@ -119,8 +119,9 @@ def _check(msg_name: str, field: str, value, typ):
             raise ProtocolError(f"{where} must be an object")
         return value
     if typing.get_origin(typ) is list:
-        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                                                  for v in value):
+        if not isinstance(value, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+        ):
             raise ProtocolError(f"{where} must be a list of non-negative integers")
         return value
     raise AssertionError(f"unhandled field type {typ} of {where}")
@@ -131,6 +132,8 @@ def check_hello(msg: Message) -> Hello:
     if not isinstance(msg, Hello):
         raise ProtocolError(f"expected hello, got {_NAMES[type(msg)]}")
     if msg.version != PROTOCOL_VERSION:
-        raise ProtocolError(f"messenger protocol version {msg.version} is not supported (this instance "
-                            f"speaks version {PROTOCOL_VERSION})")
+        raise ProtocolError(
+            f"messenger protocol version {msg.version} is not supported (this instance "
+            f"speaks version {PROTOCOL_VERSION})"
+        )
     return msg

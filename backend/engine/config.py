@@ -1,5 +1,6 @@
 """Engine configuration: one validated dataclass, and the parser of typed config sections from
 Triton's string parameters that every layer's config uses (``parse_section``)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,8 +47,15 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for name in ("page_size", "kv_cache_tokens", "max_num_seqs", "max_num_batched_tokens",
-                     "max_model_len", "max_tokens_limit", "tensor_parallel_size"):
+        for name in (
+            "page_size",
+            "kv_cache_tokens",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "max_tokens_limit",
+            "tensor_parallel_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
@@ -56,8 +64,9 @@ class EngineConfig:
         if not isinstance(self.num_pages, int) or self.num_pages < 1:
             raise ValueError(f"EngineConfig.num_pages must be a positive integer, got {self.num_pages!r}")
         if not isinstance(self.num_threads, int) or self.num_threads < 0:
-            raise ValueError(f"EngineConfig.num_threads must be >= 0 (0 = leave torch's default), "
-                             f"got {self.num_threads!r}")
+            raise ValueError(
+                f"EngineConfig.num_threads must be >= 0 (0 = leave torch's default), got {self.num_threads!r}"
+            )
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("EngineConfig.device is 'cuda' but torch sees no GPU")
 

@@ -4,16 +4,17 @@
 request's ``on_output(EngineOutput)`` for every new token and once at the end. A failing step
 fails the requests it touched (finish_reason "error", pages freed); the loop keeps running.
 """
+
 from __future__ import annotations
 
 import logging
 import queue
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from backend.engine.outputs import EngineOutput, ErrorKind, FinishReason
 from backend.engine.protocol import Engine
-from backend.engine.sampling.params import SamplingParams
+from backend.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("triton_disagg.engine")
 
@@ -30,15 +31,32 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, req_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None,
-               on_output: OutputCallback, prefill_only: bool = False, kv_ready_tokens: int = 0,
-               prefill_state: tuple | None = None) -> None:
+    def submit(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None,
+        on_output: OutputCallback,
+        prefill_only: bool = False,
+        kv_ready_tokens: int = 0,
+        prefill_state: tuple | None = None,
+    ) -> None:
         """Queue a request; an invalid one is answered through ``on_output`` with finish_reason "error".
         ``prefill_state``: (hidden, logits) of the last prefilled position, sent with the KV."""
         if self._stopping.is_set():
             raise RuntimeError("EngineLoop is shut down")
-        self._commands.put(("submit", req_id, list(prompt_token_ids), sampling_params, on_output,
-                            prefill_only, kv_ready_tokens, prefill_state))
+        self._commands.put(
+            (
+                "submit",
+                req_id,
+                list(prompt_token_ids),
+                sampling_params,
+                on_output,
+                prefill_only,
+                kv_ready_tokens,
+                prefill_state,
+            )
+        )
 
     def cancel(self, req_id: str) -> None:
         """Abort a request; its callback gets finish_reason "abort" (nothing if it already ended)."""
@@ -55,8 +73,13 @@ class EngineLoop:
 
     def stats(self) -> dict:
         waiting, running = self.engine.queue_lengths()
-        return {"pool": self.engine.pool_stats(), "waiting": waiting,
-                "running": running, "steps": self._num_steps, "alive": self._thread.is_alive()}
+        return {
+            "pool": self.engine.pool_stats(),
+            "waiting": waiting,
+            "running": running,
+            "steps": self._num_steps,
+            "alive": self._thread.is_alive(),
+        }
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the loop; requests still active end with finish_reason "abort"."""
@@ -84,8 +107,12 @@ class EngineLoop:
             except queue.Empty:
                 return
             if command[0] == "submit":
-                self._call(command[4], EngineOutput(command[1], [], finished=True, finish_reason=FinishReason.ABORT,
-                                                    error="engine loop shut down"))
+                self._call(
+                    command[4],
+                    EngineOutput(
+                        command[1], [], finished=True, finish_reason=FinishReason.ABORT, error="engine loop shut down"
+                    ),
+                )
 
     def _step(self) -> list[EngineOutput]:
         try:
@@ -114,24 +141,33 @@ class EngineLoop:
             _, req_id, prompt, params, on_output, prefill_only, kv_ready_tokens, prefill_state = command
             hidden, logits = prefill_state or (None, None)
             if req_id in self._callbacks:
-                self._call(on_output, EngineOutput(req_id, [], finished=True, finish_reason=FinishReason.ERROR,
-                                                   error=f"request {req_id!r} is already active",
-                                                   error_kind=ErrorKind.BAD_REQUEST))
+                self._refuse(on_output, req_id, f"request {req_id!r} is already active")
                 return
             try:
-                self.engine.add_request(req_id, prompt, params, prefill_only=prefill_only,
-                                        kv_ready_tokens=kv_ready_tokens, prefill_hidden=hidden,
-                                        prefill_logits=logits)
+                self.engine.add_request(
+                    req_id,
+                    prompt,
+                    params,
+                    prefill_only=prefill_only,
+                    kv_ready_tokens=kv_ready_tokens,
+                    prefill_hidden=hidden,
+                    prefill_logits=logits,
+                )
             except Exception as exc:
-                self._call(on_output, EngineOutput(req_id, [], finished=True, finish_reason=FinishReason.ERROR,
-                                                   error=f"{type(exc).__name__}: {exc}",
-                                                   error_kind=ErrorKind.BAD_REQUEST))
+                self._refuse(on_output, req_id, f"{type(exc).__name__}: {exc}")
                 return
             self._callbacks[req_id] = on_output
         elif kind == "cancel":
             output = self.engine.abort(command[1])
             if output is not None:
                 self._emit([output])
+
+    def _refuse(self, on_output: OutputCallback, req_id: str, message: str) -> None:
+        """Answer a submit the engine cannot take (finish_reason "error", kind bad_request)."""
+        error = EngineOutput(
+            req_id, [], finished=True, finish_reason=FinishReason.ERROR, error=message, error_kind=ErrorKind.BAD_REQUEST
+        )
+        self._call(on_output, error)
 
     def _emit(self, outputs: list[EngineOutput]) -> None:
         for output in outputs:

@@ -5,6 +5,7 @@ One contiguous tensor ``[num_layers, num_pages, 2 (K, V), num_kv_heads, page_siz
 contiguous byte range, so the transfer engine can register the whole tensor once and move a page
 of a layer with a single write.
 """
+
 from __future__ import annotations
 
 import torch
@@ -13,8 +14,17 @@ import torch
 class KVPool:
     """Owns the KV tensor; knows nothing about which request holds which page."""
 
-    def __init__(self, num_layers: int, num_pages: int, num_kv_heads: int, page_size: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device, tensor: torch.Tensor | None = None):
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        num_kv_heads: int,
+        page_size: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        tensor: torch.Tensor | None = None,
+    ):
         """``tensor``: an existing zeroed tensor of the pool's shape to use (e.g. shared memory)."""
         self.num_layers = num_layers
         self.num_pages = num_pages

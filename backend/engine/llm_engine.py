@@ -14,28 +14,30 @@ last token plus draft tokens in one chunk; the accepted drafts and one target to
 appended, the rejected ones rolled back: ``num_computed`` and pages) and grammar-constrained
 sampling, both per request (``SamplingParams``; see ``backend/engine/sampling/decode_sampler.py``).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from backend.engine.sampling.decode_sampler import DecodeSampler
 from backend.engine.config import EngineConfig
-from backend.engine.page_allocator import PageAllocator
 from backend.engine.model_runner import ModelRunner
 from backend.engine.outputs import EngineOutput, ErrorKind, FinishReason
-from backend.engine.protocol import KVCacheSpec, KVStepListener, ModelDims
+from backend.engine.page_allocator import PageAllocator
 from backend.engine.paged_attention import BatchEntry
-from backend.engine.sampling.params import SamplingParams
+from backend.engine.protocol import KVCacheSpec, KVStepListener, ModelDims
+from backend.engine.sampling.decode_sampler import DecodeSampler
 from backend.engine.sampling.sampler import make_generator, sample
+from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import ChunkInfo, ScheduledChunk, Scheduler, StepBatch
 from backend.engine.sequence import Sequence
 
 log = logging.getLogger("triton_disagg.engine")
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):
@@ -45,13 +47,15 @@ class LLMEngine:
         self.max_model_len = config.resolve_max_model_len()
         if runner is None:
             if config.tensor_parallel_size != 1:
-                raise ValueError("tensor_parallel_size > 1: build the engine with "
-                                 "backend.parallel.engine_factory.build_engine")
+                raise ValueError(
+                    "tensor_parallel_size > 1: build the engine with backend.parallel.engine_factory.build_engine"
+                )
             runner = ModelRunner(config)
         self.runner = runner
         self.allocator = PageAllocator(config.num_pages, config.page_size)
-        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len)
+        self.scheduler = Scheduler(
+            self.allocator, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+        )
         self.default_end_ids = self.runner.end_token_ids()
         self.kv_listener: KVStepListener | None = None
         self._seqs: dict[str, Sequence] = {}
@@ -74,11 +78,18 @@ class LLMEngine:
 
     def kv_cache(self) -> KVCacheSpec:
         pool, shards = self.pool, tuple(self.runner.shard_pools())
-        return KVCacheSpec(model=os.path.basename(os.path.normpath(self.config.model_path)),
-                           num_layers=pool.num_layers, num_pages=pool.num_pages, page_size=pool.page_size,
-                           num_kv_heads=pool.num_kv_heads * len(shards), head_dim=pool.head_dim,
-                           dtype=str(pool.dtype).removeprefix("torch."), tp_size=len(shards),
-                           device_type=pool.tensor.device.type, shards=shards)
+        return KVCacheSpec(
+            model=os.path.basename(os.path.normpath(self.config.model_path)),
+            num_layers=pool.num_layers,
+            num_pages=pool.num_pages,
+            page_size=pool.page_size,
+            num_kv_heads=pool.num_kv_heads * len(shards),
+            head_dim=pool.head_dim,
+            dtype=str(pool.dtype).removeprefix("torch."),
+            tp_size=len(shards),
+            device_type=pool.tensor.device.type,
+            shards=shards,
+        )
 
     def health(self) -> str | None:
         """None while the instance serves; else why it is out of service for good."""
@@ -98,19 +109,33 @@ class LLMEngine:
     def close(self) -> None:
         self.runner.close()
 
-    def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    prefill_only: bool = False, kv_ready_tokens: int = 0,
-                    prefill_hidden: torch.Tensor | None = None, prefill_logits: torch.Tensor | None = None) -> None:
+    def add_request(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        prefill_only: bool = False,
+        kv_ready_tokens: int = 0,
+        prefill_hidden: torch.Tensor | None = None,
+        prefill_logits: torch.Tensor | None = None,
+    ) -> None:
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_token_ids]
         self._validate(req_id, prompt, params, prefill_only, kv_ready_tokens)
         if not params.end_ids and not params.ignore_eos:
             params = dataclasses.replace(params, end_ids=self.default_end_ids)
-        seq = Sequence(req_id, prompt, params, make_generator(params, self.runner.device),
-                       prefill_only=prefill_only, kv_ready_tokens=kv_ready_tokens)
+        seq = Sequence(
+            req_id,
+            prompt,
+            params,
+            make_generator(params, self.runner.device),
+            prefill_only=prefill_only,
+            kv_ready_tokens=kv_ready_tokens,
+        )
         seq.last_hidden, seq.last_logits = prefill_hidden, prefill_logits
         if params.grammar is not None:
-            from backend.engine.sampling.grammar import GrammarState   # xgrammar only when used
+            from backend.engine.sampling.grammar import GrammarState  # xgrammar only when used
+
             seq.grammar = GrammarState(params.grammar)
         self._seqs[req_id] = seq
         self.scheduler.add(seq)
@@ -149,8 +174,13 @@ class LLMEngine:
         return self.allocator.free(req_id) if self.allocator.has(req_id) else 0
 
     def step(self) -> list[EngineOutput]:
-        self.decode_sampler.propose([s for s in (*self.scheduler.running, *self.scheduler.waiting)
-                                     if s.params.num_draft_tokens and s.num_uncomputed == 1])
+        self.decode_sampler.propose(
+            [
+                s
+                for s in (*self.scheduler.running, *self.scheduler.waiting)
+                if s.params.num_draft_tokens and s.num_uncomputed == 1
+            ]
+        )
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
@@ -162,8 +192,9 @@ class LLMEngine:
             if listener is not None and step_batch.prefill_only_chunks:
                 listener.step_scheduled(step_batch)
             extra = {"num_logits": [1 + len(c.draft_token_ids) for c in chunks]} if speculating else {}
-            result = self.runner.run([BatchEntry(c.input_token_ids, c.start, c.page_table) for c in chunks],
-                                     hook_arg=step_batch, **extra)
+            result = self.runner.run(
+                [BatchEntry(c.input_token_ids, c.start, c.page_table) for c in chunks], hook_arg=step_batch, **extra
+            )
             new_tokens = self._pick(chunks, rows, result)
         except Exception as exc:
             log.exception("engine step failed; failing its %d request(s)", len(chunks))
@@ -174,8 +205,9 @@ class LLMEngine:
             seq = chunk.seq
             seq.num_computed += chunk.num_tokens
             if chunk.is_last_chunk and seq.prefill_only:
-                outputs.append(self._finish(seq, FinishReason.PREFILL_DONE, [], hidden=result.hidden[i],
-                                            logits=result.logits[i]))
+                outputs.append(
+                    self._finish(seq, FinishReason.PREFILL_DONE, [], hidden=result.hidden[i], logits=result.logits[i])
+                )
         for i in rows:
             outputs.append(self._append(chunks[i], new_tokens[i], result, i))
         return outputs
@@ -191,7 +223,7 @@ class LLMEngine:
             picked = {i: [t] for i, t in zip(plain, tokens)}
         for i in rows:
             if i not in picked:
-                logits = result.position_logits[i] if result.position_logits is not None else result.logits[i:i + 1]
+                logits = result.position_logits[i] if result.position_logits is not None else result.logits[i : i + 1]
                 picked[i] = self.decode_sampler.pick(chunks[i], logits)
         return picked
 
@@ -202,7 +234,10 @@ class LLMEngine:
         accepted = len(tokens) - 1
         seq.num_computed += accepted
         if result.position_hidden is not None:
-            seq.last_hidden, seq.last_logits = result.position_hidden[row][accepted], result.position_logits[row][accepted]
+            seq.last_hidden, seq.last_logits = (
+                result.position_hidden[row][accepted],
+                result.position_logits[row][accepted],
+            )
         else:
             seq.last_hidden, seq.last_logits = result.hidden[row], result.logits[row]
         emitted, reason = [], None
@@ -221,34 +256,65 @@ class LLMEngine:
             return self._finish(seq, reason, emitted)
         if chunk.draft_token_ids:
             self.allocator.shrink(seq.req_id, seq.num_tokens)
-        return EngineOutput(seq.req_id, emitted, num_prompt_tokens=seq.num_prompt_tokens,
-                            num_output_tokens=seq.num_output_tokens)
+        return EngineOutput(
+            seq.req_id, emitted, num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens
+        )
 
     def fail(self, req_ids: list[str], message: str, kind: ErrorKind = ErrorKind.ENGINE) -> list[EngineOutput]:
         """Finish the given active requests with finish_reason "error" and free their pages
         (a prefill-only request keeps its pages until ``release``)."""
-        return [self._finish(self._seqs[r], FinishReason.ERROR, [], error=message, error_kind=kind)
-                for r in req_ids if r in self._seqs]
+        return [
+            self._finish(self._seqs[r], FinishReason.ERROR, [], error=message, error_kind=kind)
+            for r in req_ids
+            if r in self._seqs
+        ]
 
     def active_request_ids(self) -> list[str]:
         return list(self._seqs)
 
-    def _finish(self, seq: Sequence, reason: FinishReason, new_tokens: list[int], error: str | None = None,
-                hidden: torch.Tensor | None = None, logits: torch.Tensor | None = None,
-                error_kind: ErrorKind | None = None) -> EngineOutput:
+    def _finish(
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        new_tokens: list[int],
+        error: str | None = None,
+        hidden: torch.Tensor | None = None,
+        logits: torch.Tensor | None = None,
+        error_kind: ErrorKind | None = None,
+    ) -> EngineOutput:
         self.scheduler.remove(seq)
         seq.finish_reason = reason
         del self._seqs[seq.req_id]
         if not seq.prefill_only and self.allocator.has(seq.req_id):
             self.allocator.free(seq.req_id)
-        return EngineOutput(seq.req_id, new_tokens, finished=True, finish_reason=reason, error=error,
-                            error_kind=error_kind, num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
-                            hidden_state=hidden, logits=logits)
+        return EngineOutput(
+            seq.req_id,
+            new_tokens,
+            finished=True,
+            finish_reason=reason,
+            error=error,
+            error_kind=error_kind,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            hidden_state=hidden,
+            logits=logits,
+        )
 
     def _step_batch(self, chunks: list[ScheduledChunk]) -> StepBatch:
         page_size = self.config.page_size
-        return StepBatch([ChunkInfo(c.seq.req_id, c.start, c.num_tokens, c.touched_page_ids(page_size),
-                                    c.is_last_chunk, c.seq.prefill_only) for c in chunks])
+        return StepBatch(
+            [
+                ChunkInfo(
+                    c.seq.req_id,
+                    c.start,
+                    c.num_tokens,
+                    c.touched_page_ids(page_size),
+                    c.is_last_chunk,
+                    c.seq.prefill_only,
+                )
+                for c in chunks
+            ]
+        )
 
     def _validate(self, req_id, prompt, params, prefill_only, kv_ready_tokens) -> None:
         if req_id in self._seqs:
@@ -259,8 +325,10 @@ class LLMEngine:
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if len(prompt) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len} "
-                             "(the prompt must leave room for one more token)")
+            raise ValueError(
+                f"prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len} "
+                "(the prompt must leave room for one more token)"
+            )
         if params.max_tokens > self.config.max_tokens_limit:
             raise ValueError(f"max_tokens {params.max_tokens} exceeds the limit {self.config.max_tokens_limit}")
         probe = Sequence(req_id, prompt, params, None, prefill_only=prefill_only)

@@ -1,17 +1,18 @@
 """Loads a transformers causal LM and runs packed steps with attention over our paged KV pool."""
+
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from backend.engine.config import EngineConfig
 from backend.engine.kv_pool import KVPool
-from backend.engine.protocol import ModelDims
 from backend.engine.paged_attention import ATTN_IMPLEMENTATION, BatchEntry, build_paged_batch
+from backend.engine.protocol import ModelDims
 
 log = logging.getLogger("triton_disagg.engine")
 
@@ -43,23 +44,43 @@ class ModelRunner:
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         self.pool = self._make_pool(config, head_dim)
         self.on_layer_kv_written: Callable[[int, object], None] | None = None
-        log.info("engine model=%s type=%s layers=%d device=%s dtype=%s; KV pool %d pages x %d tokens "
-                 "= %d tokens, %.1f MiB (%s)", config.model_path, hf_config.model_type,
-                 hf_config.num_hidden_layers, self.device, config.dtype, config.num_pages,
-                 config.page_size, config.num_pages * config.page_size, self.pool.total_bytes / 2**20,
-                 self.pool.layout())
+        log.info(
+            "engine model=%s type=%s layers=%d device=%s dtype=%s; KV pool %d pages x %d tokens "
+            "= %d tokens, %.1f MiB (%s)",
+            config.model_path,
+            hf_config.model_type,
+            hf_config.num_hidden_layers,
+            self.device,
+            config.dtype,
+            config.num_pages,
+            config.page_size,
+            config.num_pages * config.page_size,
+            self.pool.total_bytes / 2**20,
+            self.pool.layout(),
+        )
 
     def _make_pool(self, config: EngineConfig, head_dim: int) -> KVPool:
         """The KV pool this runner attends over (a tensor-parallel rank overrides it with its shard)."""
         hf_config = self.hf_config
-        return KVPool(num_layers=hf_config.num_hidden_layers, num_pages=config.num_pages,
-                      num_kv_heads=hf_config.num_key_value_heads, page_size=config.page_size,
-                      head_dim=head_dim, dtype=self.dtype, device=self.device)
+        return KVPool(
+            num_layers=hf_config.num_hidden_layers,
+            num_pages=config.num_pages,
+            num_kv_heads=hf_config.num_key_value_heads,
+            page_size=config.page_size,
+            head_dim=head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
 
     def dims(self) -> ModelDims:
         hf = self.hf_config
-        return ModelDims(num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, vocab_size=self.vocab_size,
-                         num_kv_heads=hf.num_key_value_heads, head_dim=self.pool.head_dim)
+        return ModelDims(
+            num_layers=hf.num_hidden_layers,
+            hidden_size=hf.hidden_size,
+            vocab_size=self.vocab_size,
+            num_kv_heads=hf.num_key_value_heads,
+            head_dim=self.pool.head_dim,
+        )
 
     def set_layer_hook(self, hook: Callable[[int, object], None] | None) -> None:
         """``hook(layer_idx, hook_arg)`` runs right after each layer wrote the step's KV."""
@@ -89,22 +110,29 @@ class ModelRunner:
         return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
     @torch.inference_mode()
-    def run(self, entries: list[BatchEntry], hook_arg: object = None,
-            num_logits: list[int] | None = None) -> StepResult:
+    def run(
+        self, entries: list[BatchEntry], hook_arg: object = None, num_logits: list[int] | None = None
+    ) -> StepResult:
         """``num_logits[i]``: how many trailing positions of entry i need logits (speculative
         verification); default: only each entry's last position."""
         batch = build_paged_batch(entries, self.pool, self.device)
         batch.on_layer_kv_written = self.on_layer_kv_written
         batch.hook_arg = hook_arg
-        out = self.model.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                               use_cache=False, paged_batch=batch)
+        out = self.model.model(
+            input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, paged_batch=batch
+        )
         if num_logits is None:
             hidden = out.last_hidden_state[0].index_select(0, batch.last_token_index)
             return StepResult(logits=self.model.lm_head(hidden), hidden=hidden)
-        index = torch.cat([torch.arange(last - n + 1, last + 1)
-                           for last, n in zip(batch.last_token_index.tolist(), num_logits)]).to(self.device)
+        index = torch.cat(
+            [torch.arange(last - n + 1, last + 1) for last, n in zip(batch.last_token_index.tolist(), num_logits)]
+        ).to(self.device)
         hidden = out.last_hidden_state[0].index_select(0, index)
         logits = self.model.lm_head(hidden)
         ends = torch.tensor(num_logits, device=self.device).cumsum(0) - 1
-        return StepResult(logits=logits[ends], hidden=hidden[ends], position_logits=list(logits.split(num_logits)),
-                          position_hidden=list(hidden.split(num_logits)))
+        return StepResult(
+            logits=logits[ends],
+            hidden=hidden[ends],
+            position_logits=list(logits.split(num_logits)),
+            position_hidden=list(hidden.split(num_logits)),
+        )

@@ -2,6 +2,7 @@
 ended (:class:`FinishReason`) and, for failures, what kind of failure (:class:`ErrorKind`).
 The kinds travel between processes (messenger messages, Triton errors) as their string
 values and are read back into the enum, never matched in message texts."""
+
 from __future__ import annotations
 
 import enum
@@ -11,21 +12,21 @@ import torch
 
 
 class FinishReason(enum.StrEnum):
-    STOP = "stop"                  # an end id, a stop sequence or a complete grammar
-    LENGTH = "length"              # max_tokens or the context is reached
-    ABORT = "abort"                # cancelled
-    ERROR = "error"                # failed; see ``error`` and ``error_kind``
+    STOP = "stop"  # an end id, a stop sequence or a complete grammar
+    LENGTH = "length"  # max_tokens or the context is reached
+    ABORT = "abort"  # cancelled
+    ERROR = "error"  # failed; see ``error`` and ``error_kind``
     PREFILL_DONE = "prefill_done"  # prefill role: the prompt's KV is computed (nothing sampled)
 
 
 class ErrorKind(enum.StrEnum):
-    BAD_REQUEST = "bad_request"                  # the request itself is invalid
-    OVERLOADED = "overloaded"                    # queue or KV pool full: retry later
-    OUT_OF_SERVICE = "out_of_service"            # the instance is down (e.g. lost a TP rank)
+    BAD_REQUEST = "bad_request"  # the request itself is invalid
+    OVERLOADED = "overloaded"  # queue or KV pool full: retry later
+    OUT_OF_SERVICE = "out_of_service"  # the instance is down (e.g. lost a TP rank)
     PREFILL_UNAVAILABLE = "prefill_unavailable"  # no prefill instance reachable
-    KV_TRANSFER_FAILED = "kv_transfer_failed"    # the prompt's KV did not arrive
-    ENGINE = "engine"                            # a model step failed
-    INTERNAL = "internal"                        # a bug: see the instance's log
+    KV_TRANSFER_FAILED = "kv_transfer_failed"  # the prompt's KV did not arrive
+    ENGINE = "engine"  # a model step failed
+    INTERNAL = "internal"  # a bug: see the instance's log
 
 
 @dataclass

@@ -6,6 +6,7 @@ commitments never exceed the pool, so a running request can always extend its ta
 that does not fit simply waits. All methods are thread-safe (the decode role reserves pages from
 another thread while the engine loop runs).
 """
+
 from __future__ import annotations
 
 import threading
@@ -44,8 +45,10 @@ class PageAllocator:
             n_pages = self.pages_for(n_tokens)
             commit = max(n_pages, self.pages_for(commit_tokens))
             if commit > self.num_pages - self._committed_total:
-                raise PoolFullError(f"request {req_id!r} needs {commit} pages; "
-                                    f"{self.num_pages - self._committed_total} of {self.num_pages} uncommitted")
+                raise PoolFullError(
+                    f"request {req_id!r} needs {commit} pages; "
+                    f"{self.num_pages - self._committed_total} of {self.num_pages} uncommitted"
+                )
             self._tables[req_id] = [self._free.popleft() for _ in range(n_pages)]
             self._committed[req_id] = commit
             self._committed_total += commit
@@ -111,9 +114,14 @@ class PageAllocator:
     def stats(self) -> dict:
         with self._lock:
             free = len(self._free)
-            return {"total": self.num_pages, "free": free, "used": self.num_pages - free,
-                    "requests": len(self._tables), "committed": self._committed_total,
-                    "page_size": self.page_size}
+            return {
+                "total": self.num_pages,
+                "free": free,
+                "used": self.num_pages - free,
+                "requests": len(self._tables),
+                "committed": self._committed_total,
+                "page_size": self.page_size,
+            }
 
     def _table(self, req_id: str) -> list[int]:
         table = self._tables.get(req_id)

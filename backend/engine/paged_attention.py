@@ -10,10 +10,11 @@ Per layer, the function writes this step's K/V into the pool (one ``index_put_``
 with ``index_select``, each prefill chunk with its own SDPA call (straight from this step's K/V
 when the chunk starts the sequence, else from the pool with an offset causal mask).
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -118,15 +119,25 @@ def build_paged_batch(entries: list[BatchEntry], pool: KVPool, device: torch.dev
     )
 
 
-def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                    paged_batch: PagedBatch | None = None, **kwargs):
+def paged_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    paged_batch: PagedBatch | None = None,
+    **kwargs,
+):
     """transformers attention interface: query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D]."""
     if paged_batch is None:
         raise RuntimeError("attention 'paged_hnd' needs the paged_batch keyword (run through ModelRunner)")
     batch = paged_batch
     layer_pool = batch.pool.layer(module.layer_idx)
     layer_pool[batch.write_pages, :, :, batch.write_offsets] = torch.stack(
-        (key[0].transpose(0, 1), value[0].transpose(0, 1)), dim=1)
+        (key[0].transpose(0, 1), value[0].transpose(0, 1)), dim=1
+    )
     if batch.on_layer_kv_written is not None:
         batch.on_layer_kv_written(module.layer_idx, batch.hook_arg)
 
@@ -135,16 +146,18 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     if batch.num_decode:
         outputs.append(_decode_attention(q[:, : batch.num_decode], layer_pool, batch, scaling))
     for chunk in batch.prefills:
-        q_chunk = q[None, :, chunk.token_begin: chunk.token_end]
+        q_chunk = q[None, :, chunk.token_begin : chunk.token_end]
         if chunk.page_ids is None:
-            k_chunk = key[:, :, chunk.token_begin: chunk.token_end]
-            v_chunk = value[:, :, chunk.token_begin: chunk.token_end]
-            out = F.scaled_dot_product_attention(q_chunk, k_chunk, v_chunk, is_causal=True,
-                                                 scale=scaling, enable_gqa=True)
+            k_chunk = key[:, :, chunk.token_begin : chunk.token_end]
+            v_chunk = value[:, :, chunk.token_begin : chunk.token_end]
+            out = F.scaled_dot_product_attention(
+                q_chunk, k_chunk, v_chunk, is_causal=True, scale=scaling, enable_gqa=True
+            )
         else:
             kv = _gather_kv(layer_pool, chunk.page_ids)[:, None, :, : chunk.context_len]
-            out = F.scaled_dot_product_attention(q_chunk, kv[0], kv[1],
-                                                 attn_mask=chunk.mask, scale=scaling, enable_gqa=True)
+            out = F.scaled_dot_product_attention(
+                q_chunk, kv[0], kv[1], attn_mask=chunk.mask, scale=scaling, enable_gqa=True
+            )
         outputs.append(out[0].transpose(0, 1))
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0))[None], None
 
@@ -166,8 +179,9 @@ def _decode_attention(q: torch.Tensor, layer_pool: torch.Tensor, batch: PagedBat
     kv = kv.view(2, kv.shape[1], num_seqs, -1, kv.shape[-1]).transpose(1, 2)  # [2, B, Hkv, L, D]
     if batch.decode_mask is None:
         kv = kv[:, :, :, : batch.decode_context]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[:, :, None], kv[0], kv[1],
-                                         attn_mask=batch.decode_mask, scale=scaling, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[:, :, None], kv[0], kv[1], attn_mask=batch.decode_mask, scale=scaling, enable_gqa=True
+    )
     return out[:, :, 0]
 
 

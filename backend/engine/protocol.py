@@ -3,15 +3,17 @@ engine (:class:`Engine`), what it learns about the model and the KV cache (:clas
 :class:`KVCacheSpec`), and what the engine tells a KV connector while it runs
 (:class:`KVStepListener`). ``LLMEngine`` (the torch engine) implements :class:`Engine`; a
 TensorRT-LLM engine would implement the same protocol in its own module."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
 from backend.engine.outputs import EngineOutput
-from backend.engine.sampling.params import SamplingParams
+from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import StepBatch
 
 
@@ -20,7 +22,7 @@ class ModelDims:
     num_layers: int
     hidden_size: int
     vocab_size: int
-    num_kv_heads: int      # of the whole model (all TP shards)
+    num_kv_heads: int  # of the whole model (all TP shards)
     head_dim: int
 
 
@@ -37,7 +39,7 @@ class KVCacheSpec:
     head_dim: int
     dtype: str
     tp_size: int
-    device_type: str          # "cpu" or "cuda"
+    device_type: str  # "cpu" or "cuda"
     shards: tuple[torch.Tensor, ...]
 
     @property
@@ -64,10 +66,16 @@ class Engine(Protocol):
     max_model_len: int
 
     # requests (the engine loop thread calls these)
-    def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    prefill_only: bool = False, kv_ready_tokens: int = 0,
-                    prefill_hidden: torch.Tensor | None = None,
-                    prefill_logits: torch.Tensor | None = None) -> None: ...
+    def add_request(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        prefill_only: bool = False,
+        kv_ready_tokens: int = 0,
+        prefill_hidden: torch.Tensor | None = None,
+        prefill_logits: torch.Tensor | None = None,
+    ) -> None: ...
     def abort(self, req_id: str) -> EngineOutput | None: ...
     def step(self) -> list[EngineOutput]: ...
     def has_work(self) -> bool: ...

@@ -7,13 +7,14 @@ they may grow into. Nothing is preempted: a sequence that does not fit waits at 
 A decoding sequence with draft tokens (speculative decoding) runs its last token and its drafts
 in one chunk, the drafts cut to the budget left.
 """
+
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
 from backend.engine.page_allocator import PageAllocator, PoolFullError
-from backend.engine.sequence import Sequence, SeqStatus
+from backend.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass
@@ -33,12 +34,12 @@ class ScheduledChunk:
 
     @property
     def input_token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start: self.start + self.num_tokens] + self.draft_token_ids
+        return self.seq.token_ids[self.start : self.start + self.num_tokens] + self.draft_token_ids
 
     def touched_page_ids(self, page_size: int) -> list[int]:
         first = self.start // page_size
         last = (self.start + len(self.input_token_ids) - 1) // page_size
-        return self.page_table[first: last + 1]
+        return self.page_table[first : last + 1]
 
 
 @dataclass
@@ -65,8 +66,7 @@ class StepBatch:
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int):
+    def __init__(self, allocator: PageAllocator, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

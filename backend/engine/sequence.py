@@ -1,4 +1,5 @@
 """A request's state inside the engine: its tokens, how many have KV in the pool, and why it ended."""
+
 from __future__ import annotations
 
 import enum
@@ -6,7 +7,7 @@ import enum
 import torch
 
 from backend.engine.outputs import FinishReason
-from backend.engine.sampling.params import SamplingParams
+from backend.engine.sampling_params import SamplingParams
 
 
 class SeqStatus(enum.Enum):
@@ -27,8 +28,15 @@ class Sequence:
     computed position (transferred with the KV, or kept from the last prefill chunk / decode step).
     """
 
-    def __init__(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 generator: torch.Generator | None, prefill_only: bool = False, kv_ready_tokens: int = 0):
+    def __init__(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        prefill_only: bool = False,
+        kv_ready_tokens: int = 0,
+    ):
         self.req_id = req_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
@@ -41,8 +49,8 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.draft_token_ids: list[int] = []
         self.draft_bitmask: torch.Tensor | None = None
-        self.draft_misses = 0       # consecutive verify steps that accepted no draft
-        self.draft_pause = 0        # decode steps left without drafting (backoff after misses)
+        self.draft_misses = 0  # consecutive verify steps that accepted no draft
+        self.draft_pause = 0  # decode steps left without drafting (backoff after misses)
         self.grammar = None
         self.last_hidden: torch.Tensor | None = None
         self.last_logits: torch.Tensor | None = None
@@ -61,22 +69,27 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     def max_draft_tokens(self, max_model_len: int) -> int:
         """Drafts this step may verify: never past max_tokens or the context (so never past the
         pages committed at admission)."""
         if self.prefill_only or self.num_uncomputed != 1:
             return 0
-        return max(0, min(self.params.num_draft_tokens, self.params.max_tokens - self.num_output_tokens - 1,
-                          max_model_len - self.num_tokens - 1))
+        return max(
+            0,
+            min(
+                self.params.num_draft_tokens,
+                self.params.max_tokens - self.num_output_tokens - 1,
+                max_model_len - self.num_tokens - 1,
+            ),
+        )
 
     def kv_tokens_needed(self, max_model_len: int) -> int:
         """Most tokens this sequence can ever hold KV for (the last sampled token never needs KV)."""
         if self.prefill_only:
             return self.num_prompt_tokens
-        return max(self.num_prompt_tokens,
-                   min(self.num_prompt_tokens + self.params.max_tokens, max_model_len) - 1)
+        return max(self.num_prompt_tokens, min(self.num_prompt_tokens + self.params.max_tokens, max_model_len) - 1)
 
     def check_stop(self, max_model_len: int) -> FinishReason | None:
         """Finish reason after a token was appended, or None to continue."""
@@ -85,7 +98,7 @@ class Sequence:
         if not params.ignore_eos and last in params.end_ids:
             return FinishReason.STOP
         for stop in params.stop_token_ids:
-            if self.num_output_tokens >= len(stop) and tuple(self.token_ids[-len(stop):]) == stop:
+            if self.num_output_tokens >= len(stop) and tuple(self.token_ids[-len(stop) :]) == stop:
                 return FinishReason.STOP
         if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
             return FinishReason.LENGTH

@@ -8,13 +8,13 @@ Modes:
   side lists the prefill side's messenger endpoints.
 With ``with_aggregated`` a disaggregated repository also serves ``llm_aggregated``.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
 
 from backend.launch.ports import free_port
 from build_scripts.render_repository import render
-
 
 # A disaggregated deployment on one machine splits its cores: one torch thread per instance
 # unless the caller sets num_threads.
@@ -24,27 +24,55 @@ SPLIT_DEFAULTS = {"num_threads": "1"}
 def _prefill_models(n: int, common: dict, host: str, bind: str, per_model: dict) -> tuple[dict, list[str]]:
     models, endpoints = {}, []
     for i in range(n):
-        port = free_port()   # picked here; the bind address may belong to another host/namespace
+        port = free_port()  # picked here; the bind address may belong to another host/namespace
         name = f"prefill_{i}"
-        models[name] = {"source": "prefill", "count": 1,
-                        "params": {**SPLIT_DEFAULTS, **common, "messenger_host": bind, "messenger_port": port,
-                                   **per_model.get("prefill", {}), **per_model.get(name, {})}}
+        models[name] = {
+            "source": "prefill",
+            "count": 1,
+            "params": {
+                **SPLIT_DEFAULTS,
+                **common,
+                "messenger_host": bind,
+                "messenger_port": port,
+                **per_model.get("prefill", {}),
+                **per_model.get(name, {}),
+            },
+        }
         endpoints.append(f"{host}:{port}")
     return models, endpoints
 
 
 def _decode_models(n: int, common: dict, endpoints: list[str], per_model: dict) -> dict:
-    return {f"decode_{j}": {"source": "decode", "count": 1,
-                            "params": {**SPLIT_DEFAULTS, **common, "prefill_endpoints": ",".join(endpoints),
-                                       **per_model.get("decode", {}), **per_model.get(f"decode_{j}", {})}}
-            for j in range(n)}
+    return {
+        f"decode_{j}": {
+            "source": "decode",
+            "count": 1,
+            "params": {
+                **SPLIT_DEFAULTS,
+                **common,
+                "prefill_endpoints": ",".join(endpoints),
+                **per_model.get("decode", {}),
+                **per_model.get(f"decode_{j}", {}),
+            },
+        }
+        for j in range(n)
+    }
 
 
-def render_deployment(out_dir: Path, *, mode: str = "aggregated", model_path: str = "",
-                      overrides: dict | None = None, prefill_instances: int = 1,
-                      decode_instances: int = 1, per_model: dict | None = None,
-                      prefill_endpoints: list[str] | None = None, messenger_host: str = "127.0.0.1",
-                      messenger_bind: str | None = None, with_aggregated: bool = False) -> Path:
+def render_deployment(
+    out_dir: Path,
+    *,
+    mode: str = "aggregated",
+    model_path: str = "",
+    overrides: dict | None = None,
+    prefill_instances: int = 1,
+    decode_instances: int = 1,
+    per_model: dict | None = None,
+    prefill_endpoints: list[str] | None = None,
+    messenger_host: str = "127.0.0.1",
+    messenger_bind: str | None = None,
+    with_aggregated: bool = False,
+) -> Path:
     """Render ``out_dir`` for ``mode``. ``overrides`` apply to every model; ``per_model`` maps a
     model name or a role (``llm``, ``prefill``, ``decode``, ``front``) to extra parameters."""
     common = {"model_path": model_path, **(overrides or {})}
@@ -56,8 +84,9 @@ def render_deployment(out_dir: Path, *, mode: str = "aggregated", model_path: st
         raise ValueError(f"unknown mode {mode!r}; expected aggregated, disagg, prefill or decode")
     models: dict = {}
     if mode in ("disagg", "prefill"):
-        prefills, endpoints = _prefill_models(prefill_instances, common, messenger_host,
-                                              messenger_bind or messenger_host, per_model)
+        prefills, endpoints = _prefill_models(
+            prefill_instances, common, messenger_host, messenger_bind or messenger_host, per_model
+        )
         models.update(prefills)
     if mode == "decode":
         if not prefill_endpoints:
@@ -66,8 +95,11 @@ def render_deployment(out_dir: Path, *, mode: str = "aggregated", model_path: st
     if mode in ("disagg", "decode"):
         decodes = _decode_models(decode_instances, common, endpoints, per_model)
         models.update(decodes)
-        models["llm"] = {"source": "front", "count": 1,
-                         "params": {"decode_models": ",".join(decodes), **per_model.get("front", {})}}
+        models["llm"] = {
+            "source": "front",
+            "count": 1,
+            "params": {"decode_models": ",".join(decodes), **per_model.get("front", {})},
+        }
         if with_aggregated:
             models["llm_aggregated"] = agg
     return render(Path(out_dir), models)
@@ -76,6 +108,7 @@ def render_deployment(out_dir: Path, *, mode: str = "aggregated", model_path: st
 def prefill_endpoints_of(repo: Path) -> list[str]:
     """The messenger endpoints a rendered repository's prefill models listen on."""
     from build_scripts.render_repository import read_parameters
+
     out = []
     for cfg in sorted(Path(repo).glob("prefill_*/config.pbtxt")):
         p = read_parameters(cfg.read_text())

@@ -1,4 +1,5 @@
 """Free TCP ports for the servers and messengers a deployment starts."""
+
 from __future__ import annotations
 
 import random

@@ -1,4 +1,5 @@
 """Start and stop a real ``tritonserver`` on a model repository, and wait until it is ready."""
+
 from __future__ import annotations
 
 import logging
@@ -19,10 +20,19 @@ log = logging.getLogger("triton_disagg.server")
 class TritonServer:
     """One ``tritonserver`` process bound to ``host`` with the given ports."""
 
-    def __init__(self, model_repository: str | Path, *, host: str = "127.0.0.1",
-                 http_port: int | None = None, grpc_port: int | None = None,
-                 metrics_port: int | None = None, log_file: str | Path | None = None,
-                 extra_env: dict | None = None, log_verbose: int = 0, netns: str | None = None):
+    def __init__(
+        self,
+        model_repository: str | Path,
+        *,
+        host: str = "127.0.0.1",
+        http_port: int | None = None,
+        grpc_port: int | None = None,
+        metrics_port: int | None = None,
+        log_file: str | Path | None = None,
+        extra_env: dict | None = None,
+        log_verbose: int = 0,
+        netns: str | None = None,
+    ):
         self.repo = Path(model_repository).resolve()
         self.host = host
         # ports are picked on loopback: ``host`` may live in another network namespace
@@ -49,13 +59,34 @@ class TritonServer:
 
     def command(self) -> list[str]:
         inst = install_stub()
-        cmd = [str(inst.server_bin), "--model-repository", str(self.repo),
-               "--backend-directory", str(inst.backend_dir),
-               "--http-address", self.host, "--http-port", str(self.http_port),
-               "--grpc-address", self.host, "--grpc-port", str(self.grpc_port),
-               "--metrics-address", self.host, "--metrics-port", str(self.metrics_port),
-               "--allow-metrics", "true", "--allow-gpu-metrics", "false", "--allow-cpu-metrics", "false",
-               "--exit-timeout-secs", "10", f"--log-verbose={self.log_verbose}"]
+        cmd = [
+            str(inst.server_bin),
+            "--model-repository",
+            str(self.repo),
+            "--backend-directory",
+            str(inst.backend_dir),
+            "--http-address",
+            self.host,
+            "--http-port",
+            str(self.http_port),
+            "--grpc-address",
+            self.host,
+            "--grpc-port",
+            str(self.grpc_port),
+            "--metrics-address",
+            self.host,
+            "--metrics-port",
+            str(self.metrics_port),
+            "--allow-metrics",
+            "true",
+            "--allow-gpu-metrics",
+            "false",
+            "--allow-cpu-metrics",
+            "false",
+            "--exit-timeout-secs",
+            "10",
+            f"--log-verbose={self.log_verbose}",
+        ]
         if self.netns:
             cmd = ["ip", "netns", "exec", self.netns] + cmd
         return cmd
@@ -64,10 +95,20 @@ class TritonServer:
         env = install_stub().server_env()
         env.update(self.extra_env)
         out = open(self.log_file, "ab") if self.log_file else None
-        log.info("starting tritonserver: repository %s, http %s, grpc %s, metrics %s",
-                 self.repo, self.http_url, self.grpc_url, self.metrics_port)
-        self.proc = subprocess.Popen(self.command(), env=env, stdout=out or None,
-                                     stderr=subprocess.STDOUT if out else None, start_new_session=True)
+        log.info(
+            "starting tritonserver: repository %s, http %s, grpc %s, metrics %s",
+            self.repo,
+            self.http_url,
+            self.grpc_url,
+            self.metrics_port,
+        )
+        self.proc = subprocess.Popen(
+            self.command(),
+            env=env,
+            stdout=out or None,
+            stderr=subprocess.STDOUT if out else None,
+            start_new_session=True,
+        )
         if out:
             out.close()
         try:
@@ -87,14 +128,17 @@ class TritonServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"tritonserver exited with code {self.proc.returncode} before it was ready"
-                                   + (f"; see {self.log_file}" if self.log_file else ""))
+                raise RuntimeError(
+                    f"tritonserver exited with code {self.proc.returncode} before it was ready"
+                    + (f"; see {self.log_file}" if self.log_file else "")
+                )
             if self.is_ready():
                 log.info("tritonserver ready (pid %d)", self.proc.pid)
                 return
             time.sleep(0.5)
-        raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f}s"
-                           + (f"; see {self.log_file}" if self.log_file else ""))
+        raise TimeoutError(
+            f"tritonserver not ready after {timeout_s:.0f}s" + (f"; see {self.log_file}" if self.log_file else "")
+        )
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGINT (graceful), then SIGKILL of the whole process group (stubs included)."""
@@ -116,6 +160,7 @@ class TritonServer:
     def instance_pids(self) -> dict[str, int]:
         """Python-backend stub processes of this server: model instance name -> pid."""
         import psutil
+
         out = {}
         if self.proc is None:
             return out

@@ -6,6 +6,7 @@ once (pytriton does the same at run time). The stub links ``libpython3.X.so`` by
 the server must run with the venv interpreter's LIBDIR first on ``LD_LIBRARY_PATH`` and the
 venv's ``bin/`` first on ``PATH`` (see ../shared/DESIGN.md section 6).
 """
+
 from __future__ import annotations
 
 import importlib.util

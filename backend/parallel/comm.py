@@ -7,6 +7,7 @@ pipe carries the step messages from rank 0 (length-prefixed pickles between our 
 processes). Workers wait for work on the pipe, which has no timeout and reads EOF when rank 0
 goes away; collectives run only inside a step, under the group's timeout.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -24,8 +25,9 @@ def host_store(world: int) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
 
 
-def join_group(store: dist.Store | None, port: int, rank: int, world: int, device: torch.device,
-               prefix: str, timeout_s: float):
+def join_group(
+    store: dist.Store | None, port: int, rank: int, world: int, device: torch.device, prefix: str, timeout_s: float
+):
     """Build the instance's process group (blocks until every rank joined or ``timeout_s``)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
@@ -44,13 +46,16 @@ def all_reduce(group, tensor: torch.Tensor) -> None:
     group.allreduce([tensor]).wait()
 
 
-def send_msg(stream, obj) -> None:
+def write_step_message(stream, obj) -> None:
+    """A pipe frame to a rank process (8-byte length + pickle; both ends are our own processes,
+    parent to child, so pickle carries the batch and CUDA IPC handles as they are). The KV
+    messenger between instances uses ``fabric_bridge.control``'s JSON framing instead."""
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     stream.write(_LEN.pack(len(data)) + data)
     stream.flush()
 
 
-def recv_msg(stream):
+def read_step_message(stream):
     """The next message, or None at end of stream (rank 0 is gone)."""
     head = stream.read(_LEN.size)
     if len(head) < _LEN.size:

@@ -16,13 +16,14 @@ Failure: if a rank process exits or a collective fails, the instance is out of s
 good: the running step fails, every later step fails at once with the reason, the other
 ranks are stopped, and ``on_failure`` callbacks run (a prefill worker stops taking work).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import logging
 import threading
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 from backend.engine.config import EngineConfig
 from backend.engine.model_runner import StepResult
@@ -50,8 +51,7 @@ class TPLeadRunner(TPModelRunner):
         hf = AutoConfig.from_pretrained(config.model_path)
         check_shardable(hf, world)
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        shape = (hf.num_hidden_layers, config.num_pages, 2, hf.num_key_value_heads // world,
-                 config.page_size, head_dim)
+        shape = (hf.num_hidden_layers, config.num_pages, 2, hf.num_key_value_heads // world, config.page_size, head_dim)
         shards = SharedShards(shape, config.torch_dtype, [rank_device(config, r) for r in range(world)])
         self._shard_tensors = list(shards.tensors)
         self._on_failure: list[Callable[[str], None]] = []
@@ -63,17 +63,28 @@ class TPLeadRunner(TPModelRunner):
         self.ranks.watch(self._fail)
         try:
             group = join_group(store, store.port, 0, world, rank_device(config, 0), prefix, GROUP_TIMEOUT_S)
-            shards.unlink()   # every rank has mapped its shard before joining
+            shards.unlink()  # every rank has mapped its shard before joining
             self.signal = LayerSignal()
-            super().__init__(dataclasses.replace(config, device=str(rank_device(config, 0))), 0, world,
-                             group, shards.tensors[0], self.signal)
+            super().__init__(
+                dataclasses.replace(config, device=str(rank_device(config, 0))),
+                0,
+                world,
+                group,
+                shards.tensors[0],
+                self.signal,
+            )
         except BaseException:
             shards.unlink()
             self.ranks.stop()
             raise
-        self._store = store   # the rendezvous store lives as long as the group
-        log.info("tensor-parallel instance: %d ranks (lead pid + %s), KV shard pools in shared memory, "
-                 "%d KV head(s) per rank", world, self.ranks.pids(), shape[3])
+        self._store = store  # the rendezvous store lives as long as the group
+        log.info(
+            "tensor-parallel instance: %d ranks (lead pid + %s), KV shard pools in shared memory, "
+            "%d KV head(s) per rank",
+            world,
+            self.ranks.pids(),
+            shape[3],
+        )
 
     def shard_pools(self) -> list:
         return list(self._shard_tensors)
@@ -91,7 +102,7 @@ class TPLeadRunner(TPModelRunner):
         try:
             self.ranks.send(("step", entries, kwargs))
             self.signal.hook, self.signal.arg = hook, hook_arg
-            self.on_layer_kv_written = None   # fired by the o_proj reduction instead
+            self.on_layer_kv_written = None  # fired by the o_proj reduction instead
             return super().run(entries, hook_arg, **kwargs)
         except Exception as exc:
             # ranks may now be out of step: the whole instance goes out of service

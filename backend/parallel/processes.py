@@ -1,5 +1,6 @@
 """The worker rank processes of a tensor-parallel instance, seen from the lead: started with
 ``python -m backend.parallel.rank``, fed step messages through their stdin, watched, stopped."""
+
 from __future__ import annotations
 
 import logging
@@ -8,10 +9,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from backend.parallel.comm import send_msg
+from backend.parallel.comm import write_step_message
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 log = logging.getLogger("triton_disagg.engine")
@@ -28,17 +29,30 @@ class RankProcesses:
     """Lead side: ranks 1..world-1 as child processes fed through their stdin."""
 
     def __init__(self, config: dict, world: int, port: int, prefix: str, handles: list[tuple]):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT),
-                                                                      os.environ.get("PYTHONPATH")])))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
         self.procs: list[subprocess.Popen] = []
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         for rank in range(1, world):
-            p = subprocess.Popen([_python(), "-m", "backend.parallel.rank"], stdin=subprocess.PIPE,
-                                 cwd=str(REPO_ROOT), env=env, start_new_session=True)   # no terminal signals
+            p = subprocess.Popen(
+                [_python(), "-m", "backend.parallel.rank"],
+                stdin=subprocess.PIPE,
+                cwd=str(REPO_ROOT),
+                env=env,
+                start_new_session=True,
+            )  # no terminal signals
             self.procs.append(p)
-            send_msg(p.stdin, {"config": config, "rank": rank, "world": world, "port": port,
-                               "prefix": prefix, "shard": handles[rank]})
+            write_step_message(
+                p.stdin,
+                {
+                    "config": config,
+                    "rank": rank,
+                    "world": world,
+                    "port": port,
+                    "prefix": prefix,
+                    "shard": handles[rank],
+                },
+            )
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
@@ -46,7 +60,7 @@ class RankProcesses:
     def send(self, msg) -> None:
         with self._lock:
             for p in self.procs:
-                send_msg(p.stdin, msg)
+                write_step_message(p.stdin, msg)
 
     def exit_reason(self, wait_s: float = 0.0) -> str | None:
         """Which rank exited and how, waiting up to ``wait_s`` for one to; None if all run."""
@@ -63,12 +77,14 @@ class RankProcesses:
 
     def watch(self, on_exit: Callable[[str], None]) -> None:
         """Call ``on_exit(reason)`` once if a rank exits before :meth:`stop`."""
+
         def run():
             while not self._stopping.wait(0.2):
                 reason = self.exit_reason()
                 if reason and not self._stopping.is_set():
                     on_exit(reason)
                     return
+
         threading.Thread(target=run, name="tp-rank-watch", daemon=True).start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
@@ -77,7 +93,7 @@ class RankProcesses:
         for p in self.procs:
             try:
                 with self._lock:
-                    send_msg(p.stdin, ("stop",))
+                    write_step_message(p.stdin, ("stop",))
                 p.stdin.close()
             except (OSError, ValueError):
                 pass

@@ -7,13 +7,14 @@ model, then runs every step message it reads: the same forward as the lead over 
 heads. It exits at a "stop" message, at end of stdin (the lead is gone) or on any error (a
 broken collective). The lead's watcher reports a worker that exits while the instance runs.
 """
+
 from __future__ import annotations
 
 import logging
 import sys
 
 from backend.engine.config import EngineConfig
-from backend.parallel.comm import join_group, recv_msg
+from backend.parallel.comm import join_group, read_step_message
 from backend.parallel.rank_runner import GROUP_TIMEOUT_S, TPModelRunner, rank_device
 from backend.parallel.shm_pools import open_shard
 
@@ -21,7 +22,7 @@ from backend.parallel.shm_pools import open_shard
 def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s tp-rank %(levelname)s %(message)s")
     stdin = sys.stdin.buffer
-    init = recv_msg(stdin)
+    init = read_step_message(stdin)
     if init is None:
         return 0
     rank, world = init["rank"], init["world"]
@@ -31,7 +32,7 @@ def main() -> int:
     group = join_group(None, init["port"], rank, world, device, init["prefix"], GROUP_TIMEOUT_S)
     runner = TPModelRunner(config, rank, world, group, shard, None)
     while True:
-        msg = recv_msg(stdin)
+        msg = read_step_message(stdin)
         if msg is None or msg[0] == "stop":
             return 0
         _, entries, kwargs = msg

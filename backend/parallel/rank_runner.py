@@ -1,6 +1,7 @@
 """One rank's model runner in a tensor-parallel instance: the model with this rank's shards
 (``backend/parallel/shards.py``), attending over this rank's KV shard pool. Rank 0 (the lead)
 and every worker rank run it."""
+
 from __future__ import annotations
 
 import torch
@@ -21,16 +22,24 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
 class TPModelRunner(ModelRunner):
     """One rank's runner: the model with this rank's shards, attending over its shard pool."""
 
-    def __init__(self, config: EngineConfig, rank: int, world: int, group, shard: torch.Tensor,
-                 signal: LayerSignal | None):
+    def __init__(
+        self, config: EngineConfig, rank: int, world: int, group, shard: torch.Tensor, signal: LayerSignal | None
+    ):
         self.tp_rank, self.tp_size, self._shard = rank, world, shard
         super().__init__(config)
         shard_model(self.model, rank, world, group, signal)
-        all_reduce(group, torch.zeros(1))   # barrier: every rank has its shards loaded
+        all_reduce(group, torch.zeros(1))  # barrier: every rank has its shards loaded
 
     def _make_pool(self, config: EngineConfig, head_dim: int) -> KVPool:
         hf = self.hf_config
         check_shardable(hf, self.tp_size)
-        return KVPool(num_layers=hf.num_hidden_layers, num_pages=config.num_pages,
-                      num_kv_heads=hf.num_key_value_heads // self.tp_size, page_size=config.page_size,
-                      head_dim=head_dim, dtype=self.dtype, device=self.device, tensor=self._shard)
+        return KVPool(
+            num_layers=hf.num_hidden_layers,
+            num_pages=config.num_pages,
+            num_kv_heads=hf.num_key_value_heads // self.tp_size,
+            page_size=config.page_size,
+            head_dim=head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            tensor=self._shard,
+        )

@@ -11,9 +11,10 @@ The layer-complete signal: :class:`LayerSignal` fires after a layer's o_proj all
 Every rank has then finished that layer's attention, so every rank has written the layer's
 KV into its shard of the pool.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -37,12 +38,12 @@ class LayerSignal:
 class RowParallelLinear(nn.Module):
     """This rank's input-feature slice of a Linear; all-reduces the output, then adds the bias."""
 
-    def __init__(self, linear: nn.Linear, rank: int, world: int, group, layer_idx: int = -1,
-                 signal: LayerSignal | None = None):
+    def __init__(
+        self, linear: nn.Linear, rank: int, world: int, group, layer_idx: int = -1, signal: LayerSignal | None = None
+    ):
         super().__init__()
         cols = linear.in_features // world
-        self.weight = nn.Parameter(linear.weight.data[:, rank * cols:(rank + 1) * cols].clone(),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(linear.weight.data[:, rank * cols : (rank + 1) * cols].clone(), requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.data.clone(), requires_grad=False)
         self.group, self.layer_idx, self.signal = group, layer_idx, signal
 
@@ -70,9 +71,11 @@ def check_shardable(hf_config, world: int) -> None:
     heads, kv = hf_config.num_attention_heads, hf_config.num_key_value_heads
     inter = hf_config.intermediate_size
     if heads % world or kv % world or inter % world:
-        raise ValueError(f"tensor_parallel_size {world} must divide the query heads ({heads}), the KV heads "
-                         f"({kv}) and the MLP width ({inter}); replicated KV heads are not supported "
-                         "by the torch engine")
+        raise ValueError(
+            f"tensor_parallel_size {world} must divide the query heads ({heads}), the KV heads "
+            f"({kv}) and the MLP width ({inter}); replicated KV heads are not supported "
+            "by the torch engine"
+        )
 
 
 def shard_model(model: nn.Module, rank: int, world: int, group, signal: LayerSignal | None) -> None:

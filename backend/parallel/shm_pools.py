@@ -9,6 +9,7 @@ nothing is left behind when processes die. On GPU a shard is allocated on the ra
 by the main process and handed over as a CUDA IPC handle (``torch.multiprocessing``'s
 reduction), the equivalent path; it is not exercised on this CPU-only machine.
 """
+
 from __future__ import annotations
 
 import math

@@ -3,13 +3,14 @@ validate the tensors, compile a grammar, tokenize, enforce the in-flight limit, 
 :class:`GenerationSession` and hand it to the worker; cancel by the caller's request id; tell
 the owner (metrics) when a session ends. The Triton model (``backend/triton/llm_model.py``)
 only adapts its tensors and response sender to this."""
+
 from __future__ import annotations
 
 import itertools
 import logging
 import threading
 import uuid
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from backend.engine.outputs import ErrorKind
 from backend.serving.config import InstanceConfig
@@ -22,18 +23,24 @@ log = logging.getLogger("triton_disagg.admission")
 
 
 class Admission:
-    def __init__(self, config: InstanceConfig, worker: Worker, tokenizer, name: str,
-                 on_done: Optional[Callable[[GenerationSession, str], None]] = None):
+    def __init__(
+        self,
+        config: InstanceConfig,
+        worker: Worker,
+        tokenizer,
+        name: str,
+        on_done: Callable[[GenerationSession, str], None] | None = None,
+    ):
         self.config, self.worker, self.tokenizer, self.name = config, worker, tokenizer, name
         self.max_tokens_limit = config.engine.max_tokens_limit
         self.max_in_flight = config.serving.max_queue_size
         self._on_done_hook = on_done
         self.sessions: dict[str, GenerationSession] = {}
-        self.by_external_id: dict[str, str] = {}   # the caller's (Triton) request id -> ours
+        self.by_external_id: dict[str, str] = {}  # the caller's (Triton) request id -> ours
         self._grammar_compiler = None
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        self._tag = uuid.uuid4().hex[:6]   # request ids stay unique across servers and restarts
+        self._tag = uuid.uuid4().hex[:6]  # request ids stay unique across servers and restarts
 
     def admit(self, get: Getter, sink: ResponseSink, external_id: str = "") -> None:
         """Start one request; every failure is answered through ``sink`` with its kind."""
@@ -43,12 +50,20 @@ class Admission:
             prompt_ids = self._tokenize(req)
             with self._lock:
                 if len(self.sessions) >= self.max_in_flight:
-                    raise RequestError(f"{len(self.sessions)} requests in flight (max_queue_size "
-                                       f"{self.max_in_flight}); retry later", ErrorKind.OVERLOADED)
+                    raise RequestError(
+                        f"{len(self.sessions)} requests in flight (max_queue_size {self.max_in_flight}); retry later",
+                        ErrorKind.OVERLOADED,
+                    )
                 req_id = f"{self.name}-{self._tag}-{next(self._ids)}"
-                session = GenerationSession(req_id, req, prompt_ids, sink,
-                                            IncrementalDetokenizer(self.tokenizer, req.stop_words),
-                                            cancel_engine=self.worker.cancel, on_done=self._on_done)
+                session = GenerationSession(
+                    req_id,
+                    req,
+                    prompt_ids,
+                    sink,
+                    IncrementalDetokenizer(self.tokenizer, req.stop_words),
+                    cancel_engine=self.worker.cancel,
+                    on_done=self._on_done,
+                )
                 session.triton_id = external_id
                 self.sessions[req_id] = session
                 if external_id:
@@ -77,7 +92,8 @@ class Admission:
     def _compile_grammar(self, req) -> None:
         if req.guided_json is None and req.guided_regex is None:
             return
-        from backend.engine.sampling.grammar import GrammarCompiler, GrammarError   # xgrammar only when used
+        from backend.engine.sampling.grammar import GrammarCompiler, GrammarError  # xgrammar only when used
+
         with self._lock:
             if self._grammar_compiler is None:
                 self._grammar_compiler = GrammarCompiler(self.tokenizer, self.worker.vocab_size)
@@ -88,8 +104,9 @@ class Admission:
 
     def _tokenize(self, req) -> list[int]:
         if req.apply_chat_template:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": req.text}],
-                                                      add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": req.text}], add_generation_prompt=True, tokenize=False
+            )
         else:
             text = req.text
         ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -97,8 +114,10 @@ class Admission:
             raise RequestError("'text_input' tokenizes to nothing")
         max_model_len = self.worker.max_model_len
         if len(ids) + req.max_tokens > max_model_len:
-            raise RequestError(f"prompt of {len(ids)} tokens plus max_tokens {req.max_tokens} exceeds "
-                               f"the model context of {max_model_len} tokens")
+            raise RequestError(
+                f"prompt of {len(ids)} tokens plus max_tokens {req.max_tokens} exceeds "
+                f"the model context of {max_model_len} tokens"
+            )
         if req.end_id is None:
             req.end_id = self.tokenizer.eos_token_id
         return ids

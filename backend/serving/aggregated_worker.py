@@ -1,4 +1,5 @@
 """Aggregated worker: one engine does chunked prefill and decode in the same batches."""
+
 from __future__ import annotations
 
 from backend.engine.engine_loop import EngineLoop
@@ -17,13 +18,19 @@ class AggregatedWorker:
 
     def describe(self) -> str:
         c, kv = self.config.engine, self.engine.kv_cache()
-        return (f"device {c.torch_device}, dtype {c.dtype}, KV pool {c.num_pages} pages x {c.page_size} tokens "
-                f"({kv.total_bytes / 2**20:.0f} MiB, HND), "
-                f"max_model_len {self.max_model_len}, token budget {c.max_num_batched_tokens}/step")
+        return (
+            f"device {c.torch_device}, dtype {c.dtype}, KV pool {c.num_pages} pages x {c.page_size} tokens "
+            f"({kv.total_bytes / 2**20:.0f} MiB, HND), "
+            f"max_model_len {self.max_model_len}, token budget {c.max_num_batched_tokens}/step"
+        )
 
     def submit(self, session: GenerationSession) -> None:
-        self.loop.submit(session.req_id, session.prompt_ids, sampling_params(session, self.config.serving),
-                         lambda out: deliver(session, out))
+        self.loop.submit(
+            session.req_id,
+            session.prompt_ids,
+            sampling_params(session, self.config.serving),
+            lambda out: deliver(session, out),
+        )
 
     def cancel(self, req_id: str) -> None:
         self.loop.cancel(req_id)

@@ -3,6 +3,7 @@ parameters: ``role``, then one typed section per layer (engine, serving, KV conn
 Defaults live in the section dataclasses and nowhere else; an unknown or malformed parameter
 fails the model load with a message naming it. Tensor parallelism is the engine section's
 ``tensor_parallel_size``."""
+
 from __future__ import annotations
 
 import os
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 
 from backend.disagg.config import ConnectorConfig
 from backend.engine.config import EngineConfig, field_types, parse_section
-from backend.engine.sampling.params import DRAFT_METHODS, MAX_DRAFT_TOKENS
+from backend.engine.sampling_params import DRAFT_METHODS, MAX_DRAFT_TOKENS
 
 ROLES = ("aggregated", "prefill", "decode")
 
@@ -100,11 +101,16 @@ class InstanceConfig:
             if key != "role":
                 by_section[SECTION_OF[key]][key] = value
         if not str(by_section["engine"].get("model_path") or "").strip():
-            raise ValueError("parameter 'model_path' is empty: give the checkpoint directory "
-                             "(`triton-disagg serve` renders it; `triton-disagg prepare` makes the default one)")
-        return cls(role=role, engine=EngineConfig.from_dict(by_section["engine"]),
-                   serving=parse_section(ServingConfig, by_section["serving"], "serving"),
-                   connector=parse_section(ConnectorConfig, by_section["connector"], "connector"))
+            raise ValueError(
+                "parameter 'model_path' is empty: give the checkpoint directory "
+                "(`triton-disagg serve` renders it; `triton-disagg prepare` makes the default one)"
+            )
+        return cls(
+            role=role,
+            engine=EngineConfig.from_dict(by_section["engine"]),
+            serving=parse_section(ServingConfig, by_section["serving"], "serving"),
+            connector=parse_section(ConnectorConfig, by_section["connector"], "connector"),
+        )
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,7 @@ def check_parameters(role: str, params: dict) -> None:
         raise ValueError(f"unknown parameter(s) {unknown} for a {role} model")
     types = {**field_types(EngineConfig), **field_types(ServingConfig), **field_types(ConnectorConfig)}
     from backend.engine.config import parse_value
+
     for key, value in params.items():
         if key != "role" and str(value).strip():
             parse_value(key, value, types[key])

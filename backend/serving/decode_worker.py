@@ -9,6 +9,7 @@ its first decode step against the transferred cache. Failures (prefill lost, tim
 gone) end the request with a clear error of a known kind; its pages are freed once no late
 write can land in them.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -17,7 +18,6 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
 
 from backend.disagg.messenger import PrefillEndpoint
 from backend.disagg.nixl_connector import NixlKVReceiver
@@ -44,16 +44,17 @@ class DecodeWorker:
     def __init__(self, config: InstanceConfig, name: str):
         self.name = name
         self.config = config
-        endpoints = config.connector.endpoints()   # refuses a decode model without prefill endpoints
+        endpoints = config.connector.endpoints()  # refuses a decode model without prefill endpoints
         self.engine = start_engine(config)
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.dims().vocab_size
         self.receiver = NixlKVReceiver(self.engine, config.connector, name)
         self.loop = EngineLoop(self.engine, name=f"{name}-engine")
-        self.endpoints = [PrefillEndpoint(h, p, self.receiver.agent, name, self._on_message, self._on_lost)
-                          for h, p in endpoints]
+        self.endpoints = [
+            PrefillEndpoint(h, p, self.receiver.agent, name, self._on_message, self._on_lost) for h, p in endpoints
+        ]
         self._rr = itertools.count()
-        self._lock = threading.RLock()   # fabric callbacks may re-enter from cancel()
+        self._lock = threading.RLock()  # fabric callbacks may re-enter from cancel()
         self.waiting_kv: dict[str, KVWait] = {}
         self.waiting_pages: deque[tuple[GenerationSession, float]] = deque()
         self._stop = threading.Event()
@@ -62,20 +63,26 @@ class DecodeWorker:
 
     def describe(self) -> str:
         c = self.config.engine
-        return (f"decode on {c.torch_device}, KV pool {c.num_pages} pages x {c.page_size} tokens (HND), "
-                f"prefill endpoints {[e.address for e in self.endpoints]}, "
-                f"KV timeout {self.config.connector.kv_transfer_timeout_s}s")
+        return (
+            f"decode on {c.torch_device}, KV pool {c.num_pages} pages x {c.page_size} tokens (HND), "
+            f"prefill endpoints {[e.address for e in self.endpoints]}, "
+            f"KV timeout {self.config.connector.kv_transfer_timeout_s}s"
+        )
 
     # ------------------------------------------------------------ admission
     def submit(self, session: GenerationSession) -> None:
-        down = self.engine.health()   # a tensor-parallel instance that lost a rank
+        down = self.engine.health()  # a tensor-parallel instance that lost a rank
         if down:
             session.fail(f"decode instance {self.name}: {down}", ErrorKind.OUT_OF_SERVICE)
             return
         if self.receiver.num_external_tokens(len(session.prompt_ids)) == 0:
             # nothing to prefill: the first decode step is the prompt
-            self.loop.submit(session.req_id, session.prompt_ids, sampling_params(session, self.config.serving),
-                             lambda out: deliver(session, out))
+            self.loop.submit(
+                session.req_id,
+                session.prompt_ids,
+                sampling_params(session, self.config.serving),
+                lambda out: deliver(session, out),
+            )
             return
         serving = self.config.serving
         with self._lock:
@@ -85,8 +92,10 @@ class DecodeWorker:
             if not overloaded:
                 self.waiting_pages.append((session, time.monotonic() + serving.page_wait_timeout_s))
         if overloaded:
-            session.fail(f"decode KV pool is full and {serving.max_waiting_for_pages} requests are already "
-                         "waiting for pages", ErrorKind.OVERLOADED)
+            session.fail(
+                f"decode KV pool is full and {serving.max_waiting_for_pages} requests are already waiting for pages",
+                ErrorKind.OVERLOADED,
+            )
 
     def _try_start(self, session: GenerationSession) -> bool:
         """Reserve pages and send the prefill request; False if the pool is full (caller queues)."""
@@ -102,29 +111,41 @@ class DecodeWorker:
             session.fail(f"no prefill instance reachable ({errs})", ErrorKind.PREFILL_UNAVAILABLE)
             return True
         n_remote = self.receiver.num_external_tokens(n)
-        ticket = self.receiver.expect(session.req_id, n_remote, (endpoint.peer, endpoint.layout),
-                                      on_ready=self._on_kv_ready, on_release=self._on_release)
+        ticket = self.receiver.expect(
+            session.req_id,
+            n_remote,
+            (endpoint.peer, endpoint.layout),
+            on_ready=self._on_kv_ready,
+            on_release=self._on_release,
+        )
         self.waiting_kv[session.req_id] = KVWait(session, endpoint)
         endpoint.outstanding.add(session.req_id)
         try:
-            endpoint.send(PrefillRequest(session.req_id, ticket.generation, ticket.slot,
-                                         session.prompt_ids[:n_remote], pages[:ticket.n_pages]))
+            endpoint.send(
+                PrefillRequest(
+                    session.req_id,
+                    ticket.generation,
+                    ticket.slot,
+                    session.prompt_ids[:n_remote],
+                    pages[: ticket.n_pages],
+                )
+            )
         except ConnectionError as e:
             self.receiver.cancel(session.req_id, f"sending to prefill instance {endpoint.address} failed: {e}")
         return True
 
-    def _pick_endpoint(self) -> Optional[PrefillEndpoint]:
+    def _pick_endpoint(self) -> PrefillEndpoint | None:
         live = [e for e in self.endpoints if e.ensure_connected()]
         if not live:
             live = [e for e in self.endpoints if e.ensure_connected(force=True)]
         if not live:
             return None
         start = next(self._rr)
-        order = live[start % len(live):] + live[:start % len(live)]
+        order = live[start % len(live) :] + live[: start % len(live)]
         return min(order, key=lambda e: len(e.outstanding))
 
     # ------------------------------------------------------------ KV arrival (fabric thread)
-    def _on_kv_ready(self, req_id: str, ok: bool, err: Optional[str], prefill_state) -> None:
+    def _on_kv_ready(self, req_id: str, ok: bool, err: str | None, prefill_state) -> None:
         with self._lock:
             wait = self.waiting_kv.pop(req_id, None)
         if wait is None:
@@ -135,13 +156,19 @@ class DecodeWorker:
             if session.is_cancelled():
                 session.on_output([], True, FinishReason.ABORT)
             else:
-                session.fail(f"KV transfer from prefill instance {wait.endpoint.address} failed: {err}",
-                             ErrorKind.KV_TRANSFER_FAILED)
+                session.fail(
+                    f"KV transfer from prefill instance {wait.endpoint.address} failed: {err}",
+                    ErrorKind.KV_TRANSFER_FAILED,
+                )
             return
-        self.loop.submit(req_id, session.prompt_ids, sampling_params(session, self.config.serving),
-                         lambda out: deliver(session, out),
-                         kv_ready_tokens=self.receiver.num_external_tokens(len(session.prompt_ids)),
-                         prefill_state=prefill_state)
+        self.loop.submit(
+            req_id,
+            session.prompt_ids,
+            sampling_params(session, self.config.serving),
+            lambda out: deliver(session, out),
+            kv_ready_tokens=self.receiver.num_external_tokens(len(session.prompt_ids)),
+            prefill_state=prefill_state,
+        )
 
     def _on_release(self, req_id: str) -> None:
         """A failed request's pages can take no more writes: give them back."""
@@ -169,7 +196,7 @@ class DecodeWorker:
             try:
                 for e in self.endpoints:
                     if not e.connected:
-                        e.ensure_connected()   # rate-limited; connects early so requests don't wait
+                        e.ensure_connected()  # rate-limited; connects early so requests don't wait
                 self._check_cancelled()
                 self._admit_waiting()
             except Exception:
@@ -204,8 +231,10 @@ class DecodeWorker:
             if s.is_cancelled():
                 s.on_output([], True, FinishReason.ABORT)
             else:
-                s.fail(f"no KV pages free on the decode instance within "
-                       f"{self.config.serving.page_wait_timeout_s:.0f}s", ErrorKind.OVERLOADED)
+                s.fail(
+                    f"no KV pages free on the decode instance within {self.config.serving.page_wait_timeout_s:.0f}s",
+                    ErrorKind.OVERLOADED,
+                )
 
     # ------------------------------------------------------------ serving-layer interface
     def cancel(self, req_id: str) -> None:

@@ -1,4 +1,5 @@
 """Incremental detokenization with stop strings, for streaming text deltas to clients."""
+
 from __future__ import annotations
 
 
@@ -10,7 +11,7 @@ class IncrementalDetokenizer:
         self.tok = tokenizer
         self.stop_words = list(stop_words or [])
         self.ids: list[int] = []
-        self.sent = 0          # characters already returned
+        self.sent = 0  # characters already returned
         self.stopped = False
 
     def add(self, new_ids: list[int], final: bool = False) -> str:
@@ -25,9 +26,8 @@ class IncrementalDetokenizer:
         if not self.stopped and not final:
             if text.endswith("\ufffd"):
                 end = len(text) - 1
-            hold = max((k for w in self.stop_words for k in range(1, len(w))
-                        if text.endswith(w[:k])), default=0)
+            hold = max((k for w in self.stop_words for k in range(1, len(w)) if text.endswith(w[:k])), default=0)
             end = min(end, len(text) - hold)
-        delta = text[self.sent:end] if end > self.sent else ""
+        delta = text[self.sent : end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return delta

@@ -1,7 +1,8 @@
 """How an error's kind travels in a Triton error message: ``[kind] message``. The kind is the
 :class:`ErrorKind` value, written by :func:`format_error` and read back into the enum by
 :func:`parse_error` (a structured prefix, not a search in the text), so the front model can
-route on it. The Triton error code follows the kind, so HTTP clients get a fitting status."""
+route on it."""
+
 from __future__ import annotations
 
 import re
@@ -9,17 +10,6 @@ import re
 from backend.engine.outputs import ErrorKind
 
 _TAGGED = re.compile(r"^\[(?P<kind>[a-z_]+)\] (?P<message>.*)$", re.S)
-
-# ErrorKind -> the name of the Triton error code (pb_utils.TritonError.<CODE>)
-TRITON_CODES = {
-    ErrorKind.BAD_REQUEST: "INVALID_ARG",
-    ErrorKind.OVERLOADED: "UNAVAILABLE",
-    ErrorKind.OUT_OF_SERVICE: "UNAVAILABLE",
-    ErrorKind.PREFILL_UNAVAILABLE: "UNAVAILABLE",
-    ErrorKind.KV_TRANSFER_FAILED: "INTERNAL",
-    ErrorKind.ENGINE: "INTERNAL",
-    ErrorKind.INTERNAL: "INTERNAL",
-}
 
 
 def format_error(kind: ErrorKind, message: str) -> str:

@@ -8,19 +8,20 @@ request in its continuous batches; when the sender says the pages may be freed, 
 A tensor-parallel instance that loses a rank fails every request and stops listening, so
 decode instances route elsewhere.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
 
+from backend.disagg.connector import SendRequest
 from backend.disagg.messenger import Connection, MessengerServer
 from backend.disagg.nixl_connector import NixlKVSender
 from backend.disagg.protocol import Cancel, Message, PrefillFailed, PrefillRequest
-from backend.disagg.connector import SendRequest
 from backend.engine.engine_loop import EngineLoop
 from backend.engine.outputs import EngineOutput, ErrorKind, FinishReason
-from backend.engine.sampling.params import SamplingParams
+from backend.engine.sampling_params import SamplingParams
 from backend.serving.config import InstanceConfig
 from backend.serving.worker import pool_gauges, start_engine
 
@@ -33,21 +34,24 @@ class PrefillWorker:
         self.config = config
         self.engine = start_engine(config)
         self.max_model_len = self.engine.max_model_len
-        self._owners: dict[str, Connection] = {}    # req_id -> the connection that asked for it
+        self._owners: dict[str, Connection] = {}  # req_id -> the connection that asked for it
         self._lock = threading.Lock()
         self.server: MessengerServer | None = None
         self.sender = NixlKVSender(self.engine, config.connector, name, self._peer_layout, self._on_send_error)
         self.loop = EngineLoop(self.engine, name=f"{name}-engine")
         c = config.connector
-        self.server = MessengerServer(self.sender.agent, c.messenger_host, c.messenger_port,
-                                      self._on_message, self._on_peer_lost, name)
+        self.server = MessengerServer(
+            self.sender.agent, c.messenger_host, c.messenger_port, self._on_message, self._on_peer_lost, name
+        )
         self.engine.on_out_of_service(self._out_of_service)
 
     def describe(self) -> str:
         c = self.config.engine
-        return (f"prefill on {c.torch_device}, KV pool {c.num_pages} pages x {c.page_size} tokens (HND), "
-                f"messenger {self.server.host}:{self.server.port}, "
-                f"{'layer-wise streaming' if self.config.connector.stream_layers else 'send after prefill'}")
+        return (
+            f"prefill on {c.torch_device}, KV pool {c.num_pages} pages x {c.page_size} tokens (HND), "
+            f"messenger {self.server.host}:{self.server.port}, "
+            f"{'layer-wise streaming' if self.config.connector.stream_layers else 'send after prefill'}"
+        )
 
     def _peer_layout(self, peer: str):
         return self.server.peer_layouts[peer]
@@ -110,8 +114,9 @@ class PrefillWorker:
             with self._lock:
                 conn = self._owners.get(out.req_id)
             if conn is not None:
-                self._send(conn, PrefillFailed(out.req_id, out.error_kind or ErrorKind.ENGINE,
-                                               out.error or "prefill failed"))
+                self._send(
+                    conn, PrefillFailed(out.req_id, out.error_kind or ErrorKind.ENGINE, out.error or "prefill failed")
+                )
         self.sender.request_finished(out, self._on_freeable)
 
     def _on_freeable(self, req_id: str, ok: bool, err: str | None) -> None:
@@ -130,7 +135,7 @@ class PrefillWorker:
             owners = list(self._owners.items())
         for req_id, conn in owners:
             self._send(conn, PrefillFailed(req_id, ErrorKind.OUT_OF_SERVICE, reason))
-        if owners:   # let the reasons land before the engine fails the jobs (their "sender stopped" races them)
+        if owners:  # let the reasons land before the engine fails the jobs (their "sender stopped" races them)
             time.sleep(0.5)
         self.server.close()
 

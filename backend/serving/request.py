@@ -4,15 +4,16 @@ Pure Python over numpy arrays, so it is unit-testable without a server: ``parse_
 takes a ``get(name) -> np.ndarray | None`` accessor and returns a ``ClientRequest`` or raises
 ``RequestError`` with a message meant for the client.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import numpy as np
 
 from backend.engine.outputs import ErrorKind
-from backend.engine.sampling.params import DRAFT_METHODS, SamplingParams
+from backend.engine.sampling_params import DRAFT_METHODS, SamplingParams
 from backend.serving.tensors import INPUTS_BY_NAME
 
 
@@ -33,19 +34,20 @@ class ClientRequest:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    seed: Optional[int] = None
-    end_id: Optional[int] = None
+    seed: int | None = None
+    end_id: int | None = None
     stop_words: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     apply_chat_template: bool = False
-    num_draft_tokens: Optional[int] = None   # None: the model's default (parameter speculative_k)
-    draft_method: Optional[str] = None       # None: the model's default (parameter draft_method)
-    guided_json: Optional[str] = None
-    guided_regex: Optional[str] = None
-    grammar: object = None                   # compiled from guided_json / guided_regex at admission
+    num_draft_tokens: int | None = None  # None: the model's default (parameter speculative_k)
+    draft_method: str | None = None  # None: the model's default (parameter draft_method)
+    guided_json: str | None = None
+    guided_regex: str | None = None
+    grammar: object = None  # compiled from guided_json / guided_regex at admission
 
 
-Getter = Callable[[str], Optional[np.ndarray]]
+Getter = Callable[[str], np.ndarray | None]
+
 
 def _as_str(v) -> str:
     if isinstance(v, (bytes, np.bytes_)):
@@ -72,7 +74,7 @@ def _scalar(get: Getter, name: str):
     return typ(arr.reshape(-1)[0])
 
 
-def _strings(get: Getter, name: str) -> Optional[list[str]]:
+def _strings(get: Getter, name: str) -> list[str] | None:
     arr = get(name)
     if arr is None:
         return None
@@ -99,9 +101,16 @@ def parse_request(get: Getter, *, max_tokens_limit: int) -> ClientRequest:
     if max_tokens > max_tokens_limit:
         raise RequestError(f"'max_tokens' {max_tokens} exceeds the configured limit {max_tokens_limit}")
     req = ClientRequest(text=text, max_tokens=max_tokens)
-    for name, attr in (("stream", "stream"), ("temperature", "temperature"), ("top_k", "top_k"),
-                       ("top_p", "top_p"), ("random_seed", "seed"), ("end_id", "end_id"),
-                       ("ignore_eos", "ignore_eos"), ("apply_chat_template", "apply_chat_template")):
+    for name, attr in (
+        ("stream", "stream"),
+        ("temperature", "temperature"),
+        ("top_k", "top_k"),
+        ("top_p", "top_p"),
+        ("random_seed", "seed"),
+        ("end_id", "end_id"),
+        ("ignore_eos", "ignore_eos"),
+        ("apply_chat_template", "apply_chat_template"),
+    ):
         v = _scalar(get, name)
         if v is not None:
             setattr(req, attr, v)
@@ -117,9 +126,15 @@ def _check_sampling(req: ClientRequest) -> None:
     """The sampling values are checked by the one definition of them (``SamplingParams``), here
     at admission, so a bad value (a negative or NaN temperature, ...) never reaches a worker."""
     try:
-        SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                       seed=req.seed, num_draft_tokens=req.num_draft_tokens or 0,
-                       draft_method=req.draft_method or DRAFT_METHODS[0])
+        SamplingParams(
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,
+            top_k=req.top_k,
+            top_p=req.top_p,
+            seed=req.seed,
+            num_draft_tokens=req.num_draft_tokens or 0,
+            draft_method=req.draft_method or DRAFT_METHODS[0],
+        )
     except ValueError as e:
         raise RequestError(str(e)) from None
 

@@ -3,12 +3,14 @@
 Independent of Triton: a ``ResponseSink`` sends responses (the Triton adapter wraps a
 response sender). Runs on the engine loop thread, so every method must be cheap.
 """
+
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol
+from typing import Protocol
 
 from backend.engine.outputs import ErrorKind, FinishReason
 from backend.serving.detokenizer import IncrementalDetokenizer
@@ -18,8 +20,9 @@ log = logging.getLogger("triton_disagg.generation")
 
 
 class ResponseSink(Protocol):
-    def send(self, text: str, token_ids: list[int], n_input: int, n_output: int,
-             finish_reason: str, final: bool) -> None: ...
+    def send(
+        self, text: str, token_ids: list[int], n_input: int, n_output: int, finish_reason: str, final: bool
+    ) -> None: ...
     def error(self, message: str, kind: ErrorKind) -> None: ...
     def is_cancelled(self) -> bool: ...
 
@@ -32,13 +35,13 @@ class GenerationSession:
     sink: ResponseSink
     detok: IncrementalDetokenizer
     cancel_engine: Callable[[str], None]
-    on_done: Optional[Callable[["GenerationSession", str], None]] = None
+    on_done: Callable[["GenerationSession", str], None] | None = None
     t_start: float = field(default_factory=time.perf_counter)
-    t_first: Optional[float] = None
+    t_first: float | None = None
     n_output: int = 0
     done: bool = False
-    cancelled: bool = False        # set when a cancel arrives by another path than the sink
-    triton_id: str = ""            # the Triton request id, when the sender set one
+    cancelled: bool = False  # set when a cancel arrives by another path than the sink
+    triton_id: str = ""  # the Triton request id, when the sender set one
     _pending_text: list = field(default_factory=list)
     _pending_ids: list = field(default_factory=list)
 
@@ -49,8 +52,14 @@ class GenerationSession:
         """End the request with an error of a known kind (admission, transfer, instance down)."""
         self.on_output([], True, FinishReason.ERROR, message, kind)
 
-    def on_output(self, token_ids: list[int], finished: bool, finish_reason: Optional[str],
-                  error: Optional[str] = None, error_kind: Optional[ErrorKind] = None) -> None:
+    def on_output(
+        self,
+        token_ids: list[int],
+        finished: bool,
+        finish_reason: str | None,
+        error: str | None = None,
+        error_kind: ErrorKind | None = None,
+    ) -> None:
         """Called by the engine for every new token batch and once at the end."""
         if self.done:
             return
@@ -72,14 +81,19 @@ class GenerationSession:
         try:
             if self.request.stream:
                 if delta or token_ids or finished:
-                    self.sink.send(delta, token_ids, len(self.prompt_ids), self.n_output,
-                                   finish_reason or "", finished)
+                    self.sink.send(delta, token_ids, len(self.prompt_ids), self.n_output, finish_reason or "", finished)
             else:
                 self._pending_text.append(delta)
                 self._pending_ids.extend(token_ids)
                 if finished:
-                    self.sink.send("".join(self._pending_text), self._pending_ids, len(self.prompt_ids),
-                                   self.n_output, finish_reason or "", True)
+                    self.sink.send(
+                        "".join(self._pending_text),
+                        self._pending_ids,
+                        len(self.prompt_ids),
+                        self.n_output,
+                        finish_reason or "",
+                        True,
+                    )
         except Exception as e:  # the client went away: stop generating for it
             log.warning("request %s: sending failed (%s); cancelling", self.req_id, e)
             self.cancel_engine(self.req_id)
@@ -100,8 +114,14 @@ class GenerationSession:
         self.done = True
         if reason not in ("cancelled", "send-failed", "error"):
             ttft = (self.t_first - self.t_start) if self.t_first else float("nan")
-            log.info("request %s done: %s, %d prompt + %d output tokens, ttft %.3fs, total %.3fs",
-                     self.req_id, reason, len(self.prompt_ids), self.n_output, ttft,
-                     time.perf_counter() - self.t_start)
+            log.info(
+                "request %s done: %s, %d prompt + %d output tokens, ttft %.3fs, total %.3fs",
+                self.req_id,
+                reason,
+                len(self.prompt_ids),
+                self.n_output,
+                ttft,
+                time.perf_counter() - self.t_start,
+            )
         if self.on_done:
             self.on_done(self, reason)

@@ -1,13 +1,19 @@
 """The client-facing tensors (the names of NVIDIA's TensorRT-LLM backend): one definition from
 which requests are parsed (``backend/serving/request.py``) and every model's ``config.pbtxt``
 input and output lists are rendered (``build_scripts/render_repository.py``)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 # Triton data type -> (numpy dtype kinds accepted, Python type of one value)
-_KINDS = {"TYPE_STRING": ("OSU", str), "TYPE_INT32": ("iu", int), "TYPE_UINT64": ("iu", int),
-          "TYPE_FP32": ("f", float), "TYPE_BOOL": ("b", bool)}
+_KINDS = {
+    "TYPE_STRING": ("OSU", str),
+    "TYPE_INT32": ("iu", int),
+    "TYPE_UINT64": ("iu", int),
+    "TYPE_FP32": ("f", float),
+    "TYPE_BOOL": ("b", bool),
+}
 
 
 @dataclass(frozen=True)

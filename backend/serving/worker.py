@@ -1,13 +1,14 @@
-"""The worker behind a model instance, as the Triton layer sees it (:class:`Worker`), what every
-worker shares (building the engine, turning a client request into sampling parameters, handing
-engine outputs to the session, the KV-pool gauges), and picking the worker for a role."""
+"""The worker behind a model instance, as the Triton layer sees it (:class:`Worker`), and what
+every worker shares (building the engine, turning a client request into sampling parameters,
+handing engine outputs to the session, the KV-pool gauges)."""
+
 from __future__ import annotations
 
 from typing import Protocol
 
 from backend.engine.outputs import EngineOutput
 from backend.engine.protocol import Engine
-from backend.engine.sampling.params import SamplingParams
+from backend.engine.sampling_params import SamplingParams
 from backend.parallel.engine_factory import build_engine
 from backend.serving.config import InstanceConfig, ServingConfig
 from backend.serving.session import GenerationSession
@@ -37,10 +38,18 @@ def start_engine(config: InstanceConfig) -> Engine:
 def sampling_params(session: GenerationSession, serving: ServingConfig) -> SamplingParams:
     r = session.request
     k = serving.speculative_k if r.num_draft_tokens is None else r.num_draft_tokens
-    return SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, top_k=r.top_k,
-                          top_p=r.top_p, seed=r.seed, end_ids=(r.end_id,) if r.end_id is not None else (),
-                          ignore_eos=r.ignore_eos, num_draft_tokens=k,
-                          draft_method=r.draft_method or serving.draft_method, grammar=r.grammar)
+    return SamplingParams(
+        max_tokens=r.max_tokens,
+        temperature=r.temperature,
+        top_k=r.top_k,
+        top_p=r.top_p,
+        seed=r.seed,
+        end_ids=(r.end_id,) if r.end_id is not None else (),
+        ignore_eos=r.ignore_eos,
+        num_draft_tokens=k,
+        draft_method=r.draft_method or serving.draft_method,
+        grammar=r.grammar,
+    )
 
 
 def deliver(session: GenerationSession, out: EngineOutput) -> None:
@@ -50,13 +59,3 @@ def deliver(session: GenerationSession, out: EngineOutput) -> None:
 
 def pool_gauges(pool: dict) -> dict:
     return {"kv_pages_total": pool["total"], "kv_pages_free": pool["free"], "kv_pages_used": pool["used"]}
-
-
-def make_worker(config: InstanceConfig, name: str) -> Worker:
-    """The client-facing worker of a role (the prefill role has no client-facing worker)."""
-    from backend.serving.aggregated_worker import AggregatedWorker
-    from backend.serving.decode_worker import DecodeWorker
-    workers = {"aggregated": AggregatedWorker, "decode": DecodeWorker}
-    if config.role not in workers:
-        raise ValueError(f"role {config.role!r} has no client-facing worker; expected one of {sorted(workers)}")
-    return workers[config.role](config, name)

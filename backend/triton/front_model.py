@@ -7,6 +7,7 @@ arrive. A response whose ``finish_reason`` is set is the last one. A client that
 gets its request cancelled on the decode model by a control request (``cancel_request_id``),
 so the decode instance (and the prefill instance working for it) stop and free their pages.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,7 +32,7 @@ class TritonPythonModel:
         self.targets = FrontConfig.from_parameters(params).targets()
         self.outputs = [o.name for o in OUTPUTS]
         self.inflight = {t: 0 for t in self.targets}
-        self.out_of_service: set[str] = set()   # decode models that answered with kind out_of_service
+        self.out_of_service: set[str] = set()  # decode models that answered with kind out_of_service
         self._lock = threading.Lock()
         log.info("front model %s: routing to %s", cfg["name"], self.targets)
 
@@ -54,15 +55,17 @@ class TritonPythonModel:
         # exec() below blocks until the first response; the watcher must run already
         threading.Thread(target=self._watch_cancel, args=(sender, target, request_id, stop), daemon=True).start()
         try:
-            responses = pb.InferenceRequest(model_name=target, inputs=inputs, request_id=request_id,
-                                            requested_output_names=self.outputs).exec(decoupled=True)
+            responses = pb.InferenceRequest(
+                model_name=target, inputs=inputs, request_id=request_id, requested_output_names=self.outputs
+            ).exec(decoupled=True)
             if not self._relay(sender, responses, target) and not sender.is_cancelled():
                 sender.send(flags=final)
         except Exception as e:
             log.exception("forwarding to %s failed", target)
             try:
-                sender.send(pb.InferenceResponse(error=triton_error(pb, ErrorKind.INTERNAL, f"front model: {e}")),
-                            flags=final)
+                sender.send(
+                    pb.InferenceResponse(error=triton_error(pb, ErrorKind.INTERNAL, f"front model: {e}")), flags=final
+                )
             except Exception:
                 pass
         finally:
@@ -105,8 +108,9 @@ class TritonPythonModel:
                 continue
             control = pb.Tensor("cancel_request_id", np.array([request_id.encode()], dtype=object))
             try:
-                for _ in pb.InferenceRequest(model_name=target, inputs=[control],
-                                             requested_output_names=[]).exec(decoupled=True):
+                for _ in pb.InferenceRequest(model_name=target, inputs=[control], requested_output_names=[]).exec(
+                    decoupled=True
+                ):
                     pass
                 log.info("client cancelled %s; cancelled it on %s", request_id, target)
             except Exception as e:

@@ -7,14 +7,15 @@ prefill + decode) or ``decode`` (KV from prefill instances, ``backend/serving/de
 A request carrying ``cancel_request_id`` is a control request of the front model: it cancels
 the request with that Triton request id.
 """
+
 from __future__ import annotations
 
 import logging
 
 from backend.serving.admission import Admission
 from backend.serving.config import InstanceConfig
+from backend.serving.roles import make_worker
 from backend.serving.session import GenerationSession
-from backend.serving.worker import make_worker
 from backend.triton.metrics import InstanceMetrics
 from backend.triton.model_args import init_model
 from backend.triton.sender import TritonSink
@@ -28,13 +29,18 @@ class TritonPythonModel:
 
         pb_utils, cfg, params, self.instance = init_model(args)
         self.pb = pb_utils
-        config = InstanceConfig.from_parameters(params)   # an unknown or bad parameter fails the load
+        config = InstanceConfig.from_parameters(params)  # an unknown or bad parameter fails the load
         tokenizer = AutoTokenizer.from_pretrained(config.engine.model_path)
         self.worker = make_worker(config, self.instance)
         self.admission = Admission(config, self.worker, tokenizer, self.instance, on_done=self._on_done)
         self.metrics = InstanceMetrics(pb_utils, {"model": cfg["name"], "instance": self.instance}, self._stats)
-        log.info("instance %s ready: role %s, model %s, %s", self.instance, config.role,
-                 config.engine.model_path, self.worker.describe())
+        log.info(
+            "instance %s ready: role %s, model %s, %s",
+            self.instance,
+            config.role,
+            config.engine.model_path,
+            self.worker.describe(),
+        )
 
     def _stats(self) -> dict:
         return {**self.worker.stats(), "requests_active": self.admission.active()}
@@ -47,8 +53,9 @@ class TritonPythonModel:
             def get(name, request=request):
                 t = pb.get_input_tensor_by_name(request, name)
                 return None if t is None else t.as_numpy()
+
             cancel_id = get("cancel_request_id")
-            if cancel_id is not None:   # a control request: cancel another request (see the front model)
+            if cancel_id is not None:  # a control request: cancel another request (see the front model)
                 self.admission.cancel_by_external_id(cancel_id.reshape(-1)[0].decode())
                 sink.sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue

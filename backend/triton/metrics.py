@@ -1,13 +1,15 @@
 """Triton custom metrics (``pb_utils.MetricFamily``) of one model instance, on the metrics port.
 
 A small background thread refreshes gauges from a ``stats()`` callable and advances counters
-that ``stats()`` reports as running totals; the serving code bumps the others with ``add``. Names start with ``triton_disagg_``.
+that ``stats()`` reports as running totals; the serving code bumps the others with ``add``.
+Names start with ``triton_disagg_``.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger("triton_disagg.metrics")
 
@@ -37,8 +39,10 @@ class InstanceMetrics:
     def __init__(self, pb_utils, labels: dict, stats: Callable[[], dict], period_s: float = 0.25):
         self._families = []
         self.gauges, self.counters = {}, {}
-        for table, kind, store in ((GAUGES, pb_utils.MetricFamily.GAUGE, self.gauges),
-                                   (COUNTERS, pb_utils.MetricFamily.COUNTER, self.counters)):
+        for table, kind, store in (
+            (GAUGES, pb_utils.MetricFamily.GAUGE, self.gauges),
+            (COUNTERS, pb_utils.MetricFamily.COUNTER, self.counters),
+        ):
             for name, desc in table.items():
                 fam = pb_utils.MetricFamily(name=f"triton_disagg_{name}", description=desc, kind=kind)
                 self._families.append(fam)

@@ -1,5 +1,6 @@
 """What every model's ``initialize`` starts with: logging to stderr, the Triton Python-backend
 utilities, the model config and its parameters, the instance name."""
+
 from __future__ import annotations
 
 import json
@@ -24,6 +25,7 @@ def model_parameters(model_config: dict) -> dict:
 def init_model(args: dict):
     """Returns ``(pb_utils, model_config, parameters, instance_name)``."""
     import triton_python_backend_utils as pb_utils
+
     setup_logging()
     cfg = json.loads(args["model_config"])
     return pb_utils, cfg, model_parameters(cfg), args.get("model_instance_name", cfg["name"])

@@ -4,6 +4,7 @@ The instance hosts a :class:`PrefillWorker` (engine + KV sender + messenger serv
 process. Its work arrives from decode instances over the messenger, not through Triton
 inference requests; ``execute`` answers any direct request with a clear error.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,18 +27,23 @@ class TritonPythonModel:
         if config.role != "prefill":
             raise ValueError(f"the prefill model needs role 'prefill', got {config.role!r}")
         self.worker = PrefillWorker(config, self.instance)
-        self.metrics = InstanceMetrics(pb_utils, {"model": cfg["name"], "instance": self.instance},
-                                       self.worker.stats)
+        self.metrics = InstanceMetrics(pb_utils, {"model": cfg["name"], "instance": self.instance}, self.worker.stats)
         log.info("instance %s ready: %s", self.instance, self.worker.describe())
 
     def execute(self, requests):
         pb = self.pb
         for request in requests:
             request.get_response_sender().send(
-                pb.InferenceResponse(error=triton_error(
-                    pb, ErrorKind.BAD_REQUEST, "the prefill model is fed by decode instances over the KV "
-                    "messenger; send client requests to the front model")),
-                flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                pb.InferenceResponse(
+                    error=triton_error(
+                        pb,
+                        ErrorKind.BAD_REQUEST,
+                        "the prefill model is fed by decode instances over the KV "
+                        "messenger; send client requests to the front model",
+                    )
+                ),
+                flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+            )
         return None
 
     def finalize(self):

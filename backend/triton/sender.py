@@ -7,6 +7,7 @@ Triton frees a request's response factory once the final response is sent; calli
 the server. This wrapper serialises ``send`` and ``is_cancelled`` and never touches the
 sender again after the final response: ``is_cancelled()`` then answers False.
 """
+
 from __future__ import annotations
 
 import threading
@@ -14,7 +15,7 @@ import threading
 import numpy as np
 
 from backend.engine.outputs import ErrorKind
-from backend.serving.errors import TRITON_CODES, format_error
+from backend.serving.errors import format_error
 
 
 class GuardedSender:
@@ -42,8 +43,16 @@ class GuardedSender:
 
 
 def triton_error(pb_utils, kind: ErrorKind, message: str):
-    """A ``TritonError`` whose message carries the kind (``[kind] message``) and whose code fits it."""
-    return pb_utils.TritonError(format_error(kind, message), getattr(pb_utils.TritonError, TRITON_CODES[kind]))
+    """A ``TritonError`` whose message carries the kind (``[kind] message``) and whose code fits
+    it, so HTTP clients get a fitting status (400 for bad input, 503 when to retry later)."""
+    e = pb_utils.TritonError
+    codes = {
+        ErrorKind.BAD_REQUEST: e.INVALID_ARG,
+        ErrorKind.OVERLOADED: e.UNAVAILABLE,
+        ErrorKind.OUT_OF_SERVICE: e.UNAVAILABLE,
+        ErrorKind.PREFILL_UNAVAILABLE: e.UNAVAILABLE,
+    }
+    return e(format_error(kind, message), codes.get(kind, e.INTERNAL))
 
 
 class TritonSink:
@@ -67,8 +76,9 @@ class TritonSink:
 
     def error(self, message: str, kind: ErrorKind):
         pb = self.pb
-        self.sender.send(pb.InferenceResponse(error=triton_error(pb, kind, message)),
-                         flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self.sender.send(
+            pb.InferenceResponse(error=triton_error(pb, kind, message)), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        )
 
     def is_cancelled(self):
         return self.sender.is_cancelled()

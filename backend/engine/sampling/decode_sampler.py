@@ -8,14 +8,15 @@ forward pass :meth:`DecodeSampler.pick` masks the chunk's logits rows (grammar) 
 the drafts (``backend/engine/sampling/speculative.py``), returning the accepted drafts plus one target token.
 A request whose drafts keep failing stops drafting for a growing number of steps.
 """
+
 from __future__ import annotations
 
 import torch
 
 from backend.engine.sampling.drafters import make_drafters
+from backend.engine.sampling.speculative import verify
 from backend.engine.scheduler import ScheduledChunk
 from backend.engine.sequence import Sequence
-from backend.engine.sampling.speculative import verify
 
 
 class DecodeSampler:
@@ -25,7 +26,7 @@ class DecodeSampler:
 
     def propose(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
-            if seq.draft_pause:          # drafts kept failing: plain steps for a while
+            if seq.draft_pause:  # drafts kept failing: plain steps for a while
                 seq.draft_pause -= 1
                 seq.draft_token_ids = []
                 continue

@@ -10,6 +10,7 @@
   prefill chunk / decode step): its argmax is the first draft token, prompt lookup continues from
   there. It proves the data path, not a good acceptance rate.
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -33,11 +34,11 @@ def lookup_continuation(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM) -
         return []
     arr = np.asarray(tokens, dtype=np.int64)
     for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
-        windows = sliding_window_view(arr[:-1], n)   # windows starting at j end before the last token
+        windows = sliding_window_view(arr[:-1], n)  # windows starting at j end before the last token
         hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return tokens[start: start + k]
+            return tokens[start : start + k]
     return []
 
 

@@ -6,6 +6,7 @@ first walks the draft tokens to cut them at the first one the grammar rejects an
 bitmask row per chunk position, then rolls back; after verification it advances by the tokens
 actually emitted, so it always matches the sequence's output.
 """
+
 from __future__ import annotations
 
 import re
@@ -13,7 +14,6 @@ import threading
 
 import torch
 import xgrammar as xgr
-
 
 
 class GrammarError(ValueError):
@@ -36,7 +36,7 @@ class GrammarCompiler:
                 if json_schema is not None:
                     return self._compiler.compile_json_schema(json_schema, any_whitespace=False)
                 return self._compiler.compile_regex(regex)
-        except Exception as exc:   # xgrammar raises RuntimeError/ValueError with the parser's message
+        except Exception as exc:  # xgrammar raises RuntimeError/ValueError with the parser's message
             kind = "guided_json schema" if json_schema is not None else "guided_regex"
             raise GrammarError(f"invalid {kind}: {_first_line(exc)}") from None
 
@@ -58,7 +58,7 @@ class GrammarState:
             if not self.matcher.accept_token(draft):
                 break
             kept += 1
-            if self.matcher.is_terminated():   # nothing may follow: drop the completing draft
+            if self.matcher.is_terminated():  # nothing may follow: drop the completing draft
                 kept -= 1
                 self.matcher.rollback(1)
                 break

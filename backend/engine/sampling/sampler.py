@@ -1,10 +1,10 @@
 """The sampler: greedy, or temperature / top-k / top-p with per-request seeded generators."""
+
 from __future__ import annotations
 
 import torch
 
-from backend.engine.sampling.params import SamplingParams
-
+from backend.engine.sampling_params import SamplingParams
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -19,8 +19,7 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return generator
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """Pick one token per row of ``logits`` [num_seqs, vocab]."""
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]

@@ -8,16 +8,18 @@ proposal): accept ``d_i`` with probability ``p_i(d_i)``; on rejection sample fro
 ``d_i`` removed and renormalised; after all are accepted sample the bonus token from ``p_k``.
 Either way the output is distributed exactly as plain decoding's.
 """
+
 from __future__ import annotations
 
 import torch
 
-from backend.engine.sampling.params import SamplingParams
 from backend.engine.sampling.sampler import token_probs
+from backend.engine.sampling_params import SamplingParams
 
 
-def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
-           generator: torch.Generator | None) -> list[int]:
+def verify(
+    logits: torch.Tensor, drafts: list[int], params: SamplingParams, generator: torch.Generator | None
+) -> list[int]:
     """Tokens to append: the accepted prefix of ``drafts`` plus one token from the target."""
     if params.greedy:
         target = logits[: len(drafts) + 1].argmax(dim=-1).tolist()
@@ -35,7 +37,7 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
             out.append(draft)
             continue
         residual = probs.clone()
-        residual[draft] = 0.0   # p(draft) < 1 here, so the residual has mass
+        residual[draft] = 0.0  # p(draft) < 1 here, so the residual has mass
         out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)[0]))
         return out
     probs = token_probs(logits[len(drafts)].float(), params)

@@ -1,14 +1,13 @@
 """Engine mechanics on a tiny random Llama: chunked prefill, batching, stops, aborts, errors, pages."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
-from engine_helpers import (TINY_VOCAB, assert_pool_idle, build_tiny_llama, make_engine, run_to_completion,
-                            tokens_of)
+from engine_helpers import TINY_VOCAB, assert_pool_idle, build_tiny_llama, make_engine, run_to_completion, tokens_of
 
 from backend.engine.page_allocator import PoolFullError
-from backend.engine.sampling.params import SamplingParams
+from backend.engine.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -19,6 +18,7 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf_tiny(tiny_dir):
     from transformers import AutoModelForCausalLM
+
     return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
 
 
@@ -39,7 +39,7 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     with torch.inference_mode():
         for _ in range(n):
             tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 def test_batched_chunked_greedy_matches_full_recompute(engine, hf_tiny):
@@ -68,8 +68,12 @@ def test_step_respects_token_budget_and_decodes_first(engine, monkeypatch):
     monkeypatch.setattr(engine.scheduler, "schedule", recording_schedule)
     run_to_completion(engine)
     assert all(sum(n for _, n in step) <= 16 for step in schedules)
-    assert schedules[:4] == [[("short", 1), ("long", 15)], [("short", 1), ("long", 15)],
-                             [("short", 1), ("long", 10)], [("short", 1), ("long", 1)]], schedules[:4]
+    assert schedules[:4] == [
+        [("short", 1), ("long", 15)],
+        [("short", 1), ("long", 15)],
+        [("short", 1), ("long", 10)],
+        [("short", 1), ("long", 1)],
+    ], schedules[:4]
 
 
 def test_stop_conditions(engine):
@@ -129,8 +133,9 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
     alone = tokens_of(run_to_completion(engine)["a"])
     engine.add_request("other", prompt_of(30, seed=3), SamplingParams(max_tokens=9, temperature=0.8, seed=1))
     engine.add_request("a", prompt_of(6), params)
-    engine.add_request("b", prompt_of(6), SamplingParams(max_tokens=16, temperature=1.0, top_k=50, top_p=0.95,
-                                                         seed=8, ignore_eos=True))
+    engine.add_request(
+        "b", prompt_of(6), SamplingParams(max_tokens=16, temperature=1.0, top_k=50, top_p=0.95, seed=8, ignore_eos=True)
+    )
     outputs = run_to_completion(engine)
     assert tokens_of(outputs["a"]) == alone
     assert tokens_of(outputs["b"]) != alone

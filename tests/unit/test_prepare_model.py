@@ -1,4 +1,5 @@
 """Model preparation: the packaged GGUF is converted once; HF checkpoint dirs are accepted as is."""
+
 import json
 import time
 
@@ -12,7 +13,7 @@ def test_default_model_is_a_fast_loading_checkpoint(model_dir):
     assert model_dir == DEFAULT_MODEL_DIR and (model_dir / "config.json").is_file()
     assert list(model_dir.glob("*.safetensors")) and (model_dir / "tokenizer.json").is_file()
     t0 = time.perf_counter()
-    assert ensure_model() == model_dir          # no second conversion
+    assert ensure_model() == model_dir  # no second conversion
     assert time.perf_counter() - t0 < 1.0
 
 

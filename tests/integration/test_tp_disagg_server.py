@@ -6,6 +6,7 @@ One server holds both directions: prefill_0 (TP 1) -> decode_0 (TP 3) and prefil
 counters follow the transfer plan; killing one rank process takes its instance out with
 clear errors while the other instances keep serving.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,7 +22,7 @@ from backend.client import stream_generate
 from tests.conftest import PROMPTS, generate_concurrently, hf_greedy, metric_values, running_server, wait_pool_free
 
 N_TOKENS = 8
-CASES = PROMPTS[:6] + [PROMPTS[6]]   # the last: ~200 tokens, 4 prefill chunks at a 64-token budget
+CASES = PROMPTS[:6] + [PROMPTS[6]]  # the last: ~200 tokens, 4 prefill chunks at a 64-token budget
 MODELS = ["prefill_0", "prefill_1", "decode_0", "decode_1", "llm_aggregated"]
 
 
@@ -33,15 +34,28 @@ def tp_server(model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp")
     p0, p1 = free_port(), free_port()
     repo = render_deployment(
-        tmp / "repo", mode="disagg", model_path=str(model_dir), prefill_instances=2, decode_instances=2,
+        tmp / "repo",
+        mode="disagg",
+        model_path=str(model_dir),
+        prefill_instances=2,
+        decode_instances=2,
         with_aggregated=True,
-        overrides={"kv_cache_tokens": "2048", "max_num_batched_tokens": "64", "max_tokens_limit": "64",
-                   "num_threads": "1", "kv_transfer_timeout_s": "60", "kv_quarantine_s": "4",
-                   "kv_xfer_timeout_s": "10"},
-        per_model={"prefill_0": {"messenger_port": p0},
-                   "prefill_1": {"messenger_port": p1, "tensor_parallel_size": "3"},
-                   "decode_0": {"prefill_endpoints": f"127.0.0.1:{p0}", "tensor_parallel_size": "3"},
-                   "decode_1": {"prefill_endpoints": f"127.0.0.1:{p1}"}})
+        overrides={
+            "kv_cache_tokens": "2048",
+            "max_num_batched_tokens": "64",
+            "max_tokens_limit": "64",
+            "num_threads": "1",
+            "kv_transfer_timeout_s": "60",
+            "kv_quarantine_s": "4",
+            "kv_xfer_timeout_s": "10",
+        },
+        per_model={
+            "prefill_0": {"messenger_port": p0},
+            "prefill_1": {"messenger_port": p1, "tensor_parallel_size": "3"},
+            "decode_0": {"prefill_endpoints": f"127.0.0.1:{p0}", "tensor_parallel_size": "3"},
+            "decode_1": {"prefill_endpoints": f"127.0.0.1:{p1}"},
+        },
+    )
     with running_server(repo, tmp / "tritonserver.log", timeout_s=400) as server:
         yield server
 
@@ -62,6 +76,7 @@ def rank_pids(server, instance):
 def test_sharded_transfers_match_aggregated_and_transformers(tp_server, model_dir, tokenizer):
     import torch
     from transformers import AutoModelForCausalLM
+
     from fabric_bridge.layout import KVLayout
     from fabric_bridge.plan import expected_writes
 
@@ -76,9 +91,9 @@ def test_sharded_transfers_match_aggregated_and_transformers(tp_server, model_di
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     lengths = [len(tokenizer.encode(p, add_special_tokens=False)) for p in CASES]
-    for prompt, n, res in zip(CASES, lengths, results["llm_aggregated"]):
-        assert res.token_ids == hf_greedy(model, tokenizer.encode(prompt, add_special_tokens=False), N_TOKENS), \
-            prompt[:40]
+    for prompt, res in zip(CASES, results["llm_aggregated"]):
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        assert res.token_ids == hf_greedy(model, ids, N_TOKENS), prompt[:40]
     assert lengths[-1] - 1 > 3 * 64, lengths
 
     # HND, TP 1 <-> TP 3: one write per page per layer per destination (K and V: 2) head slice
@@ -88,8 +103,12 @@ def test_sharded_transfers_match_aggregated_and_transformers(tp_server, model_di
     assert want["decode_0"] == want["decode_1"] == pages * 30 * 6
     time.sleep(0.6)  # metrics refresh period
     got = {m: writes(murl, m) - before[m] for m in MODELS[:4]}
-    assert got == {"decode_0": want["decode_0"], "prefill_0": want["decode_0"],
-                   "decode_1": want["decode_1"], "prefill_1": want["decode_1"]}, (got, want)
+    assert got == {
+        "decode_0": want["decode_0"],
+        "prefill_0": want["decode_0"],
+        "decode_1": want["decode_1"],
+        "prefill_1": want["decode_1"],
+    }, (got, want)
     for m in MODELS:
         wait_pool_free(murl, m, timeout_s=30)
 
@@ -99,8 +118,9 @@ def test_killed_rank_takes_its_instance_out(tp_server):
     url, murl = tp_server.grpc_url, tp_server.metrics_url
     long_prompt = "Describe this list. " + " ".join(f"entry {i}" for i in range(300))
     box = {}
-    t = threading.Thread(target=lambda: box.update(r=stream_generate(url, long_prompt, 4, model="decode_1",
-                                                                     timeout_s=120)))
+    t = threading.Thread(
+        target=lambda: box.update(r=stream_generate(url, long_prompt, 4, model="decode_1", timeout_s=120))
+    )
     t.start()
     deadline = time.monotonic() + 30
     while not any(v > 0 for v in metric_values(murl, "triton_disagg_prefill_queue_depth", model="prefill_1")):
@@ -110,24 +130,28 @@ def test_killed_rank_takes_its_instance_out(tp_server):
     os.kill(rank_pids(tp_server, "prefill_1_0_0")[0], signal.SIGKILL)
     t.join(120)
     r = box["r"]
-    assert r.error and "[out_of_service]" in r.error and "signal 9" in r.error, r.error
+    # the decode instance is healthy: for it the prefill's failure is a failed KV transfer
+    # (the front must not route around decode_1), and the reason names the lost rank
+    assert r.error and r.error.startswith("[kv_transfer_failed]"), r.error
+    assert "out of service" in r.error and "signal 9" in r.error, r.error
     assert time.monotonic() - t_kill < 30
     # prefill_1 stopped listening: once decode_1 saw its connection drop (a moment), it answers
     # at once that no prefill instance is reachable
     time.sleep(1.0)
     again = stream_generate(url, PROMPTS[0], 4, model="decode_1", timeout_s=60)
-    assert again.error and "[prefill_unavailable] no prefill instance reachable" in again.error, again.error
+    assert again.error and again.error.startswith("[prefill_unavailable] no prefill instance reachable"), again.error
     wait_pool_free(murl, "decode_1", timeout_s=30)
     # the other instances keep serving
-    ok = generate_all(url, PROMPTS[:2], "decode_0", n_tokens=4) + generate_all(url, PROMPTS[:2], "llm_aggregated",
-                                                                                n_tokens=4)
+    ok = generate_all(url, PROMPTS[:2], "decode_0", n_tokens=4) + generate_all(
+        url, PROMPTS[:2], "llm_aggregated", n_tokens=4
+    )
     assert all(x.error is None and len(x.token_ids) == 4 for x in ok), [x.error for x in ok]
 
     os.kill(rank_pids(tp_server, "decode_0_0_0")[1], signal.SIGKILL)
-    time.sleep(1.0)   # the lead's watcher notices within 0.2 s
+    time.sleep(1.0)  # the lead's watcher notices within 0.2 s
     t0 = time.monotonic()
     down = stream_generate(url, PROMPTS[1], 4, model="decode_0", timeout_s=60)
-    assert down.error and "[out_of_service]" in down.error and "signal 9" in down.error, down.error
+    assert down.error and down.error.startswith("[out_of_service]") and "signal 9" in down.error, down.error
     assert time.monotonic() - t0 < 10
     agg = stream_generate(url, PROMPTS[1], 4, model="llm_aggregated", ignore_eos=True)
     assert agg.error is None and len(agg.token_ids) == 4, agg.error

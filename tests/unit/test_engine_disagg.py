@@ -1,17 +1,24 @@
 """Disaggregation hooks inside one process: a prefill-only engine fills pages, a per-layer hook copies
 them into pages reserved in a decode engine (standing in for the NIXL writes), and the decode engine
 continues from the last prompt token. Must equal the aggregated engine token for token."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
-from engine_helpers import (Listener, assert_pool_idle, build_tiny_llama, make_engine, real_model_dir, run_to_completion,
-                            tokens_of)
+from engine_helpers import (
+    Listener,
+    assert_pool_idle,
+    build_tiny_llama,
+    make_engine,
+    real_model_dir,
+    run_to_completion,
+    tokens_of,
+)
 
 from backend.engine.outputs import FinishReason
 from backend.engine.paged_attention import BatchEntry
-from backend.engine.sampling.params import SamplingParams
+from backend.engine.sampling_params import SamplingParams
 
 LOGIT_TOLERANCE = 1e-3
 
@@ -32,14 +39,15 @@ class PageStreamer:
         page_size = self.src.config.page_size
         for chunk in step_batch.prefill_only_chunks:
             first_logical = chunk.start // page_size
-            dst = self.dst_pages[chunk.req_id][first_logical: first_logical + len(chunk.page_ids)]
+            dst = self.dst_pages[chunk.req_id][first_logical : first_logical + len(chunk.page_ids)]
             for src_page, dst_page in zip(chunk.page_ids, dst):
                 self.dst.pool.layer(layer_idx)[dst_page].copy_(self.src.pool.layer(layer_idx)[src_page])
                 self.page_writes += 1
 
 
-def disaggregated_generate(prefill, decode, streamer, requests: dict[str, tuple[list[int], SamplingParams]],
-                           before_decode=None):
+def disaggregated_generate(
+    prefill, decode, streamer, requests: dict[str, tuple[list[int], SamplingParams]], before_decode=None
+):
     """Run requests through prefill -> page copy -> decode; returns (decode outputs, prefill outputs)."""
     for req_id, (prompt, _) in requests.items():
         streamer.dst_pages[req_id] = decode.reserve(req_id, len(prompt))
@@ -56,6 +64,7 @@ def disaggregated_generate(prefill, decode, streamer, requests: dict[str, tuple[
 
 # --- tiny model: hook mechanics ---------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama_disagg"))
@@ -64,8 +73,12 @@ def tiny_dir(tmp_path_factory):
 def test_chunk_hook_reports_chunks_and_pages(tiny_dir):
     engine = make_engine(tiny_dir, max_num_batched_tokens=16, page_size=8, kv_cache_tokens=512)
     seen, layer_calls = [], []
-    engine.set_kv_listener(Listener(lambda batch: seen.append(batch.prefill_only_chunks),
-                                    lambda layer, batch: layer_calls.append((layer, len(batch.chunks)))))
+    engine.set_kv_listener(
+        Listener(
+            lambda batch: seen.append(batch.prefill_only_chunks),
+            lambda layer, batch: layer_calls.append((layer, len(batch.chunks))),
+        )
+    )
     engine.add_request("agg", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
     run_to_completion(engine)
     assert seen == [] and layer_calls == [(0, 1), (1, 1)] * 2  # aggregated requests: no chunk hook
@@ -74,10 +87,18 @@ def test_chunk_hook_reports_chunks_and_pages(tiny_dir):
     outputs = run_to_completion(engine)["pf"]
     pages = engine.allocator.page_table("pf")
     assert [[(c.req_id, c.start, c.num_tokens, c.page_ids, c.is_last_chunk) for c in chunks] for chunks in seen] == [
-        [("pf", 0, 16, pages[0:2], False)], [("pf", 16, 16, pages[2:4], False)], [("pf", 32, 8, pages[4:5], True)]]
+        [("pf", 0, 16, pages[0:2], False)],
+        [("pf", 16, 16, pages[2:4], False)],
+        [("pf", 32, 8, pages[4:5], True)],
+    ]
     assert len(layer_calls) == 2 * 2 + 3 * 2
     out = outputs[-1]
-    assert len(outputs) == 1 and out.finished and out.new_token_ids == [] and out.finish_reason == FinishReason.PREFILL_DONE
+    assert (
+        len(outputs) == 1
+        and out.finished
+        and out.new_token_ids == []
+        and out.finish_reason == FinishReason.PREFILL_DONE
+    )
     assert out.hidden_state.shape == (64,) and out.logits.shape == (256,)
     assert engine.pool_stats()["used"] == 5  # held until release
     assert engine.release("pf") == 5 and engine.release("pf") == 0
@@ -106,8 +127,7 @@ def test_tiny_disaggregated_equals_aggregated(tiny_dir):
     prefill = make_engine(tiny_dir, max_num_batched_tokens=16, page_size=8)
     decode = make_engine(tiny_dir, max_num_batched_tokens=16, page_size=8)
     streamer = PageStreamer(prefill, decode)
-    decode_outputs, _ = disaggregated_generate(prefill, decode, streamer,
-                                               {r: (p, params) for r, p in prompts.items()})
+    decode_outputs, _ = disaggregated_generate(prefill, decode, streamer, {r: (p, params) for r, p in prompts.items()})
     assert {r: tokens_of(o) for r, o in decode_outputs.items()} == expected
     assert streamer.page_writes > 0
     for engine in (prefill, decode):
@@ -116,18 +136,22 @@ def test_tiny_disaggregated_equals_aggregated(tiny_dir):
 
 # --- real model: prefill engine -> decode engine ----------------------------------------------
 
+
 def test_real_disaggregated_equals_aggregated_and_hidden_state_matches():
     model_dir = real_model_dir()
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    long_question = ("Summarise the following notes in one sentence. The meeting covered the quarterly budget, "
-                     "the hiring plan for the data team, the migration of the build servers to the new cluster, "
-                     "and the schedule for the security audit. Everyone agreed to send comments by Friday.")
+    long_question = (
+        "Summarise the following notes in one sentence. The meeting covered the quarterly budget, "
+        "the hiring plan for the data team, the migration of the build servers to the new cluster, "
+        "and the schedule for the security audit. Everyone agreed to send comments by Friday."
+    )
     prompts = {
-        "long": tokenizer.apply_chat_template([{"role": "user", "content": long_question}],
-                                              add_generation_prompt=True, tokenize=True,
-                                              return_dict=True)["input_ids"],
+        "long": tokenizer.apply_chat_template(
+            [{"role": "user", "content": long_question}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"],
         "short": tokenizer("The capital of Italy is")["input_ids"],
     }
     budget = 32
@@ -149,9 +173,9 @@ def test_real_disaggregated_equals_aggregated_and_hidden_state_matches():
         pages = streamer.dst_pages[req_id]
         checks[req_id] = decode.runner.run([BatchEntry([prompt[-2]], len(prompt) - 2, pages)])
 
-    decode_outputs, prefill_outputs = disaggregated_generate(prefill, decode, streamer,
-                                                             {r: (p, params) for r, p in prompts.items()},
-                                                             before_decode=recompute_on_decode_side)
+    decode_outputs, prefill_outputs = disaggregated_generate(
+        prefill, decode, streamer, {r: (p, params) for r, p in prompts.items()}, before_decode=recompute_on_decode_side
+    )
     assert {r: tokens_of(o) for r, o in decode_outputs.items()} == expected
     assert "Rome" in tokenizer.decode(expected["short"])
     long_chunks = [c for batch in streamer.scheduled for c in batch.prefill_only_chunks if c.req_id == "long"]

@@ -1,37 +1,40 @@
 """Speculative decoding in the engine: drafters, the verification rule, and greedy outputs that
 are token-for-token those of plain decoding (aggregated and decode role, batched, with stop
 conditions), with rejected drafts rolled back (num_computed and pages)."""
+
 from __future__ import annotations
 
 import collections
 
 import pytest
 import torch
-
 from engine_helpers import assert_pool_idle, make_engine, real_model_dir, run_to_completion, tokens_of
 
-from backend.engine.sampling.drafters import HiddenStateDrafter, lookup_continuation
 from backend.engine.outputs import FinishReason
-from backend.engine.sampling.params import SamplingParams
-from backend.engine.sequence import Sequence
+from backend.engine.sampling.drafters import HiddenStateDrafter, lookup_continuation
 from backend.engine.sampling.speculative import verify
+from backend.engine.sampling_params import SamplingParams
+from backend.engine.sequence import Sequence
 
-COPY_PROMPT = ("def area(w, h):\n    return w * h\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n\n"
-               "Rewrite the code above, renaming w to width:\n")
+COPY_PROMPT = (
+    "def area(w, h):\n    return w * h\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n\n"
+    "Rewrite the code above, renaming w to width:\n"
+)
 
 
 # --- units ---------------------------------------------------------------------------------------
 
+
 def test_lookup_prefers_longest_most_recent_ngram():
-    assert lookup_continuation([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3], 3) == [7, 8, 5]   # "2 3" most recent
-    assert lookup_continuation([5, 6, 7, 5, 6, 1, 4, 6], 2) == [1, 4]                   # only "6" matches
+    assert lookup_continuation([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3], 3) == [7, 8, 5]  # "2 3" most recent
+    assert lookup_continuation([5, 6, 7, 5, 6, 1, 4, 6], 2) == [1, 4]  # only "6" matches
     assert lookup_continuation([5, 6, 7, 8], 4) == [] and lookup_continuation([4, 4], 0) == []
-    assert lookup_continuation([1, 2, 1, 2], 5) == [1, 2]   # continuation runs to the end of the context
+    assert lookup_continuation([1, 2, 1, 2], 5) == [1, 2]  # continuation runs to the end of the context
 
 
 def test_hidden_drafter_starts_from_the_hidden_states_logits():
     seq = Sequence("r", [3, 4, 5, 3, 4], SamplingParams(), None)
-    assert HiddenStateDrafter().propose(seq, 3) == [5, 3, 4]          # no hidden state: plain lookup
+    assert HiddenStateDrafter().propose(seq, 3) == [5, 3, 4]  # no hidden state: plain lookup
     seq.last_logits = torch.zeros(16)
     seq.last_logits[11] = 1.0
     assert HiddenStateDrafter().propose(seq, 3)[0] == 11
@@ -42,8 +45,8 @@ def test_verify_greedy_accepts_the_matching_prefix_then_the_target_token():
     for row, best in enumerate([2, 6, 1, 7]):
         logits[row, best] = 5.0
     greedy = SamplingParams()
-    assert verify(logits, [2, 6, 1], greedy, None) == [2, 6, 1, 7]   # all accepted + bonus
-    assert verify(logits, [2, 5, 1], greedy, None) == [2, 6]         # corrected at the mismatch
+    assert verify(logits, [2, 6, 1], greedy, None) == [2, 6, 1, 7]  # all accepted + bonus
+    assert verify(logits, [2, 5, 1], greedy, None) == [2, 6]  # corrected at the mismatch
     assert verify(logits[:1], [], greedy, None) == [2]
 
 
@@ -62,6 +65,7 @@ def test_verify_sampling_keeps_the_target_distribution():
 
 # --- real model ----------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def model_dir():
     return real_model_dir()
@@ -70,9 +74,14 @@ def model_dir():
 @pytest.fixture(scope="module")
 def prompts(model_dir):
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    texts = [COPY_PROMPT, "Name: Ada Lovelace\nBorn: 1815\nField: mathematics\nRepeat the record.\nName:",
-             "The capital of France is", "List three fruits:"]
+    texts = [
+        COPY_PROMPT,
+        "Name: Ada Lovelace\nBorn: 1815\nField: mathematics\nRepeat the record.\nName:",
+        "The capital of France is",
+        "List three fruits:",
+    ]
     return [tok.encode(t) for t in texts]
 
 
@@ -88,7 +97,7 @@ def generate(engine, prompts, params: SamplingParams, check_pages: bool = False)
     while engine.has_work():
         for out in engine.step():
             outputs[out.req_id].append(out)
-        if check_pages:   # rejected drafts never keep pages past the tokens the sequence holds
+        if check_pages:  # rejected drafts never keep pages past the tokens the sequence holds
             for seq in engine._seqs.values():
                 held = len(engine.allocator.page_table(seq.req_id))
                 assert held <= engine.allocator.pages_for(seq.num_tokens)
@@ -108,7 +117,7 @@ def test_aggregated_greedy_identical_with_speculation(engine, prompts, plain, me
     outs = generate(engine, prompts, params, check_pages=True)
     assert [tokens_of(o) for o in outs] == plain
     steps = sum(len(o) for o in outs)
-    if method == "lookup":   # the copy prompt lets lookup accept drafts: fewer steps than tokens
+    if method == "lookup":  # the copy prompt lets lookup accept drafts: fewer steps than tokens
         assert len(outs[0]) < 24, [len(o) for o in outs]
     assert all(len(o) <= 24 for o in outs) and steps <= 4 * 24
 
@@ -116,7 +125,7 @@ def test_aggregated_greedy_identical_with_speculation(engine, prompts, plain, me
 def test_max_tokens_and_stop_ids_within_accepted_drafts(engine, prompts, plain):
     short = generate(engine, prompts, SamplingParams(max_tokens=5, ignore_eos=True, num_draft_tokens=8))
     assert [tokens_of(o) for o in short] == [p[:5] for p in plain]
-    stop_id = plain[0][6]   # stop on a token the copy prompt's output emits mid-stream
+    stop_id = plain[0][6]  # stop on a token the copy prompt's output emits mid-stream
     want = plain[0][: plain[0].index(stop_id) + 1]
     outs = generate(engine, prompts[:1], SamplingParams(max_tokens=24, end_ids=(stop_id,), num_draft_tokens=8))
     assert tokens_of(outs[0]) == want and outs[0][-1].finish_reason == "stop"
@@ -148,8 +157,14 @@ def test_decode_role_with_transferred_hidden_state_identical(model_dir, prompts,
                 for s, d in zip(src, dst[: -(-(len(prompt) - 1) // page_size)]):
                     decode.pool.layer(layer)[d].copy_(prefill.pool.layer(layer)[s])
             prefill.release(f"r{i}")
-            decode.add_request(f"r{i}", prompt, params, kv_ready_tokens=len(prompt) - 1,
-                               prefill_hidden=out.hidden_state.float(), prefill_logits=out.logits.float())
+            decode.add_request(
+                f"r{i}",
+                prompt,
+                params,
+                kv_ready_tokens=len(prompt) - 1,
+                prefill_hidden=out.hidden_state.float(),
+                prefill_logits=out.logits.float(),
+            )
             assert torch.equal(decode._seqs[f"r{i}"].last_logits, out.logits.float())
         outs = run_to_completion(decode)
         assert [tokens_of(outs[f"r{i}"]) for i in range(len(prompts))] == plain, method

@@ -1,4 +1,5 @@
 """The console command as a user runs it: serve, generate against it, Ctrl-C stops everything."""
+
 from __future__ import annotations
 
 import os
@@ -19,10 +20,26 @@ def test_serve_generate_and_ctrl_c(tmp_path):
     if not BIN.exists():
         raise AssertionError(f"{BIN} missing: scripts/setup.sh installs the package")
     ports = [free_port() for _ in range(3)]
-    proc = subprocess.Popen([str(BIN), "serve", "--http-port", str(ports[0]), "--grpc-port", str(ports[1]),
-                             "--metrics-port", str(ports[2]), "--set", "kv_cache_tokens=2048",
-                             "--log-file", str(tmp_path / "server.log")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            str(BIN),
+            "serve",
+            "--http-port",
+            str(ports[0]),
+            "--grpc-port",
+            str(ports[1]),
+            "--metrics-port",
+            str(ports[2]),
+            "--set",
+            "kv_cache_tokens=2048",
+            "--log-file",
+            str(tmp_path / "server.log"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline, lines = time.monotonic() + 300, []
         while time.monotonic() < deadline:
@@ -31,12 +48,16 @@ def test_serve_generate_and_ctrl_c(tmp_path):
             lines.append(line)
             if "Ctrl-C stops" in line:
                 break
-        out = subprocess.run([str(BIN), "generate", "--url", f"127.0.0.1:{ports[1]}", "--chat",
-                              "What is the capital of France?"], capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [str(BIN), "generate", "--url", f"127.0.0.1:{ports[1]}", "--chat", "What is the capital of France?"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 0 and "Paris" in out.stdout, out.stdout + out.stderr
         server_pids = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
         assert server_pids
-        os.killpg(proc.pid, signal.SIGINT)   # what Ctrl-C in a terminal does
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
         assert proc.wait(60) == 0
         time.sleep(1)
         assert not [p for p in server_pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]

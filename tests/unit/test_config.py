@@ -1,5 +1,6 @@
 """The configuration tree (parsed once, defaults in one place, unknown keys refused) and the
 rendering of config.pbtxt files from templates and the one tensor definition."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,26 +12,37 @@ from build_scripts.render_repository import read_parameters
 
 
 def test_instance_config_sections():
-    c = InstanceConfig.from_parameters({"role": "decode", "model_path": "/m", "page_size": "32",
-                                        "max_waiting_for_pages": "3", "prefill_endpoints": "h:1,g:2",
-                                        "stream_layers": "false", "kv_transfer_timeout_s": "2.5"})
+    c = InstanceConfig.from_parameters(
+        {
+            "role": "decode",
+            "model_path": "/m",
+            "page_size": "32",
+            "max_waiting_for_pages": "3",
+            "prefill_endpoints": "h:1,g:2",
+            "stream_layers": "false",
+            "kv_transfer_timeout_s": "2.5",
+        }
+    )
     assert (c.role, c.engine.page_size, c.serving.max_waiting_for_pages) == ("decode", 32, 3)
     assert c.connector.endpoints() == [("h", 1), ("g", 2)] and c.connector.stream_layers is False
     assert c.connector.kv_transfer_timeout_s == 2.5
-    assert c.engine.max_tokens_limit == 1024   # the one default (was 1024 in one place, 4096 in another)
+    assert c.engine.max_tokens_limit == 1024  # the one default (was 1024 in one place, 4096 in another)
 
 
-@pytest.mark.parametrize("params, message", [
-    ({"model_path": "/m", "bogus": "1"}, r"unknown parameter\(s\) \['bogus'\]"),
-    ({"model_path": "/m", "role": "mixer"}, "parameter 'role' must be one of"),
-    ({"model_path": ""}, "parameter 'model_path' is empty"),
-    ({"model_path": "/m", "meta_slots": "many"}, "parameter 'meta_slots' must be an integer"),
-    ({"model_path": "/m", "stream_layers": "maybe"}, "parameter 'stream_layers' must be true or false"),
-    ({"model_path": "/m", "kv_quarantine_s": "nan"}, "must be a finite number"),
-    ({"model_path": "/m", "speculative_k": "99"}, "speculative_k must be in"),
-    ({"model_path": "/m", "cpu_affinity": "x"}, "cpu_affinity"),
-    ({"model_path": "/m", "prefill_endpoints": "nohost"}, "must be host:port"),
-])
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"model_path": "/m", "bogus": "1"}, r"unknown parameter\(s\) \['bogus'\]"),
+        ({"model_path": "/m", "role": "mixer"}, "parameter 'role' must be one of"),
+        ({"model_path": ""}, "parameter 'model_path' is empty"),
+        ({"model_path": "/m", "meta_slots": "many"}, "parameter 'meta_slots' must be an integer"),
+        ({"model_path": "/m", "stream_layers": "maybe"}, "parameter 'stream_layers' must be true or false"),
+        ({"model_path": "/m", "kv_quarantine_s": "nan"}, "must be a finite number"),
+        ({"model_path": "/m", "speculative_k": "99"}, "speculative_k must be in"),
+        ({"model_path": "/m", "cpu_affinity": "x"}, "cpu_affinity"),
+        ({"model_path": "/m", "prefill_endpoints": "nohost"}, "must be host:port"),
+    ],
+)
 def test_instance_config_refuses(params, message):
     with pytest.raises(ValueError, match=message):
         InstanceConfig.from_parameters(params)
@@ -48,7 +60,7 @@ def test_front_config():
 
 def test_rendered_repository_lists_tensors_and_every_parameter(tmp_path):
     repo = render_deployment(tmp_path / "repo", mode="disagg", model_path="/m", overrides={"page_size": "32"})
-    llm = (repo / "llm" / "config.pbtxt").read_text()      # the front model
+    llm = (repo / "llm" / "config.pbtxt").read_text()  # the front model
     decode = (repo / "decode_0" / "config.pbtxt").read_text()
     prefill = (repo / "prefill_0" / "config.pbtxt").read_text()
     for spec in INPUTS:

@@ -10,20 +10,31 @@ from fabric_bridge.plan import build_plan, choose_pairs, expected_writes, writes
 
 
 def lay(tp=1, layout="HND", heads=8, **kw):
-    base = dict(model="m", num_layers=3, page_size=16, num_kv_heads=heads, head_dim=64,
-                dtype="float32", tp_size=tp, layout=layout)
+    base = dict(
+        model="m",
+        num_layers=3,
+        page_size=16,
+        num_kv_heads=heads,
+        head_dim=64,
+        dtype="float32",
+        tp_size=tp,
+        layout=layout,
+    )
     base.update(kw)
     return KVLayout(**base)
 
 
-@pytest.mark.parametrize("src_tp,dst_tp,hnd,nhd", [
-    (1, 1, 1, 1),        # whole page, K and V adjacent: one write either way
-    (1, 2, 4, 64),       # per dst shard: K slice + V slice (HND) vs per token per K/V (NHD)
-    (2, 1, 4, 64),
-    (1, 4, 8, 128),
-    (4, 2, 8, 128),
-    (2, 2, 2, 2),
-])
+@pytest.mark.parametrize(
+    "src_tp,dst_tp,hnd,nhd",
+    [
+        (1, 1, 1, 1),  # whole page, K and V adjacent: one write either way
+        (1, 2, 4, 64),  # per dst shard: K slice + V slice (HND) vs per token per K/V (NHD)
+        (2, 1, 4, 64),
+        (1, 4, 8, 128),
+        (4, 2, 8, 128),
+        (2, 2, 2, 2),
+    ],
+)
 def test_write_counts_hnd_vs_nhd(src_tp, dst_tp, hnd, nhd):
     assert writes_per_page(lay(src_tp), lay(dst_tp)) == hnd
     assert writes_per_page(lay(src_tp, "NHD"), lay(dst_tp, "NHD")) == nhd
@@ -45,7 +56,7 @@ def test_segments_cover_each_destination_byte_once():
             for p in choose_pairs(src, dst, random.Random(1)):
                 assert (p.src_off + p.length <= src.page_bytes).all()
                 for o, n in zip(p.dst_off, p.length):
-                    covered[p.dst_shard][o:o + n] += 1
+                    covered[p.dst_shard][o : o + n] += 1
             for d, c in covered.items():
                 assert (c == 1).all(), (src_tp, dst_tp, src_l, dst_l, d)
 

@@ -7,10 +7,10 @@ import time
 import numpy as np
 import pytest
 import torch
+from fabric_helpers import Side, Worker, from_bytes
 
 from fabric_bridge.layout import KVLayout
 from fabric_bridge.plan import expected_writes
-from fabric_helpers import Side, Worker, from_bytes
 
 LAYERS, PAGE, HEAD_DIM, SRC_PAGES, DST_PAGES = 2, 4, 8, 6, 8
 SRC_IDS, DST_IDS = [5, 0, 3], [1, 7, 4]  # request pages, deliberately out of order
@@ -86,7 +86,7 @@ def test_byte_exact_pages(sides, shard, lay, dtype):
             for sp, dp in zip(SRC_IDS, DST_IDS):
                 logical = full_page(src_pools, src, layer, sp)
                 for d in range(dst_tp):
-                    want = to_layout(logical[:, dst.shard_heads(d).start:dst.shard_heads(d).stop], dst)
+                    want = to_layout(logical[:, dst.shard_heads(d).start : dst.shard_heads(d).stop], dst)
                     assert torch.equal(dst_pools[d][layer, dp], want), (layer, sp, dp, d)
             untouched = [p for p in range(DST_PAGES) if p not in DST_IDS]
             for d in range(dst_tp):

@@ -1,15 +1,15 @@
 """EngineLoop: background thread, callbacks, cancel, errors, shutdown (tiny random Llama)."""
+
 from __future__ import annotations
 
 import threading
 
 import pytest
 import torch
-
 from engine_helpers import Listener, assert_pool_idle, build_tiny_llama, make_engine, run_to_completion, tokens_of
 
 from backend.engine.engine_loop import EngineLoop
-from backend.engine.sampling.params import SamplingParams
+from backend.engine.sampling_params import SamplingParams
 
 TIMEOUT = 60
 
@@ -167,7 +167,7 @@ def test_prefill_and_decode_roles_through_two_loops(tiny_dir):
     def copy_layer(layer_idx, step_batch):
         for chunk in step_batch.prefill_only_chunks:
             first = chunk.start // 8
-            dst = torch.tensor(dst_pages[first: first + len(chunk.page_ids)])
+            dst = torch.tensor(dst_pages[first : first + len(chunk.page_ids)])
             decode.engine.pool.layer(layer_idx)[dst] = prefill.engine.pool.layer(layer_idx)[chunk.page_ids]
 
     prefill.engine.set_kv_listener(Listener(on_layer=copy_layer))

@@ -1,13 +1,13 @@
 """The engine against transformers on the real SmolLM2-135M-Instruct checkpoint (fp32, CPU)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_helpers import assert_pool_idle, make_engine, real_model_dir, run_to_completion, tokens_of
 
 from backend.engine.paged_attention import BatchEntry
-from backend.engine.sampling.params import SamplingParams
+from backend.engine.sampling_params import SamplingParams
 
 NEW_TOKENS = 20
 LOGIT_TOLERANCE = 1e-3
@@ -33,12 +33,14 @@ def model_dir():
 @pytest.fixture(scope="module")
 def tokenizer(model_dir):
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(model_dir)
 
 
 @pytest.fixture(scope="module")
 def hf_model(model_dir):
     from transformers import AutoModelForCausalLM
+
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
@@ -55,8 +57,12 @@ def engine(engine_module):
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
-    chat = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=True)["input_ids"] for p in CHAT_PROMPTS]
+    chat = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        for p in CHAT_PROMPTS
+    ]
     plain = [tokenizer(p)["input_ids"] for p in PLAIN_PROMPTS]
     return chat + plain
 
@@ -64,9 +70,15 @@ def prompts(tokenizer):
 @pytest.fixture(scope="module")
 def hf_greedy(hf_model, prompts):
     with torch.inference_mode():
-        return [hf_model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                  max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):].tolist()
-                for p in prompts]
+        return [
+            hf_model.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+            )[0, len(p) :].tolist()
+            for p in prompts
+        ]
 
 
 def test_greedy_matches_transformers_generate_batched_and_chunked(engine, prompts, hf_greedy, tokenizer):

@@ -1,8 +1,8 @@
 """Per-request sampling parameters, validated once where they are built."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 
 DRAFT_METHODS = ("lookup", "hidden")
 MAX_DRAFT_TOKENS = 16
@@ -57,5 +57,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-

@@ -1,4 +1,5 @@
 """The benchmark tools work end to end on a tiny load (figures themselves live in perf/)."""
+
 from perf import compare_modes, loadgen
 
 

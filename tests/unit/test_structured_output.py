@@ -1,16 +1,16 @@
 """Structured output in the engine: xgrammar bitmasks on the decode side, combined with
 speculative decoding (drafts cut by the grammar, matcher advanced by emitted tokens only)."""
+
 from __future__ import annotations
 
 import json
 import re
 
 import pytest
-
 from engine_helpers import assert_pool_idle, make_engine, real_model_dir, run_to_completion, tokens_of
 from schema_check import PROMPTS, SCHEMAS, violations
 
-from backend.engine.sampling.params import SamplingParams
+from backend.engine.sampling_params import SamplingParams
 
 pytest.importorskip("xgrammar", reason="xgrammar is not installed")
 from backend.engine.sampling.grammar import GrammarCompiler, GrammarError, GrammarState  # noqa: E402
@@ -24,6 +24,7 @@ def model_dir():
 @pytest.fixture(scope="module")
 def tokenizer(model_dir):
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
@@ -38,8 +39,9 @@ def engine(model_dir):
 
 
 def chat(tokenizer, text):
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=False)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
 def test_invalid_grammars_are_refused_with_the_reason(compiler):
@@ -56,7 +58,7 @@ def test_drafts_are_cut_at_the_first_token_the_grammar_rejects(compiler, tokeniz
     yes, comma, letters = (tokenizer.encode(t)[0] for t in ("yes", ",", "abc"))
     kept, bitmask = state.check_drafts([yes, comma, letters, yes])
     assert kept == [yes, comma] and bitmask.shape[0] == 3
-    state.advance([yes])   # the matcher was rolled back: it accepts from the start again
+    state.advance([yes])  # the matcher was rolled back: it accepts from the start again
     assert state.check_drafts([comma])[0] == [comma]
 
 
@@ -78,8 +80,9 @@ def test_regex_output_with_and_without_speculation(engine, compiler, tokenizer):
 def test_json_schema_outputs_validate_in_a_batch_with_speculation(engine, compiler, tokenizer):
     for i, (schema, text) in enumerate(zip(SCHEMAS[:3], PROMPTS)):
         grammar = compiler.compile(json_schema=json.dumps(schema))
-        engine.add_request(f"j{i}", chat(tokenizer, text),
-                           SamplingParams(max_tokens=64, grammar=grammar, num_draft_tokens=3))
+        engine.add_request(
+            f"j{i}", chat(tokenizer, text), SamplingParams(max_tokens=64, grammar=grammar, num_draft_tokens=3)
+        )
     outs = run_to_completion(engine)
     for i, schema in enumerate(SCHEMAS[:3]):
         text = tokenizer.decode(tokens_of(outs[f"j{i}"]), skip_special_tokens=True)

@@ -1,5 +1,6 @@
 """Disaggregated serving on a real tritonserver: prefill instances stream KV over NIXL into
 decode instances; outputs, routing, metrics and faults (cancel, pool full, prefill killed)."""
+
 from __future__ import annotations
 
 import math
@@ -11,8 +12,7 @@ import time
 import pytest
 
 from backend.client import stream_generate
-from tests.conftest import (DISAGG_MODELS, PROMPTS, generate_concurrently, hf_greedy, metric_values,
-                            wait_pool_free)
+from tests.conftest import DISAGG_MODELS, PROMPTS, generate_concurrently, hf_greedy, metric_values, wait_pool_free
 
 N_TOKENS = 12
 
@@ -31,16 +31,16 @@ def run_concurrently(url, prompts, model, n_tokens=N_TOKENS, **kw):
 
 
 def total(url, name, model_prefix):
-    return sum(v for m in DISAGG_MODELS if m.startswith(model_prefix)
-               for v in metric_values(url, name, model=m))
+    return sum(v for m in DISAGG_MODELS if m.startswith(model_prefix) for v in metric_values(url, name, model=m))
 
 
 def test_disagg_outputs_identical_to_aggregated_and_transformers(disagg_server, model_dir, tokenizer):
     import torch
     from transformers import AutoModelForCausalLM
+
     url = disagg_server.grpc_url
     writes_before = total(disagg_server.metrics_url, "triton_disagg_kv_writes_total", "decode")
-    disagg = run_concurrently(url, PROMPTS, "llm")           # 8 requests in flight at once
+    disagg = run_concurrently(url, PROMPTS, "llm")  # 8 requests in flight at once
     assert all(r.error is None for r in disagg), [r.error for r in disagg]
     agg = run_concurrently(url, PROMPTS, "llm_aggregated")
     assert [r.token_ids for r in disagg] == [r.token_ids for r in agg]
@@ -72,10 +72,20 @@ def test_both_decode_and_prefill_instances_serve(disagg_server):
 
 def test_streams_paris_over_http(disagg_server):
     import json
+
     import requests
-    r = requests.post(f"http://{disagg_server.http_url}/v2/models/llm/generate_stream", stream=True, timeout=120,
-                      json={"text_input": "What is the capital of France?", "max_tokens": 24, "stream": True,
-                            "apply_chat_template": True})
+
+    r = requests.post(
+        f"http://{disagg_server.http_url}/v2/models/llm/generate_stream",
+        stream=True,
+        timeout=120,
+        json={
+            "text_input": "What is the capital of France?",
+            "max_tokens": 24,
+            "stream": True,
+            "apply_chat_template": True,
+        },
+    )
     events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith(b"data: ")]
     assert r.status_code == 200 and len(events) > 3
     assert "Paris" in "".join(e["text_output"] for e in events)
@@ -107,8 +117,10 @@ def test_decode_pool_full_queues_then_overloaded(disagg_server):
 
 def test_prefill_model_refuses_direct_requests(disagg_server):
     import requests
-    r = requests.post(f"http://{disagg_server.http_url}/v2/models/prefill_0/generate",
-                      json={"text_input": "hello"}, timeout=60)
+
+    r = requests.post(
+        f"http://{disagg_server.http_url}/v2/models/prefill_0/generate", json={"text_input": "hello"}, timeout=60
+    )
     assert r.status_code >= 400 and "KV messenger" in r.text, r.text
 
 
@@ -121,6 +133,7 @@ def test_prefill_killed_mid_transfer(disagg_server, request):
 
     def run(i):
         results[i] = stream_generate(disagg_server.grpc_url, long_prompt, 8, model="llm", timeout_s=120)
+
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     [t.start() for t in threads]
     victim = None

@@ -2,18 +2,18 @@
 slot, real UCX transfer between two workers in this process) equal those the decode instance's own
 engine computes when it runs the same prefill itself; the request then decodes with the hidden
 drafter fed by them."""
+
 from __future__ import annotations
 
 import threading
 
 import pytest
-
 from engine_helpers import real_model_dir
 
-from backend.serving.detokenizer import IncrementalDetokenizer
 from backend.engine.outputs import FinishReason
-from backend.serving.session import GenerationSession
+from backend.serving.detokenizer import IncrementalDetokenizer
 from backend.serving.request import ClientRequest
+from backend.serving.session import GenerationSession
 
 TOLERANCE = 1e-4
 
@@ -39,15 +39,21 @@ def test_transferred_hidden_state_and_logits_equal_a_local_prefill():
     nixl = pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
     del nixl
     from transformers import AutoTokenizer
+
     from backend.serving.config import InstanceConfig
     from backend.serving.decode_worker import DecodeWorker
     from backend.serving.prefill_worker import PrefillWorker
+
     model = str(real_model_dir())
     tokenizer = AutoTokenizer.from_pretrained(model)
     common = {"model_path": model, "kv_cache_tokens": "2048", "max_num_batched_tokens": "64", "num_threads": "1"}
     prefill = PrefillWorker(InstanceConfig.from_parameters({**common, "role": "prefill"}), "meta_prefill")
-    decode = DecodeWorker(InstanceConfig.from_parameters(
-        {**common, "role": "decode", "prefill_endpoints": f"127.0.0.1:{prefill.server.port}"}), "meta_decode")
+    decode = DecodeWorker(
+        InstanceConfig.from_parameters(
+            {**common, "role": "decode", "prefill_endpoints": f"127.0.0.1:{prefill.server.port}"}
+        ),
+        "meta_decode",
+    )
     try:
         received = {}
         forward = decode._on_kv_ready
@@ -55,12 +61,14 @@ def test_transferred_hidden_state_and_logits_equal_a_local_prefill():
         def spy(req_id, ok, err, state):
             received[req_id] = (ok, err, None if state is None else (state[0].clone(), state[1].clone()))
             forward(req_id, ok, err, state)
+
         decode._on_kv_ready = spy
         prompt = tokenizer.encode("Read the list and answer. " + " ".join(f"Item {i} is {i * 7}." for i in range(30)))
         sink = Sink()
         request = ClientRequest(text="-", max_tokens=8, ignore_eos=True, num_draft_tokens=3, draft_method="hidden")
-        session = GenerationSession("m0", request, prompt, sink, IncrementalDetokenizer(tokenizer, []),
-                                    cancel_engine=decode.cancel)
+        session = GenerationSession(
+            "m0", request, prompt, sink, IncrementalDetokenizer(tokenizer, []), cancel_engine=decode.cancel
+        )
         decode.submit(session)
         assert sink.done.wait(120) and sink.error is None, sink.error
         assert len(sink.token_ids) == 8
@@ -74,6 +82,7 @@ def test_transferred_hidden_state_and_logits_equal_a_local_prefill():
             if out.finished:
                 local["out"] = out
                 finished.set()
+
         decode.loop.submit("m0-local", prompt[:-1], None, on_output, prefill_only=True)
         assert finished.wait(120) and local["out"].finish_reason == FinishReason.PREFILL_DONE
         decode.loop.release("m0-local")

@@ -1,4 +1,5 @@
 """Unit tests without a model: config, KV pool layout, page allocator, sampling."""
+
 from __future__ import annotations
 
 import json
@@ -9,12 +10,12 @@ import torch
 from backend.engine.config import EngineConfig
 from backend.engine.kv_pool import KVPool
 from backend.engine.page_allocator import PageAllocator, PoolFullError
-from backend.engine.sampling.params import SamplingParams
 from backend.engine.sampling.sampler import make_generator, sample
+from backend.engine.sampling_params import SamplingParams
 from backend.engine.sequence import Sequence
 
-
 # --- EngineConfig -----------------------------------------------------------------------------
+
 
 def test_config_defaults_and_pages_from_tokens():
     config = EngineConfig(model_path="/m", kv_cache_tokens=1000, page_size=16)
@@ -23,19 +24,30 @@ def test_config_defaults_and_pages_from_tokens():
 
 
 def test_config_from_string_dict():
-    config = EngineConfig.from_dict({"model_path": "/m", "page_size": "32", "num_pages": "10",
-                                     "max_num_batched_tokens": " 128 ", "device": "cpu", "num_threads": ""})
+    config = EngineConfig.from_dict(
+        {
+            "model_path": "/m",
+            "page_size": "32",
+            "num_pages": "10",
+            "max_num_batched_tokens": " 128 ",
+            "device": "cpu",
+            "num_threads": "",
+        }
+    )
     assert (config.page_size, config.num_pages, config.max_num_batched_tokens, config.num_threads) == (32, 10, 128, 0)
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"model_path": "/m", "page_size": "0"}, "page_size must be a positive integer"),
-    ({"model_path": "/m", "page_size": "abc"}, "'page_size' must be an integer"),
-    ({"model_path": "/m", "dtype": "int8"}, "dtype must be one of"),
-    ({"model_path": "/m", "device": "tpu"}, "device must be"),
-    ({"model_path": "/m", "bogus": "1"}, "unknown engine parameter"),
-    ({"model_path": ""}, "model_path is required"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"model_path": "/m", "page_size": "0"}, "page_size must be a positive integer"),
+        ({"model_path": "/m", "page_size": "abc"}, "'page_size' must be an integer"),
+        ({"model_path": "/m", "dtype": "int8"}, "dtype must be one of"),
+        ({"model_path": "/m", "device": "tpu"}, "device must be"),
+        ({"model_path": "/m", "bogus": "1"}, "unknown engine parameter"),
+        ({"model_path": ""}, "model_path is required"),
+    ],
+)
 def test_config_rejects_bad_values(values, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig.from_dict(values)
@@ -49,19 +61,36 @@ def test_config_max_model_len_capped_by_checkpoint(tmp_path):
 
 # --- KVPool -----------------------------------------------------------------------------------
 
+
 def test_kv_pool_hnd_layout_pages_are_contiguous():
-    pool = KVPool(num_layers=3, num_pages=5, num_kv_heads=2, page_size=4, head_dim=8,
-                  dtype=torch.float32, device=torch.device("cpu"))
+    pool = KVPool(
+        num_layers=3,
+        num_pages=5,
+        num_kv_heads=2,
+        page_size=4,
+        head_dim=8,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     assert pool.tensor.shape == (3, 5, 2, 2, 4, 8) and pool.tensor.is_contiguous()
     assert pool.layer(1).is_contiguous() and pool.layer(1).data_ptr() == pool.tensor.data_ptr() + pool.bytes_per_layer
     page = pool.layer(2)[3]
     assert page.is_contiguous() and pool.bytes_per_page_per_layer == 2 * 2 * 4 * 8 * 4
     assert page.data_ptr() - pool.tensor.data_ptr() == pool.page_byte_offset(2, 3)
-    assert pool.layout() == {"layout": "HND", "num_layers": 3, "num_pages": 5, "page_size": 4, "num_kv_heads": 2,
-                             "head_dim": 8, "dtype": "float32", "bytes_per_page_per_layer": 512}
+    assert pool.layout() == {
+        "layout": "HND",
+        "num_layers": 3,
+        "num_pages": 5,
+        "page_size": 4,
+        "num_kv_heads": 2,
+        "head_dim": 8,
+        "dtype": "float32",
+        "bytes_per_page_per_layer": 512,
+    }
 
 
 # --- PageAllocator ----------------------------------------------------------------------------
+
 
 def test_allocator_allocate_extend_free():
     alloc = PageAllocator(num_pages=8, page_size=4)
@@ -111,11 +140,19 @@ def test_allocator_commitments_protect_running_requests():
 
 # --- SamplingParams / sampler ----------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"), ({"top_k": -2}, "top_k"),
-    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"seed": -1}, "seed"),
-    ({"stop_token_ids": [[]]}, "empty sequence"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"seed": -1}, "seed"),
+        ({"stop_token_ids": [[]]}, "empty sequence"),
+    ],
+)
 def test_sampling_params_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
@@ -154,8 +191,9 @@ def test_sequence_stop_conditions():
     for token, expected in [(1, None), (3, None), (4, "stop")]:
         seq.token_ids.append(token)
         assert seq.check_stop(max_model_len=100) == expected
-    seq = Sequence("s", [3], SamplingParams(max_tokens=10, end_ids=(9,), ignore_eos=True,
-                                            stop_token_ids=[[3, 4]]), None)
+    seq = Sequence(
+        "s", [3], SamplingParams(max_tokens=10, end_ids=(9,), ignore_eos=True, stop_token_ids=[[3, 4]]), None
+    )
     seq.token_ids.append(9)
     assert seq.check_stop(100) is None  # ignore_eos; the prompt's 3 does not count toward the stop sequence
     seq.token_ids.append(4)

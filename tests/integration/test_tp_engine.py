@@ -2,6 +2,7 @@
 on the real checkpoint: same greedy tokens, close logits, the KV shards are the TP 1 pool's
 head slices, the layer hook fires only once every rank has written the layer, and a lost
 rank takes the instance out at once."""
+
 from __future__ import annotations
 
 import os
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from backend.engine.paged_attention import BatchEntry
-from backend.engine.sampling.params import SamplingParams
+from backend.engine.sampling_params import SamplingParams
 from backend.parallel.lead import TPInstanceDown
 from tests.engine_helpers import make_engine, real_model_dir, run_to_completion, tokens_of
 
@@ -37,7 +38,7 @@ def engines():
 
 def test_tp3_greedy_tokens_and_logits_match_tp1(engines):
     tp1, tp3 = engines
-    assert greedy(tp3, 6) == greedy(tp1, 6)   # "long" runs in 3 chunks of the 32-token budget
+    assert greedy(tp3, 6) == greedy(tp1, 6)  # "long" runs in 3 chunks of the 32-token budget
     entry = [BatchEntry(list(range(10, 40)), 0, [0, 1])]
     r1, r3 = tp1.runner.run(entry), tp3.runner.run(entry)
     assert torch.allclose(r1.logits, r3.logits, atol=2e-4, rtol=0), (r1.logits - r3.logits).abs().max()
@@ -57,8 +58,9 @@ def test_layer_hook_fires_after_every_rank_wrote_the_layer(engines):
 
     def hook(layer, arg):
         written = [bool(p[layer, 5, :, :, :4].abs().sum() > 0) for p in pools]
-        later = [bool(p[layer + 1:, 5].abs().sum() > 0) for p in pools] if layer + 1 < len(pools[0]) else []
+        later = [bool(p[layer + 1 :, 5].abs().sum() > 0) for p in pools] if layer + 1 < len(pools[0]) else []
         seen.append((layer, arg, all(written), any(later)))
+
     tp3.runner.on_layer_kv_written = hook
     try:
         tp3.runner.run([BatchEntry([1, 2, 3, 4], 0, [5])], hook_arg="step")

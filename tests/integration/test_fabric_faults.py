@@ -6,10 +6,10 @@ import time
 
 import pytest
 import torch
+from fabric_helpers import Side, Worker, from_bytes
 
 from fabric_bridge.layout import KVLayout
 from fabric_bridge.plan import expected_writes
-from fabric_helpers import Side, Worker, from_bytes
 
 LAYERS, PAGES = 3, 6
 SRC = KVLayout("synthetic", LAYERS, 4, 8, 8, "float32", 1)

@@ -1,4 +1,5 @@
 """The aggregated ``llm`` model on a real tritonserver: streaming, HTTP generate, bad input, cancel."""
+
 from __future__ import annotations
 
 import json
@@ -31,32 +32,48 @@ def test_grpc_stream_answers_paris(aggregated_server):
 def test_server_greedy_matches_transformers(aggregated_server, model_dir, tokenizer):
     import torch
     from transformers import AutoModelForCausalLM
+
     prompt = "The three primary colors are"
     res = stream_generate(aggregated_server.grpc_url, prompt, 20, ignore_eos=True)
     assert res.error is None, res.error
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])
     with torch.inference_mode():
-        ref = model.generate(ids, max_new_tokens=20, do_sample=False, min_new_tokens=20)[0, ids.shape[1]:]
+        ref = model.generate(ids, max_new_tokens=20, do_sample=False, min_new_tokens=20)[0, ids.shape[1] :]
     assert res.token_ids == ref.tolist()
 
 
 def test_http_generate_stream_answers_paris(aggregated_server):
-    r = requests.post(f"http://{aggregated_server.http_url}/v2/models/llm/generate_stream",
-                      json={"text_input": PROMPT, "max_tokens": 32, "stream": True,
-                            "apply_chat_template": True}, stream=True, timeout=120)
+    r = requests.post(
+        f"http://{aggregated_server.http_url}/v2/models/llm/generate_stream",
+        json={"text_input": PROMPT, "max_tokens": 32, "stream": True, "apply_chat_template": True},
+        stream=True,
+        timeout=120,
+    )
     assert r.status_code == 200, r.text
-    events = [json.loads(line[len(b"data: "):]) for line in r.iter_lines() if line.startswith(b"data: ")]
+    events = [json.loads(line[len(b"data: ") :]) for line in r.iter_lines() if line.startswith(b"data: ")]
     assert len(events) > 3
     assert "Paris" in "".join(e["text_output"] for e in events)
 
 
 def test_http_generate_non_streaming(aggregated_server):
-    r = requests.post(f"http://{aggregated_server.http_url}/v2/models/llm/generate",
-                      json={"text_input": PROMPT, "max_tokens": 32, "apply_chat_template": True}, timeout=120)
+    r = requests.post(
+        f"http://{aggregated_server.http_url}/v2/models/llm/generate",
+        json={"text_input": PROMPT, "max_tokens": 32, "apply_chat_template": True},
+        timeout=120,
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert "Paris" in body["text_output"] and body["num_output_tokens"] > 3
+
+
+def test_http_bad_input_is_a_400_with_its_kind(aggregated_server):
+    r = requests.post(
+        f"http://{aggregated_server.http_url}/v2/models/llm/generate",
+        json={"text_input": "hello", "max_tokens": 8, "top_p": 0.0},
+        timeout=60,
+    )
+    assert r.status_code == 400 and "[bad_request]" in r.text and "top_p" in r.text, (r.status_code, r.text)
 
 
 def test_grpc_non_streaming_single_response(aggregated_server):
@@ -72,6 +89,7 @@ def test_concurrent_requests_match_sequential(aggregated_server):
 
     def run(i):
         out[i] = stream_generate(aggregated_server.grpc_url, prompts[i], 12, ignore_eos=True).token_ids
+
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     [t.start() for t in threads]
     [t.join(120) for t in threads]
@@ -81,20 +99,22 @@ def test_concurrent_requests_match_sequential(aggregated_server):
 def test_stop_words_end_the_output(aggregated_server):
     full = stream_generate(aggregated_server.grpc_url, "Count: 1, 2, 3, 4,", 16, ignore_eos=True)
     assert " 6" in full.text, full.text
-    res = stream_generate(aggregated_server.grpc_url, "Count: 1, 2, 3, 4,", 16, ignore_eos=True,
-                          stop_words=[" 6"])
+    res = stream_generate(aggregated_server.grpc_url, "Count: 1, 2, 3, 4,", 16, ignore_eos=True, stop_words=[" 6"])
     assert res.error is None and res.finish_reason == "stop"
-    assert res.text == full.text[:full.text.index(" 6")]
+    assert res.text == full.text[: full.text.index(" 6")]
 
 
-@pytest.mark.parametrize("kwargs,msg", [
-    (dict(prompt="", max_tokens=8), "empty"),
-    (dict(prompt="hello", max_tokens=0), "must be > 0"),
-    (dict(prompt="hello", max_tokens=100000), "exceeds the configured limit"),
-    (dict(prompt="hello " * 9000, max_tokens=8), "exceeds the model context"),
-    (dict(prompt="hello", max_tokens=8, top_p=0.0), "top_p"),
-    (dict(prompt="hello", max_tokens=8, temperature=float("nan")), "temperature must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,msg",
+    [
+        (dict(prompt="", max_tokens=8), "empty"),
+        (dict(prompt="hello", max_tokens=0), "must be > 0"),
+        (dict(prompt="hello", max_tokens=100000), "exceeds the configured limit"),
+        (dict(prompt="hello " * 9000, max_tokens=8), "exceeds the model context"),
+        (dict(prompt="hello", max_tokens=8, top_p=0.0), "top_p"),
+        (dict(prompt="hello", max_tokens=8, temperature=float("nan")), "temperature must be >= 0"),
+    ],
+)
 def test_bad_input_gets_clear_error(aggregated_server, kwargs, msg):
     p, n = kwargs.pop("prompt"), kwargs.pop("max_tokens")
     res = stream_generate(aggregated_server.grpc_url, p, n, **kwargs)
@@ -105,8 +125,9 @@ def test_bad_input_gets_clear_error(aggregated_server, kwargs, msg):
 
 def test_missing_and_mistyped_tensors(aggregated_server):
     import tritonclient.grpc as grpcclient
-    from backend.client import build_inputs
     from tritonclient.utils import InferenceServerException
+
+    from backend.client import build_inputs
 
     def send(inputs):
         errors = []
@@ -117,6 +138,7 @@ def test_missing_and_mistyped_tensors(aggregated_server):
             if error is not None:
                 errors.append(error.message() if isinstance(error, InferenceServerException) else str(error))
             done.set()
+
         c.start_stream(callback=cb)
         try:
             c.async_stream_infer("llm", inputs)
@@ -137,8 +159,14 @@ def test_missing_and_mistyped_tensors(aggregated_server):
 
 
 def test_client_cancel_mid_stream_frees_pages(aggregated_server):
-    res = stream_generate(aggregated_server.grpc_url, "Write a long story about a dragon.", 200,
-                          chat=True, ignore_eos=True, cancel_after=3)
+    res = stream_generate(
+        aggregated_server.grpc_url,
+        "Write a long story about a dragon.",
+        200,
+        chat=True,
+        ignore_eos=True,
+        cancel_after=3,
+    )
     assert len(res.chunks) == 3
     wait_pool_free(aggregated_server.metrics_url, "llm")
     ok = stream_generate(aggregated_server.grpc_url, PROMPT, 16, chat=True)
@@ -147,6 +175,7 @@ def test_client_cancel_mid_stream_frees_pages(aggregated_server):
 
 def test_metrics_report_pool_and_requests(aggregated_server):
     from tests.conftest import metric_values
+
     stream_generate(aggregated_server.grpc_url, "Hi", 4)
     url = aggregated_server.metrics_url
     assert metric_values(url, "triton_disagg_kv_pages_total", model="llm")[0] == 4096 // 16

@@ -5,11 +5,11 @@ import socket
 
 import pytest
 import torch
+from fabric_helpers import make_pools
 
 from fabric_bridge import control
 from fabric_bridge.agent import FabricAgent, TransportUnavailable
 from fabric_bridge.layout import KVLayout, LayoutMismatch
-from fabric_helpers import make_pools
 
 
 def lay(**kw):

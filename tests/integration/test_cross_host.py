@@ -1,6 +1,7 @@
 """Prefill and decode in different Triton servers on different "hosts": two network
 namespaces' worth of separation made by the test (the root namespace and a new one, joined
 by a veth pair), KV over NIXL/UCX TCP on the veth, the client talking only to the decode side."""
+
 from __future__ import annotations
 
 import subprocess
@@ -50,24 +51,39 @@ def two_hosts():
 @pytest.fixture(scope="module")
 def split_servers(two_hosts, model_dir, tmp_path_factory):
     from backend.launch.deployment import prefill_endpoints_of, render_deployment
+
     ip_ns, ns, dev_ns, dev_root = two_hosts
     tmp = tmp_path_factory.mktemp("xhost")
-    common = {"kv_cache_tokens": "2048", "max_num_batched_tokens": "64", "num_threads": "1",
-              "kv_transfer_timeout_s": "20"}
-    prefill_repo = render_deployment(tmp / "prefill", mode="prefill", model_path=str(model_dir),
-                                     overrides=common, messenger_host=ip_ns)
-    decode_repo = render_deployment(tmp / "decode", mode="decode", model_path=str(model_dir), overrides=common,
-                                    decode_instances=2, prefill_endpoints=prefill_endpoints_of(prefill_repo))
+    common = {
+        "kv_cache_tokens": "2048",
+        "max_num_batched_tokens": "64",
+        "num_threads": "1",
+        "kv_transfer_timeout_s": "20",
+    }
+    prefill_repo = render_deployment(
+        tmp / "prefill", mode="prefill", model_path=str(model_dir), overrides=common, messenger_host=ip_ns
+    )
+    decode_repo = render_deployment(
+        tmp / "decode",
+        mode="decode",
+        model_path=str(model_dir),
+        overrides=common,
+        decode_instances=2,
+        prefill_endpoints=prefill_endpoints_of(prefill_repo),
+    )
     env_p = {"UCX_TLS": "tcp"} | ({"UCX_NET_DEVICES": dev_ns} if dev_ns else {})
     env_d = {"UCX_TLS": "tcp"} | ({"UCX_NET_DEVICES": dev_root} if dev_root else {})
-    with running_server(prefill_repo, tmp / "prefill.log", host=ip_ns, netns=ns, extra_env=env_p) as prefill, \
-            running_server(decode_repo, tmp / "decode.log", extra_env=env_d) as decode:
+    with (
+        running_server(prefill_repo, tmp / "prefill.log", host=ip_ns, netns=ns, extra_env=env_p) as prefill,
+        running_server(decode_repo, tmp / "decode.log", extra_env=env_d) as decode,
+    ):
         yield prefill, decode
 
 
 def test_cross_host_one_prefill_two_decode(split_servers, model_dir, tokenizer):
     import torch
     from transformers import AutoModelForCausalLM
+
     prefill, decode = split_servers
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     prompts = [PROMPTS[0], PROMPTS[6], PROMPTS[7], PROMPTS[2]]
@@ -75,6 +91,7 @@ def test_cross_host_one_prefill_two_decode(split_servers, model_dir, tokenizer):
 
     def run(i):
         results[i] = stream_generate(decode.grpc_url, prompts[i], 8, ignore_eos=True)
+
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     [t.start() for t in threads]
     [t.join(300) for t in threads]
@@ -83,11 +100,11 @@ def test_cross_host_one_prefill_two_decode(split_servers, model_dir, tokenizer):
         ids = tokenizer.encode(prompt, add_special_tokens=False)
         assert res.token_ids == hf_greedy(model, ids, 8)
     time.sleep(0.6)
-    for m in ("decode_0", "decode_1"):   # the front spread the requests over both decode instances
+    for m in ("decode_0", "decode_1"):  # the front spread the requests over both decode instances
         assert metric_values(decode.metrics_url, "triton_disagg_requests_total", model=m)[0] > 0, m
     chat = stream_generate(decode.grpc_url, "What is the capital of France?", 24, chat=True)
     assert "Paris" in chat.text
-    log = (prefill.log_file.read_text())
+    log = prefill.log_file.read_text()
     assert "sent:" in log and "writes" in log, "the prefill server should have streamed the KV"
     wait_pool_free(prefill.metrics_url, "prefill_0")
     wait_pool_free(decode.metrics_url, "decode_0")

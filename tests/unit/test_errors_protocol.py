@@ -1,0 +1,73 @@
+"""Error kinds across processes and the messenger protocol's validation (no server, no peer)."""
+
+from __future__ import annotations
+
+import pytest
+
+from backend.disagg.protocol import (
+    PROTOCOL_VERSION,
+    Cancel,
+    Hello,
+    PrefillFailed,
+    PrefillRequest,
+    ProtocolError,
+    check_hello,
+    decode,
+    encode,
+)
+from backend.engine.outputs import ErrorKind
+from backend.serving.errors import format_error, parse_error
+
+
+def test_error_kind_round_trip():
+    for kind in ErrorKind:
+        assert parse_error(format_error(kind, "it broke: [x] y")) == (kind, "it broke: [x] y")
+    assert parse_error("out of service somewhere") == (None, "out of service somewhere")
+    assert parse_error("[not_a_kind] x") == (None, "[not_a_kind] x")
+
+
+def test_messages_round_trip():
+    for msg in (
+        Hello(PROTOCOL_VERSION, "d0", {"layout": {}}),
+        PrefillRequest("r1", 2, None, [1, 2, 3], [7]),
+        PrefillRequest("r2", 0, 5, [1], [0]),
+        Cancel("r1"),
+        PrefillFailed("r1", ErrorKind.OUT_OF_SERVICE, "rank 1 exited"),
+    ):
+        assert decode(encode(msg)) == msg
+
+
+@pytest.mark.parametrize(
+    "obj, message",
+    [
+        ([1, 2], "must be a JSON object"),
+        ({"type": "prefil"}, "unknown message type 'prefil'"),
+        ({"type": "cancel"}, "missing field 'req_id'"),
+        ({"type": "cancel", "req_id": "r", "owner": "x"}, r"unknown field\(s\) \['owner'\]"),
+        ({"type": "cancel", "req_id": ""}, "req_id must be"),
+        (
+            {"type": "prefill", "req_id": "r", "generation": "1", "slot": None, "tokens": [1], "dst_pages": [0]},
+            "generation must be a non-negative integer",
+        ),
+        (
+            {"type": "prefill", "req_id": "r", "generation": 1, "slot": None, "tokens": [1, -2], "dst_pages": [0]},
+            "tokens must be a list of non-negative integers",
+        ),
+        (
+            {"type": "prefill", "req_id": "r", "generation": 1, "slot": True, "tokens": [1], "dst_pages": [0]},
+            "slot must be a non-negative integer",
+        ),
+        ({"type": "prefill_failed", "req_id": "r", "kind": "bad_luck", "message": "x"}, "unknown error kind"),
+    ],
+)
+def test_bad_messages_are_refused(obj, message):
+    with pytest.raises(ProtocolError, match=message):
+        decode(obj)
+
+
+def test_hello_version_is_checked():
+    assert check_hello(decode(encode(Hello(PROTOCOL_VERSION, "p", {})))).name == "p"
+    with pytest.raises(ProtocolError, match=f"version 99 is not supported .*version {PROTOCOL_VERSION}"):
+        check_hello(decode(encode(Hello(99, "p", {}))))
+    with pytest.raises(ProtocolError, match="expected hello"):
+        check_hello(Cancel("r"))

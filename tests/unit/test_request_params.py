@@ -1,0 +1,69 @@
+"""Unit tests of request parsing, incremental detokenization and repository rendering."""
+
+import numpy as np
+import pytest
+
+from backend.serving.detokenizer import IncrementalDetokenizer
+from backend.serving.request import RequestError, parse_request
+
+
+def getter(**tensors):
+    return lambda name: tensors.get(name)
+
+
+def test_parse_full_request():
+    req = parse_request(
+        getter(
+            text_input=np.array([b"hi"], dtype=object),
+            max_tokens=np.array([5], np.int32),
+            stream=np.array([True]),
+            temperature=np.array([0.5], np.float32),
+            top_k=np.array([3], np.int32),
+            random_seed=np.array([7], np.uint64),
+            stop_words=np.array([b"\n", b""], dtype=object),
+        ),
+        max_tokens_limit=10,
+    )
+    assert (req.text, req.max_tokens, req.stream, req.temperature, req.top_k, req.seed) == ("hi", 5, True, 0.5, 3, 7)
+    assert req.stop_words == ["\n"]
+
+
+@pytest.mark.parametrize(
+    "tensors,msg",
+    [
+        ({}, "'text_input' is required"),
+        ({"text_input": np.array([b"  "], dtype=object), "max_tokens": np.array([3], np.int32)}, "empty"),
+        ({"text_input": np.array([b"x"], dtype=object)}, "'max_tokens' is required"),
+        ({"text_input": np.array([b"x"], dtype=object), "max_tokens": np.array([0], np.int32)}, "> 0"),
+        (
+            {"text_input": np.array([b"x"], dtype=object), "max_tokens": np.array([11], np.int32)},
+            "exceeds the configured limit",
+        ),
+        ({"text_input": np.array([b"x"], dtype=object), "max_tokens": np.array([1.5], np.float32)}, "data type"),
+        ({"text_input": np.array([1], np.int32), "max_tokens": np.array([1], np.int32)}, "data type"),
+        (
+            {
+                "text_input": np.array([b"x"], dtype=object),
+                "max_tokens": np.array([1], np.int32),
+                "top_p": np.array([0.0], np.float32),
+            },
+            "top_p",
+        ),
+    ],
+)
+def test_parse_rejects(tensors, msg):
+    with pytest.raises(RequestError, match=msg):
+        parse_request(getter(**tensors), max_tokens_limit=10)
+
+
+class CharTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def test_detokenizer_holds_back_partial_stop_word():
+    d = IncrementalDetokenizer(CharTokenizer(), stop_words=["END"])
+    assert d.add([ord("a"), ord("E")]) == "a"
+    assert d.add([ord("N")]) == ""
+    assert d.add([ord("x")]) == "ENx"
+    assert d.add([ord(c) for c in "yEND"]) == "y" and d.stopped
