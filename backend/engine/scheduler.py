@@ -56,7 +56,7 @@ class ChunkInfo:
 
 @dataclass
 class StepBatch:
-    """Argument of ``on_chunk_scheduled`` and ``on_layer_kv_written``: the chunks of this step."""
+    """What a KV step listener is told (``step_scheduled`` and ``layer_written``): the chunks of this step."""
 
     chunks: list[ChunkInfo]
 
