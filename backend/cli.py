@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import tempfile
@@ -51,6 +52,12 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override a model parameter for every model (e.g. kv_cache_tokens=32768)",
     )
+    p.add_argument(
+        "--messenger-secret-file",
+        default=None,
+        help="file holding the secret KV messenger peers prove (split deployments: the same file on "
+        "every server; default: a secret generated for this run)",
+    )
     p.add_argument("--log-file", default=None)
 
 
@@ -65,16 +72,25 @@ def _overrides(items: list[str]) -> dict:
 
 
 def start_server(args):
+    from backend.disagg.auth import SECRET_ENV
     from backend.launch.deployment import render_deployment
     from backend.launch.server import TritonServer
     from build_scripts.prepare_model import ensure_model
 
+    overrides = _overrides(args.set)
+    if args.messenger_secret_file:
+        overrides["messenger_secret_file"] = str(Path(args.messenger_secret_file).resolve())
+    elif args.mode in ("prefill", "decode") and not os.environ.get(SECRET_ENV):
+        raise SystemExit(
+            f"--mode {args.mode}: both sides of a split deployment must share the KV messenger's secret: "
+            f"give --messenger-secret-file FILE (or set {SECRET_ENV}) on every server"
+        )
     model_dir = ensure_model(args.model)
     repo = render_deployment(
         Path(tempfile.mkdtemp(prefix="triton-disagg-repo-")),
         mode=args.mode,
         model_path=str(model_dir),
-        overrides=_overrides(args.set),
+        overrides=overrides,
         prefill_instances=args.prefill_instances,
         decode_instances=args.decode_instances,
         messenger_host=args.messenger_host,

@@ -57,10 +57,11 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def recv_msg(sock: socket.socket) -> Any:
+def recv_msg(sock: socket.socket, max_bytes: int = MAX_FRAME) -> Any:
+    """The next frame's JSON value; a frame longer than ``max_bytes`` is refused unread."""
     (n,) = struct.unpack(">I", _recv_exact(sock, 4))
-    if n > MAX_FRAME:
-        raise ConnectionError(f"control frame of {n} bytes exceeds the {MAX_FRAME} limit")
+    if n > max_bytes:
+        raise ConnectionError(f"control frame of {n} bytes exceeds the {max_bytes} limit")
     return json.loads(_recv_exact(sock, n).decode("utf-8"))
 
 

@@ -16,7 +16,11 @@ class ConnectorConfig:
     deadline. ``kv_xfer_timeout_s``: one NIXL transfer stuck this long fails its request.
     ``kv_quarantine_s``: pages of a failed request are reused after this long at the latest
     (sooner when the sender confirms it stopped). ``meta_slots``: receive slots for the last
-    hidden state and logits (requests in transfer at once)."""
+    hidden state and logits (requests in transfer at once). ``messenger_secret_file``: the
+    deployment secret peers prove (default: environment variable
+    ``TRITON_DISAGG_MESSENGER_SECRET``; see ``backend/disagg/auth.py``).
+    ``messenger_max_connections`` (prefill role): decode instances connected at once.
+    ``messenger_handshake_timeout_s``: the whole handshake's deadline."""
 
     fabric_backend: str = "UCX"
     meta_slots: int = 64
@@ -27,11 +31,16 @@ class ConnectorConfig:
     messenger_host: str = "127.0.0.1"
     messenger_port: int = 0
     stream_layers: bool = True
+    messenger_secret_file: str = ""
+    messenger_max_connections: int = 64
+    messenger_handshake_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.meta_slots < 1:
             raise ValueError(f"meta_slots must be >= 1, got {self.meta_slots}")
-        for name in ("kv_quarantine_s", "kv_xfer_timeout_s", "kv_transfer_timeout_s"):
+        if self.messenger_max_connections < 1:
+            raise ValueError(f"messenger_max_connections must be >= 1, got {self.messenger_max_connections}")
+        for name in ("kv_quarantine_s", "kv_xfer_timeout_s", "kv_transfer_timeout_s", "messenger_handshake_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.messenger_port < 65536:

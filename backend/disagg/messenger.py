@@ -17,7 +17,19 @@ import threading
 import time
 from collections.abc import Callable
 
-from backend.disagg.protocol import PROTOCOL_VERSION, Hello, Message, ProtocolError, check_hello, decode, encode
+from backend.disagg import auth
+from backend.disagg.protocol import (
+    MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    AuthChallenge,
+    AuthResponse,
+    Hello,
+    Message,
+    ProtocolError,
+    decode,
+    encode,
+    require,
+)
 from fabric_bridge.control import answer_handshake, offer_handshake, recv_msg, send_msg
 from fabric_bridge.layout import KVLayout
 
@@ -61,16 +73,14 @@ class Connection:
         reason = "closed by peer"
         try:
             while not self.closed:
-                raw = recv_msg(self.sock)
-                try:
-                    msg = decode(raw)
-                except ProtocolError as e:
-                    log.warning("%s: dropped a message that breaks the protocol: %s", self.name, e)
-                    continue
+                msg = decode(recv_msg(self.sock, MAX_FRAME_BYTES))
                 try:
                     self._on_message(msg)
                 except Exception:
                     log.exception("%s: handling %s failed", self.name, type(msg).__name__)
+        except ProtocolError as e:  # a peer that breaks the protocol is not talked to any more
+            reason = f"protocol error: {e}"
+            log.warning("%s: closing the connection: %s", self.name, reason)
         except (OSError, ConnectionError, ValueError) as e:
             reason = str(e) or type(e).__name__
         self.close(reason)
@@ -101,13 +111,14 @@ class PrefillEndpoint:
         port: int,
         agent,
         name: str,
+        secret: bytes,
         on_message: Callable[["PrefillEndpoint", Message], None],
         on_lost: Callable[["PrefillEndpoint", str], None],
         connect_timeout_s: float = 5.0,
     ):
         self.host, self.port = host, port
         self.address = f"{host}:{port}"
-        self.agent, self.name = agent, name
+        self.agent, self.name, self._secret = agent, name, secret
         self.peer: str | None = None
         self.layout: KVLayout | None = None
         self.outstanding: set[str] = set()
@@ -134,10 +145,7 @@ class PrefillEndpoint:
             try:
                 sock = socket.create_connection((self.host, self.port), timeout=self._connect_timeout_s)
                 sock.settimeout(self._connect_timeout_s)
-                reply = offer_handshake(
-                    sock, encode(Hello(PROTOCOL_VERSION, self.name, self.agent.handshake_payload()))
-                )
-                hello = check_hello(decode(reply))
+                hello = self._authenticated_hello(sock)
                 self.peer = self.agent.add_peer(hello.fabric)
                 self.layout = KVLayout.from_dict(hello.fabric["layout"])
             except Exception as e:
@@ -151,6 +159,20 @@ class PrefillEndpoint:
             ).start()
             log.info("connected to prefill instance %s (agent %s)", self.address, self.peer)
             return True
+
+    def _authenticated_hello(self, sock: socket.socket) -> Hello:
+        """Prove the secret both ways (see ``backend/disagg/auth.py``), then exchange hellos."""
+        mine = auth.new_nonce()
+        send_msg(sock, encode(AuthChallenge(PROTOCOL_VERSION, self.name, mine)))
+        response = require(decode(recv_msg(sock, MAX_FRAME_BYTES)), AuthResponse)
+        auth.verify(self._secret, "prefill", mine, response.nonce, response.proof)
+        hello = Hello(
+            PROTOCOL_VERSION,
+            self.name,
+            self.agent.handshake_payload(),
+            auth.proof(self._secret, "decode", response.nonce, mine),
+        )
+        return require(decode(offer_handshake(sock, encode(hello))), Hello)
 
     def send(self, msg: Message) -> None:
         conn = self._conn
@@ -173,16 +195,34 @@ class MessengerServer:
 
     ``on_message(peer, msg, conn)`` handles requests and cancels (``conn``: the connection the
     message came on, which owns the requests it created); ``on_peer_lost(peer, reason)`` runs
-    when a decode instance's connection drops.
+    when a decode instance's connection drops. A peer must prove the deployment secret before
+    it sees this instance's NIXL metadata; the whole handshake has ``handshake_timeout_s``; at
+    most ``max_connections`` decode instances are connected (handshakes included); a name that
+    is already connected cannot be taken over.
     """
 
-    def __init__(self, agent, host: str, port: int, on_message, on_peer_lost, name: str):
-        self.agent, self.name = agent, name
+    def __init__(
+        self,
+        agent,
+        host: str,
+        port: int,
+        on_message,
+        on_peer_lost,
+        name: str,
+        secret: bytes,
+        max_connections: int = 64,
+        handshake_timeout_s: float = 10.0,
+    ):
+        self.agent, self.name, self._secret = agent, name, secret
         self._on_message, self._on_peer_lost = on_message, on_peer_lost
+        self.max_connections, self.handshake_timeout_s = max_connections, handshake_timeout_s
         self._sock = socket.create_server((host, port), reuse_port=False)
         self.host, self.port = self._sock.getsockname()[:2]
-        self._conns: list[Connection] = []
+        self._conns: dict[str, Connection] = {}  # peer name -> its live connection
+        self._handshaking = 0
+        self._lock = threading.Lock()
         self.peer_layouts: dict[str, KVLayout] = {}
+        self.peer_pages: dict[str, int] = {}  # pages of the peer's pool (per shard)
         self._thread = threading.Thread(target=self._accept_loop, name="messenger-accept", daemon=True)
         self._thread.start()
         log.info("prefill instance %s: messenger listening on %s:%d", name, self.host, self.port)
@@ -193,20 +233,47 @@ class MessengerServer:
                 sock, addr = self._sock.accept()
             except OSError:
                 return
+            with self._lock:
+                live = sum(not c.closed for c in self._conns.values()) + self._handshaking
+                full = live >= self.max_connections
+                if not full:
+                    self._handshaking += 1
+            if full:
+                log.warning(
+                    "refused a connection from %s:%d: %d connections already (messenger_max_connections)",
+                    addr[0],
+                    addr[1],
+                    live,
+                )
+                sock.close()
+                continue
             threading.Thread(target=self._handshake, args=(sock, addr), daemon=True).start()
 
     def _handshake(self, sock: socket.socket, addr) -> None:
+        deadline = threading.Timer(self.handshake_timeout_s, _shutdown, args=(sock,))
+        deadline.start()  # the whole handshake, however slowly the peer trickles its bytes
         try:
-            sock.settimeout(30)
+            sock.settimeout(self.handshake_timeout_s)
+            try:
+                challenge = require(decode(recv_msg(sock, MAX_FRAME_BYTES)), AuthChallenge)
+            except (ProtocolError, ValueError) as e:  # answer why before closing
+                send_msg(sock, {"error": str(e)})
+                raise
+            mine = auth.new_nonce()
+            send_msg(sock, encode(AuthResponse(mine, auth.proof(self._secret, "prefill", challenge.nonce, mine))))
             peer = answer_handshake(
                 sock,
-                self._accept_hello,
-                lambda: encode(Hello(PROTOCOL_VERSION, self.name, self.agent.handshake_payload())),
+                lambda payload: self._accept_hello(payload, challenge.nonce, mine),
+                lambda: encode(Hello(PROTOCOL_VERSION, self.name, self.agent.handshake_payload(), "")),
             )
         except Exception as e:
-            log.warning("refused decode instance at %s: %s", addr, e)
+            log.warning("refused decode instance at %s:%d: %s", addr[0], addr[1], e)
             sock.close()
             return
+        finally:
+            deadline.cancel()
+            with self._lock:
+                self._handshaking -= 1
         holder = {}
         conn = Connection(
             sock,
@@ -215,14 +282,23 @@ class MessengerServer:
             f"decode@{addr[0]}:{addr[1]}",
         )
         holder["conn"] = conn
-        self._conns.append(conn)
+        with self._lock:
+            self._conns[peer] = conn
         conn.start()
         log.info("decode instance %s connected from %s:%d", peer, addr[0], addr[1])
 
-    def _accept_hello(self, payload: dict) -> str:
-        hello = check_hello(decode(payload))
+    def _accept_hello(self, payload: dict, theirs: str, mine: str) -> str:
+        """The peer's hello: its proof first, then (only then) its NIXL metadata."""
+        hello = require(decode(payload), Hello)
+        auth.verify(self._secret, "decode", mine, theirs, hello.proof)
+        name = hello.fabric.get("name")
+        with self._lock:
+            existing = self._conns.get(name)
+            if existing is not None and not existing.closed:
+                raise auth.AuthError(f"a decode instance named {name!r} is already connected")
         peer = self.agent.add_peer(hello.fabric)
         self.peer_layouts[peer] = KVLayout.from_dict(hello.fabric["layout"])
+        self.peer_pages[peer] = min(int(s["num_pages"]) for s in hello.fabric["shards"])
         return peer
 
     def close(self) -> None:
@@ -231,5 +307,14 @@ class MessengerServer:
         except OSError:
             pass
         self._sock.close()
-        for c in self._conns:
+        with self._lock:
+            conns = list(self._conns.values())
+        for c in conns:
             c.close("shutdown")
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked recv()
+    except OSError:
+        pass

@@ -5,13 +5,16 @@ Frames and the handshake exchange are ``fabric_bridge.control``'s (4-byte length
 a refusal is ``{"error": reason}``); a message is a JSON object with ``"type"`` and its fields.
 The KV bytes never travel here: they go over NIXL.
 
-  decode -> prefill   Hello(version, name, fabric)    fabric: the agent's handshake payload
-  prefill -> decode   Hello(version, name, fabric)  or  {"error": reason} (refused)
+  decode -> prefill   AuthChallenge(version, name, nonce)        (see backend/disagg/auth.py)
+  prefill -> decode   AuthResponse(nonce, proof)
+  decode -> prefill   Hello(version, name, fabric, proof)    fabric: the agent's handshake payload
+  prefill -> decode   Hello(version, name, fabric, "")  or  {"error": reason} (refused)
   decode -> prefill   PrefillRequest(req_id, generation, slot, tokens, dst_pages)
   decode -> prefill   Cancel(req_id)
   prefill -> decode   PrefillFailed(req_id, kind, message)   the prefill will not complete
 
-Version history: 1 = this set of messages (the first typed, versioned protocol).
+Version history: 1 = the first typed, versioned protocol; 2 = peers authenticate (HMAC
+challenge-response) before the hello.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from dataclasses import dataclass
 
 from backend.engine.outputs import ErrorKind
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+MAX_FRAME_BYTES = 4 << 20  # a prefill request of 100k tokens is about 1 MiB of JSON
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_REQ_ID_LEN = 256
 
@@ -32,10 +36,24 @@ class ProtocolError(ValueError):
 
 
 @dataclass(frozen=True)
+class AuthChallenge:
+    version: int
+    name: str
+    nonce: str
+
+
+@dataclass(frozen=True)
+class AuthResponse:
+    nonce: str
+    proof: str
+
+
+@dataclass(frozen=True)
 class Hello:
     version: int
     name: str
     fabric: dict
+    proof: str
 
 
 @dataclass(frozen=True)
@@ -59,8 +77,15 @@ class PrefillFailed:
     message: str
 
 
-Message = Hello | PrefillRequest | Cancel | PrefillFailed
-TYPES: dict[str, type] = {"hello": Hello, "prefill": PrefillRequest, "cancel": Cancel, "prefill_failed": PrefillFailed}
+Message = AuthChallenge | AuthResponse | Hello | PrefillRequest | Cancel | PrefillFailed
+TYPES: dict[str, type] = {
+    "auth_challenge": AuthChallenge,
+    "auth_response": AuthResponse,
+    "hello": Hello,
+    "prefill": PrefillRequest,
+    "cancel": Cancel,
+    "prefill_failed": PrefillFailed,
+}
 _NAMES = {cls: name for name, cls in TYPES.items()}
 
 
@@ -69,9 +94,12 @@ def encode(msg: Message) -> dict:
 
 
 def decode(obj) -> Message:
-    """A validated message from a received JSON value; :class:`ProtocolError` says what is wrong."""
+    """A validated message from a received JSON value; :class:`ProtocolError` says what is wrong
+    (for a refusal ``{"error": reason}``, the peer's reason)."""
     if not isinstance(obj, dict):
         raise ProtocolError(f"a message must be a JSON object, got {type(obj).__name__}")
+    if set(obj) == {"error"}:
+        raise ProtocolError(f"refused by the peer: {obj['error']}")
     name = obj.get("type")
     cls = TYPES.get(name) if isinstance(name, str) else None
     if cls is None:
@@ -127,11 +155,12 @@ def _check(msg_name: str, field: str, value, typ):
     raise AssertionError(f"unhandled field type {typ} of {where}")
 
 
-def check_hello(msg: Message) -> Hello:
-    """The peer's hello, or :class:`ProtocolError` naming the version mismatch."""
-    if not isinstance(msg, Hello):
-        raise ProtocolError(f"expected hello, got {_NAMES[type(msg)]}")
-    if msg.version != PROTOCOL_VERSION:
+def require(msg: Message, cls: type):
+    """``msg`` if it is a ``cls`` (an :class:`AuthChallenge` or :class:`Hello` also of this
+    protocol version), else :class:`ProtocolError`."""
+    if not isinstance(msg, cls):
+        raise ProtocolError(f"expected {_NAMES[cls]}, got {_NAMES[type(msg)]}")
+    if isinstance(msg, (AuthChallenge, Hello)) and msg.version != PROTOCOL_VERSION:
         raise ProtocolError(
             f"messenger protocol version {msg.version} is not supported (this instance "
             f"speaks version {PROTOCOL_VERSION})"

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import requests
 
+from backend.disagg import auth
+from backend.disagg.auth import SECRET_ENV
 from backend.launch.ports import free_port
 from backend.launch.triton_install import install_stub
 
@@ -94,6 +96,9 @@ class TritonServer:
     def start(self, timeout_s: float = 300.0) -> "TritonServer":
         env = install_stub().server_env()
         env.update(self.extra_env)
+        # the KV messenger's deployment secret: one per server unless the caller shares one
+        env.setdefault(SECRET_ENV, auth.new_secret())
+        self.messenger_secret = env[SECRET_ENV]
         out = open(self.log_file, "ab") if self.log_file else None
         log.info(
             "starting tritonserver: repository %s, http %s, grpc %s, metrics %s",

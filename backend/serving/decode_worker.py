@@ -19,6 +19,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from backend.disagg import auth
 from backend.disagg.messenger import PrefillEndpoint
 from backend.disagg.nixl_connector import NixlKVReceiver
 from backend.disagg.protocol import Cancel, Message, PrefillFailed, PrefillRequest
@@ -45,13 +46,15 @@ class DecodeWorker:
         self.name = name
         self.config = config
         endpoints = config.connector.endpoints()  # refuses a decode model without prefill endpoints
+        secret = auth.load_secret(config.connector.messenger_secret_file)  # none: refuse to start
         self.engine = start_engine(config)
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.dims().vocab_size
         self.receiver = NixlKVReceiver(self.engine, config.connector, name)
         self.loop = EngineLoop(self.engine, name=f"{name}-engine")
         self.endpoints = [
-            PrefillEndpoint(h, p, self.receiver.agent, name, self._on_message, self._on_lost) for h, p in endpoints
+            PrefillEndpoint(h, p, self.receiver.agent, name, secret, self._on_message, self._on_lost)
+            for h, p in endpoints
         ]
         self._rr = itertools.count()
         self._lock = threading.RLock()  # fabric callbacks may re-enter from cancel()

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 
+from backend.disagg import auth
 from backend.disagg.connector import SendRequest
 from backend.disagg.messenger import Connection, MessengerServer
 from backend.disagg.nixl_connector import NixlKVSender
@@ -32,7 +33,9 @@ class PrefillWorker:
     def __init__(self, config: InstanceConfig, name: str):
         self.name = name
         self.config = config
+        secret = auth.load_secret(config.connector.messenger_secret_file)  # none: refuse to start
         self.engine = start_engine(config)
+        self.vocab_size = self.engine.dims().vocab_size
         self.max_model_len = self.engine.max_model_len
         self._owners: dict[str, Connection] = {}  # req_id -> the connection that asked for it
         self._lock = threading.Lock()
@@ -41,7 +44,15 @@ class PrefillWorker:
         self.loop = EngineLoop(self.engine, name=f"{name}-engine")
         c = config.connector
         self.server = MessengerServer(
-            self.sender.agent, c.messenger_host, c.messenger_port, self._on_message, self._on_peer_lost, name
+            self.sender.agent,
+            c.messenger_host,
+            c.messenger_port,
+            self._on_message,
+            self._on_peer_lost,
+            name,
+            secret,
+            max_connections=c.messenger_max_connections,
+            handshake_timeout_s=c.messenger_handshake_timeout_s,
         )
         self.engine.on_out_of_service(self._out_of_service)
 
@@ -76,8 +87,7 @@ class PrefillWorker:
         try:
             if down:
                 raise ValueError(down)
-            if len(msg.tokens) >= self.max_model_len:
-                raise ValueError(f"{len(msg.tokens)} tokens exceed max_model_len {self.max_model_len}")
+            self._check(peer, msg)
             self.sender.add_request(request)
         except ValueError as e:
             kind = ErrorKind.OUT_OF_SERVICE if down else ErrorKind.BAD_REQUEST
@@ -87,6 +97,19 @@ class PrefillWorker:
             self._owners[msg.req_id] = conn
         log.debug("prefill %s: %d tokens -> %d pages of %s", msg.req_id, len(msg.tokens), len(msg.dst_pages), peer)
         self.loop.submit(msg.req_id, msg.tokens, SamplingParams(max_tokens=1), self._on_output, prefill_only=True)
+
+    def _check(self, peer: str, msg: PrefillRequest) -> None:
+        """Every field within this deployment's limits, before anything reaches the engine: a bad
+        request fails alone (here), never the batch it would have joined."""
+        if not 0 < len(msg.tokens) < self.max_model_len:
+            raise ValueError(f"{len(msg.tokens)} tokens: must be 1..{self.max_model_len - 1}")
+        if max(msg.tokens) >= self.vocab_size:
+            raise ValueError(f"token id {max(msg.tokens)} is outside the vocabulary of {self.vocab_size}")
+        pages = self.server.peer_pages[peer]
+        if msg.dst_pages and max(msg.dst_pages) >= pages:
+            raise ValueError(f"destination page {max(msg.dst_pages)} is outside the receiver's pool of {pages} pages")
+        if len(set(msg.dst_pages)) != len(msg.dst_pages):
+            raise ValueError("destination pages repeat")
 
     def _cancel(self, req_id: str, reason: str) -> None:
         if self.sender.has(req_id):

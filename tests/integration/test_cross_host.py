@@ -12,6 +12,7 @@ import uuid
 import pytest
 
 from backend.client import stream_generate
+from backend.disagg.auth import SECRET_ENV, new_secret
 from tests.conftest import PROMPTS, hf_greedy, metric_values, running_server, wait_pool_free
 
 
@@ -71,8 +72,9 @@ def split_servers(two_hosts, model_dir, tmp_path_factory):
         decode_instances=2,
         prefill_endpoints=prefill_endpoints_of(prefill_repo),
     )
-    env_p = {"UCX_TLS": "tcp"} | ({"UCX_NET_DEVICES": dev_ns} if dev_ns else {})
-    env_d = {"UCX_TLS": "tcp"} | ({"UCX_NET_DEVICES": dev_root} if dev_root else {})
+    secret = {SECRET_ENV: new_secret()}  # two servers: one deployment secret
+    env_p = {"UCX_TLS": "tcp", **secret} | ({"UCX_NET_DEVICES": dev_ns} if dev_ns else {})
+    env_d = {"UCX_TLS": "tcp", **secret} | ({"UCX_NET_DEVICES": dev_root} if dev_root else {})
     with (
         running_server(prefill_repo, tmp / "prefill.log", host=ip_ns, netns=ns, extra_env=env_p) as prefill,
         running_server(decode_repo, tmp / "decode.log", extra_env=env_d) as decode,

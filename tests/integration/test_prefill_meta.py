@@ -35,12 +35,15 @@ class Sink:
         return False
 
 
-def test_transferred_hidden_state_and_logits_equal_a_local_prefill():
+def test_transferred_hidden_state_and_logits_equal_a_local_prefill(monkeypatch):
     nixl = pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
     del nixl
     from transformers import AutoTokenizer
 
+    from backend.disagg.auth import SECRET_ENV, new_secret
     from backend.serving.config import InstanceConfig
+
+    monkeypatch.setenv(SECRET_ENV, new_secret())  # both workers of this deployment share it
     from backend.serving.decode_worker import DecodeWorker
     from backend.serving.prefill_worker import PrefillWorker
 

@@ -71,3 +71,27 @@ def test_hello_version_is_checked():
         check_hello(decode(encode(Hello(99, "p", {}))))
     with pytest.raises(ProtocolError, match="expected hello"):
         check_hello(Cancel("r"))
+
+
+def test_auth_proofs_and_secret_loading(tmp_path, monkeypatch):
+    from backend.disagg import auth
+
+    secret = b"s" * 32
+    p = auth.proof(secret, "prefill", "a", "b")
+    auth.verify(secret, "prefill", "a", "b", p)
+    for role, first, second, key in (
+        ("decode", "a", "b", secret),
+        ("prefill", "b", "a", secret),
+        ("prefill", "a", "b", b"t" * 32),
+    ):
+        with pytest.raises(auth.AuthError, match="did not prove"):
+            auth.verify(key, role, first, second, p)  # other role, swapped nonces, other secret
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    with pytest.raises(auth.AuthError, match="is empty"):
+        auth.load_secret()
+    monkeypatch.setenv(auth.SECRET_ENV, "short")
+    with pytest.raises(auth.AuthError, match="holds too few"):
+        auth.load_secret()
+    f = tmp_path / "secret"
+    f.write_text(auth.new_secret() + "\n")
+    assert auth.load_secret(str(f)) == f.read_text().strip().encode()
