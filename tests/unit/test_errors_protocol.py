@@ -11,9 +11,9 @@ from backend.disagg.protocol import (
     PrefillFailed,
     PrefillRequest,
     ProtocolError,
-    check_hello,
     decode,
     encode,
+    require,
 )
 from backend.engine.outputs import ErrorKind
 from backend.serving.errors import format_error, parse_error
@@ -28,7 +28,7 @@ def test_error_kind_round_trip():
 
 def test_messages_round_trip():
     for msg in (
-        Hello(PROTOCOL_VERSION, "d0", {"layout": {}}),
+        Hello(PROTOCOL_VERSION, "d0", {"layout": {}}, "ab" * 32),
         PrefillRequest("r1", 2, None, [1, 2, 3], [7]),
         PrefillRequest("r2", 0, 5, [1], [0]),
         Cancel("r1"),
@@ -66,11 +66,13 @@ def test_bad_messages_are_refused(obj, message):
 
 
 def test_hello_version_is_checked():
-    assert check_hello(decode(encode(Hello(PROTOCOL_VERSION, "p", {})))).name == "p"
+    assert require(decode(encode(Hello(PROTOCOL_VERSION, "p", {}, ""))), Hello).name == "p"
     with pytest.raises(ProtocolError, match=f"version 99 is not supported .*version {PROTOCOL_VERSION}"):
-        check_hello(decode(encode(Hello(99, "p", {}))))
+        require(decode(encode(Hello(99, "p", {}, ""))), Hello)
     with pytest.raises(ProtocolError, match="expected hello"):
-        check_hello(Cancel("r"))
+        require(Cancel("r"), Hello)
+    with pytest.raises(ProtocolError, match="refused by the peer: no"):
+        decode({"error": "no"})
 
 
 def test_auth_proofs_and_secret_loading(tmp_path, monkeypatch):
