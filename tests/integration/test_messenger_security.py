@@ -90,7 +90,7 @@ def test_connection_cap(disagg_server):
         for s in idle:
             s.close()
     time.sleep(0.5)
-    ok = stream_generate(disagg_server.grpc_url, PROMPTS[0], 4, model="decode_0")
+    ok = stream_generate(disagg_server.grpc_url, PROMPTS[0], 4, model="decode_0", ignore_eos=True)
     assert ok.error is None and len(ok.token_ids) == 4, ok.error
 
 
@@ -113,7 +113,9 @@ def test_authenticated_peer_bad_requests_fail_alone(disagg_server, model_dir):
     again = PrefillEndpoint(host, port, agent, "attacker", secret, lambda e, m: None, lambda e, r: None)
     box = {}
     legit = threading.Thread(
-        target=lambda: box.update(r=stream_generate(disagg_server.grpc_url, PROMPTS[1], 8, model="decode_0"))
+        target=lambda: box.update(
+            r=stream_generate(disagg_server.grpc_url, PROMPTS[1], 8, model="decode_0", ignore_eos=True)
+        )
     )
     try:
         assert ep.ensure_connected(force=True), ep.last_error
