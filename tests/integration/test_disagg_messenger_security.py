@@ -1,6 +1,9 @@
 """Attack clients against a real prefill instance's KV messenger (on a real tritonserver): no
 NIXL metadata and no work without the deployment secret, limits on slow or huge handshakes and
-on connections, and an authenticated peer's bad requests fail alone."""
+on connections, and an authenticated peer's bad requests fail alone.
+
+Shares the session's ``disagg_server`` and must run before ``test_disagg_server.py``, whose
+last test kills a prefill instance (pytest runs the files in name order)."""
 
 from __future__ import annotations
 
