@@ -90,6 +90,7 @@ def aggregated_server(model_dir, tmp_path_factory):
             "max_queue_size": "16",
             "max_num_batched_tokens": "128",
             "num_threads": "2",
+            "max_grammar_compile_s": "1",
         },
     )
     with running_server(repo, tmp / "tritonserver.log", timeout_s=300) as server:

@@ -1,5 +1,6 @@
 """Admission of client requests into one instance's worker, independent of Triton: parse and
-validate the tensors, compile a grammar, tokenize, enforce the in-flight limit, open a
+validate the tensors, compile a grammar (on a worker thread, with size and time limits),
+tokenize, enforce the in-flight limit, open a
 :class:`GenerationSession` and hand it to the worker; cancel by the caller's request id; tell
 the owner (metrics) when a session ends. The Triton model (``backend/triton/llm_model.py``)
 only adapts its tensors and response sender to this."""
@@ -11,8 +12,10 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from backend.engine.outputs import ErrorKind
+from backend.engine.sampling.grammar import GrammarCompiler, GrammarError
 from backend.serving.config import InstanceConfig
 from backend.serving.detokenizer import IncrementalDetokenizer
 from backend.serving.request import Getter, RequestError, parse_request
@@ -37,44 +40,115 @@ class Admission:
         self._on_done_hook = on_done
         self.sessions: dict[str, GenerationSession] = {}
         self.by_external_id: dict[str, str] = {}  # the caller's (Triton) request id -> ours
-        self._grammar_compiler = None
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._compile_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-grammar")
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._tag = uuid.uuid4().hex[:6]  # request ids stay unique across servers and restarts
 
     def admit(self, get: Getter, sink: ResponseSink, external_id: str = "") -> None:
-        """Start one request; every failure is answered through ``sink`` with its kind."""
+        """Start one request; every failure is answered through ``sink`` with its kind. A request
+        with a grammar returns at once: its grammar compiles on a worker thread and the rest of
+        the admission runs when it is ready (:meth:`_admit_guided`)."""
         try:
             req = parse_request(get, max_tokens_limit=self.max_tokens_limit)
-            self._compile_grammar(req)
-            prompt_ids = self._tokenize(req)
-            with self._lock:
-                if len(self.sessions) >= self.max_in_flight:
-                    raise RequestError(
-                        f"{len(self.sessions)} requests in flight (max_queue_size {self.max_in_flight}); retry later",
-                        ErrorKind.OVERLOADED,
-                    )
-                req_id = f"{self.name}-{self._tag}-{next(self._ids)}"
-                session = GenerationSession(
-                    req_id,
-                    req,
-                    prompt_ids,
-                    sink,
-                    IncrementalDetokenizer(self.tokenizer, req.stop_words),
-                    cancel_engine=self.worker.cancel,
-                    on_done=self._on_done,
-                )
-                session.triton_id = external_id
-                self.sessions[req_id] = session
-                if external_id:
-                    self.by_external_id[external_id] = req_id
-            self.worker.submit(session)
+            if req.guided_json is not None or req.guided_regex is not None:
+                self._admit_guided(req, sink, external_id)
+            else:
+                self._start(req, sink, external_id)
         except RequestError as e:
-            log.info("rejected request: %s", e)
-            sink.error(str(e), e.kind)
+            self._refuse(sink, e)
         except Exception as e:  # never let one request take the instance down
             log.exception("failed to admit request")
             sink.error(f"internal error: {e}", ErrorKind.INTERNAL)
+
+    def _start(self, req, sink: ResponseSink, external_id: str) -> None:
+        """Tokenize, take an in-flight slot, open the session, hand it to the worker."""
+        prompt_ids = self._tokenize(req)
+        with self._lock:
+            if len(self.sessions) >= self.max_in_flight:
+                raise RequestError(
+                    f"{len(self.sessions)} requests in flight (max_queue_size {self.max_in_flight}); retry later",
+                    ErrorKind.OVERLOADED,
+                )
+            req_id = f"{self.name}-{self._tag}-{next(self._ids)}"
+            session = GenerationSession(
+                req_id,
+                req,
+                prompt_ids,
+                sink,
+                IncrementalDetokenizer(self.tokenizer, req.stop_words),
+                cancel_engine=self.worker.cancel,
+                on_done=self._on_done,
+            )
+            session.triton_id = external_id
+            self.sessions[req_id] = session
+            if external_id:
+                self.by_external_id[external_id] = req_id
+        self.worker.submit(session)
+
+    @staticmethod
+    def _refuse(sink: ResponseSink, e: RequestError) -> None:
+        log.info("refused request: %s", e)
+        sink.error(str(e), e.kind)
+
+    def _admit_guided(self, req, sink: ResponseSink, external_id: str) -> None:
+        """Compile the grammar on the compile thread; whichever comes first, the compiled grammar
+        or ``max_grammar_compile_s``, decides the request (a late grammar still lands in the
+        cache, so a retry of the same schema is fast)."""
+        serving = self.config.serving
+        name = "guided_json" if req.guided_json is not None else "guided_regex"
+        size = len((req.guided_json or req.guided_regex).encode())
+        if size > serving.max_grammar_bytes:
+            raise RequestError(
+                f"'{name}' has {size} bytes; the limit is {serving.max_grammar_bytes} (max_grammar_bytes)"
+            )
+        compiler = self._compiler()
+        decided = threading.Event()
+        limit = serving.max_grammar_compile_s
+
+        def first() -> bool:
+            with self._lock:
+                if decided.is_set():
+                    return False
+                decided.set()
+                return True
+
+        def too_slow() -> None:
+            if first():
+                self._refuse(sink, RequestError(f"'{name}' did not compile within {limit:g} s (max_grammar_compile_s)"))
+
+        def compiled(future) -> None:
+            timer.cancel()
+            if not first():
+                return
+            try:
+                req.grammar = future.result()
+                if not sink.is_cancelled():
+                    self._start(req, sink, external_id)
+            except GrammarError as e:
+                self._refuse(sink, RequestError(str(e)))
+            except RequestError as e:
+                self._refuse(sink, e)
+            except Exception as e:
+                log.exception("failed to admit a guided request")
+                sink.error(f"internal error: {e}", ErrorKind.INTERNAL)
+
+        timer = threading.Timer(limit, too_slow)
+        timer.daemon = True
+        timer.start()
+        self._compile_pool.submit(compiler.compile, req.guided_json, req.guided_regex).add_done_callback(compiled)
+
+    def _compiler(self) -> GrammarCompiler:
+        with self._lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(
+                    self.tokenizer, self.worker.vocab_size, self.config.serving.grammar_cache_bytes
+                )
+            return self._grammar_compiler
+
+    def close(self) -> None:
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)
 
     def cancel_by_external_id(self, external_id: str) -> None:
         with self._lock:
@@ -88,19 +162,6 @@ class Admission:
     def active(self) -> int:
         with self._lock:
             return len(self.sessions)
-
-    def _compile_grammar(self, req) -> None:
-        if req.guided_json is None and req.guided_regex is None:
-            return
-        from backend.engine.sampling.grammar import GrammarCompiler, GrammarError  # xgrammar only when used
-
-        with self._lock:
-            if self._grammar_compiler is None:
-                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.worker.vocab_size)
-        try:
-            req.grammar = self._grammar_compiler.compile(req.guided_json, req.guided_regex)
-        except GrammarError as e:
-            raise RequestError(str(e)) from None
 
     def _tokenize(self, req) -> list[int]:
         if req.apply_chat_template:

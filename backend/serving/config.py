@@ -22,7 +22,11 @@ class ServingConfig:
     instance (more are refused as overloaded). ``speculative_k`` / ``draft_method``: what a
     request that sets neither gets. ``cpu_affinity``: cores to pin the instance's process to
     ("0", "0,1", "2-3"; empty: no pinning). Decode role: ``max_waiting_for_pages`` requests may
-    wait up to ``page_wait_timeout_s`` for free KV pages, more are refused as overloaded."""
+    wait up to ``page_wait_timeout_s`` for free KV pages, more are refused as overloaded.
+    Guided decoding: a ``guided_json`` / ``guided_regex`` longer than ``max_grammar_bytes`` is
+    refused; grammars compile on a worker thread, off the request path, and a request whose
+    grammar takes longer than ``max_grammar_compile_s`` fails alone; compiled grammars are
+    cached up to ``grammar_cache_bytes``."""
 
     max_queue_size: int = 256
     speculative_k: int = 0
@@ -30,6 +34,9 @@ class ServingConfig:
     cpu_affinity: str = ""
     max_waiting_for_pages: int = 32
     page_wait_timeout_s: float = 10.0
+    max_grammar_bytes: int = 65536
+    max_grammar_compile_s: float = 10.0
+    grammar_cache_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if self.max_queue_size < 1:
@@ -40,8 +47,12 @@ class ServingConfig:
             raise ValueError(f"draft_method must be one of {list(DRAFT_METHODS)}, got {self.draft_method!r}")
         if self.max_waiting_for_pages < 0:
             raise ValueError(f"max_waiting_for_pages must be >= 0, got {self.max_waiting_for_pages}")
-        if self.page_wait_timeout_s <= 0:
-            raise ValueError(f"page_wait_timeout_s must be > 0, got {self.page_wait_timeout_s}")
+        for name in ("page_wait_timeout_s", "max_grammar_compile_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_grammar_bytes", "grammar_cache_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         self.cores()
 
     def cores(self) -> set[int]:

@@ -72,5 +72,6 @@ class TritonPythonModel:
 
     def finalize(self):
         log.info("instance %s shutting down", self.instance)
+        self.admission.close()
         self.worker.shutdown()
         self.metrics.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -180,3 +181,37 @@ def test_metrics_report_pool_and_requests(aggregated_server):
     url = aggregated_server.metrics_url
     assert metric_values(url, "triton_disagg_kv_pages_total", model="llm")[0] == 4096 // 16
     assert metric_values(url, "triton_disagg_requests_total", model="llm")[0] >= 1
+
+
+def guided(schema: str) -> dict:
+    return {"guided_json": (np.array([schema.encode()], dtype=object), "BYTES")}
+
+
+def test_slow_grammar_fails_alone_off_the_request_path(aggregated_server):
+    """A schema that takes seconds to compile (1500 optional properties) fails with its own
+    time limit (``max_grammar_compile_s`` = 1 here) while a plain request sent right after it is
+    served at once; an oversized schema is refused; guided decoding works again afterwards."""
+    url = aggregated_server.grpc_url
+    slow = json.dumps({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1500)}})
+    box = {}
+    t = threading.Thread(target=lambda: box.update(r=stream_generate(url, "Give JSON.", 8, extra=guided(slow))))
+    t0 = time.monotonic()
+    t.start()
+    time.sleep(0.2)
+    plain = stream_generate(url, "Hi", 4, ignore_eos=True)
+    plain_s = time.monotonic() - t0
+    t.join(60)
+    assert plain.error is None and len(plain.token_ids) == 4, plain.error
+    assert box["r"].error and "[bad_request]" in box["r"].error and "did not compile within 1 s" in box["r"].error
+    assert plain_s < 10, f"a plain request waited {plain_s:.1f}s behind a grammar compile"
+    huge = json.dumps({"type": "object", "properties": {f"q{i}": {"type": "string"} for i in range(3000)}})
+    refused = stream_generate(url, "Give JSON.", 8, extra=guided(huge))
+    assert refused.error and "max_grammar_bytes" in refused.error, refused.error
+    small = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    deadline = time.monotonic() + 120  # the slow compile still runs on the compile thread
+    while True:
+        res = stream_generate(url, "Give JSON.", 16, extra=guided(small))
+        if res.error is None or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert res.error is None and json.loads(res.text)["a"] is not None, (res.error, res.text)

@@ -21,11 +21,12 @@ class GrammarError(ValueError):
 
 
 class GrammarCompiler:
-    """Compiles grammars for one tokenizer (thread-safe; xgrammar caches compiled grammars)."""
+    """Compiles grammars for one tokenizer (thread-safe; one compile at a time). xgrammar keeps
+    compiled grammars in a cache of at most ``cache_limit_bytes`` (-1: unbounded)."""
 
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer, vocab_size: int, cache_limit_bytes: int = -1):
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self._compiler = xgr.GrammarCompiler(self.info)
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_limit_bytes=cache_limit_bytes)
         self._lock = threading.Lock()
 
     def compile(self, json_schema: str | None = None, regex: str | None = None) -> "xgr.CompiledGrammar":
