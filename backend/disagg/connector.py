@@ -13,6 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -47,6 +48,14 @@ class ReceiveTicket:
     slot: int | None
     n_pages: int
     expected_writes: int
+
+
+class PeerAgent(Protocol):
+    """What the messenger needs from a connector for the handshake: this instance's fabric
+    description, and taking a peer's (validated: a layout mismatch is refused, naming it)."""
+
+    def handshake_payload(self) -> dict: ...
+    def add_peer(self, payload: dict) -> str: ...
 
 
 class KVSender(ABC):

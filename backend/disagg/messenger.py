@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 from backend.disagg import auth
+from backend.disagg.connector import PeerAgent
 from backend.disagg.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -109,7 +110,7 @@ class PrefillEndpoint:
         self,
         host: str,
         port: int,
-        agent,
+        agent: PeerAgent,
         name: str,
         secret: bytes,
         on_message: Callable[["PrefillEndpoint", Message], None],
@@ -203,7 +204,7 @@ class MessengerServer:
 
     def __init__(
         self,
-        agent,
+        agent: PeerAgent,
         host: str,
         port: int,
         on_message,

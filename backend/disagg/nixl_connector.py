@@ -228,6 +228,9 @@ class NixlKVSender(KVSender):
     def handshake_payload(self) -> dict:
         return self.agent.handshake_payload()
 
+    def add_peer(self, payload: dict) -> str:
+        return self.agent.add_peer(payload)
+
     def close(self) -> None:
         self.agent.close()
 
@@ -301,6 +304,12 @@ class NixlKVReceiver(KVReceiver):
 
     def cancel(self, req_id: str, reason: str) -> None:
         self.agent.cancel(req_id, reason)
+
+    def handshake_payload(self) -> dict:
+        return self.agent.handshake_payload()
+
+    def add_peer(self, payload: dict) -> str:
+        return self.agent.add_peer(payload)
 
     def stats(self) -> dict:
         return dict(self.totals)

@@ -53,8 +53,7 @@ class DecodeWorker:
         self.receiver = NixlKVReceiver(self.engine, config.connector, name)
         self.loop = EngineLoop(self.engine, name=f"{name}-engine")
         self.endpoints = [
-            PrefillEndpoint(h, p, self.receiver.agent, name, secret, self._on_message, self._on_lost)
-            for h, p in endpoints
+            PrefillEndpoint(h, p, self.receiver, name, secret, self._on_message, self._on_lost) for h, p in endpoints
         ]
         self._rr = itertools.count()
         self._lock = threading.RLock()  # fabric callbacks may re-enter from cancel()

@@ -44,7 +44,7 @@ class PrefillWorker:
         self.loop = EngineLoop(self.engine, name=f"{name}-engine")
         c = config.connector
         self.server = MessengerServer(
-            self.sender.agent,
+            self.sender,
             c.messenger_host,
             c.messenger_port,
             self._on_message,
