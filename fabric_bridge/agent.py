@@ -376,6 +376,10 @@ class FabricAgent:
         with_meta = self.meta is not None if with_meta is None else with_meta
         return self._tracker.expect(req_id, expected_writes, on_done, timeout_s, with_meta, peer, on_release)
 
+    def rearm(self, req_id: str, generation: int, timeout_s: float, waiting_for: str) -> bool:
+        """Move a request's receive deadline to ``timeout_s`` from now (see ``CompletionTracker.rearm``)."""
+        return self._tracker.rearm(req_id, generation, timeout_s, waiting_for)
+
     # ---------------------------------------------------------------- sender side
     def post_layer(
         self,

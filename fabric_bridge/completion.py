@@ -63,6 +63,7 @@ class _Entry:
     meta_floats: int | None = None
     release_at: float = field(default=float("inf"))
     meta_out: torch.Tensor | None = None
+    waiting_for: str = "transfer"  # what the deadline bounds, named in the timeout message
 
 
 class CompletionTracker:
@@ -96,6 +97,17 @@ class CompletionTracker:
             self._next_gen += 1
             self._active[req_id] = _Entry(handle, peer, time.monotonic() + timeout_s, with_meta, on_done, on_release)
             return handle
+
+    def rearm(self, req_id: str, generation: int, timeout_s: float, waiting_for: str) -> bool:
+        """Move an active request's deadline to ``timeout_s`` from now (e.g. when its sender
+        reports that it started); False if it is not active under ``generation`` any more."""
+        with self._lock:
+            entry = self._current(req_id, generation)
+            if entry is None:
+                return False
+            entry.deadline = time.monotonic() + timeout_s
+            entry.waiting_for = waiting_for
+            return True
 
     def cancel(self, req_id: str, reason: str = "cancelled") -> tuple[str | None, int] | None:
         """Fail an active request; return ``(peer, generation)`` to tell the sender, or None."""
@@ -181,7 +193,7 @@ class CompletionTracker:
                 self._free_slot(e)
         for e in late:
             meta = "" if not e.with_meta else f", meta {'yes' if e.meta_floats is not None else 'no'}"
-            self._fire(e, False, f"timeout: {e.landed}/{e.handle.expected} writes{meta}", None)
+            self._fire(e, False, f"timeout ({e.waiting_for}): {e.landed}/{e.handle.expected} writes{meta}", None)
         for e in released:
             log.warning(
                 "request %s gen %d: quarantine ended without sender confirmation", e.handle.req_id, e.handle.generation

@@ -12,8 +12,10 @@ class ConnectorConfig:
     messengers. ``messenger_host`` / ``messenger_port`` (prefill role): where this instance's
     messenger listens (port 0: any free port). ``stream_layers`` (prefill role): post each
     layer's pages as soon as the layer is written (false: everything after the prefill, for
-    measuring the overlap). ``kv_transfer_timeout_s`` (decode role): a request's whole transfer
-    deadline. ``kv_xfer_timeout_s``: one NIXL transfer stuck this long fails its request.
+    measuring the overlap). ``kv_transfer_timeout_s`` (decode role): from the moment the prefill
+    instance starts the request (it reports that) to its last write;
+    ``prefill_queue_timeout_s`` (decode role): how long the request may wait in the prefill
+    instance's queue before that. ``kv_xfer_timeout_s``: one NIXL transfer stuck this long fails its request.
     ``kv_quarantine_s``: pages of a failed request are reused after this long at the latest
     (sooner when the sender confirms it stopped). ``meta_slots``: receive slots for the last
     hidden state and logits (requests in transfer at once). ``messenger_secret_file``: the
@@ -27,6 +29,7 @@ class ConnectorConfig:
     kv_quarantine_s: float = 12.0
     kv_xfer_timeout_s: float = 10.0
     kv_transfer_timeout_s: float = 20.0
+    prefill_queue_timeout_s: float = 60.0
     prefill_endpoints: str = ""
     messenger_host: str = "127.0.0.1"
     messenger_port: int = 0
@@ -40,7 +43,13 @@ class ConnectorConfig:
             raise ValueError(f"meta_slots must be >= 1, got {self.meta_slots}")
         if self.messenger_max_connections < 1:
             raise ValueError(f"messenger_max_connections must be >= 1, got {self.messenger_max_connections}")
-        for name in ("kv_quarantine_s", "kv_xfer_timeout_s", "kv_transfer_timeout_s", "messenger_handshake_timeout_s"):
+        for name in (
+            "kv_quarantine_s",
+            "kv_xfer_timeout_s",
+            "kv_transfer_timeout_s",
+            "prefill_queue_timeout_s",
+            "messenger_handshake_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.messenger_port < 65536:

@@ -103,6 +103,10 @@ class KVReceiver(ABC):
     ) -> ReceiveTicket: ...
 
     @abstractmethod
+    def started(self, req_id: str, generation: int) -> None:
+        """The sender began the request: its queueing there is over."""
+
+    @abstractmethod
     def cancel(self, req_id: str, reason: str) -> None: ...
 
     @abstractmethod

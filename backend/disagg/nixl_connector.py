@@ -104,6 +104,7 @@ class NixlKVSender(KVSender):
         name: str,
         peer_layout: Callable[[str], KVLayout],
         on_send_error: Callable[[str, str], None],
+        on_started: Callable[[SendRequest], None],
     ):
         self.engine = engine
         self.layout = kv_layout(engine.kv_cache())
@@ -111,6 +112,7 @@ class NixlKVSender(KVSender):
         self.stream_layers = config.stream_layers
         self._peer_layout = peer_layout
         self._on_send_error = on_send_error
+        self._on_started = on_started
         self.agent = make_agent(engine, name, config, on_send_error=self._send_error)
         self.jobs: dict[str, _SendJob] = {}
         self._lock = threading.Lock()
@@ -192,6 +194,8 @@ class NixlKVSender(KVSender):
             job = self.jobs.get(c.req_id)
             if job is None:
                 continue
+            if job.plan is None:  # its first chunk: tell the receiver the prefill has begun
+                self._on_started(job.request)
             self._plan(job)
             ready = job.n_pages if c.is_last_chunk else (c.start + c.num_tokens) // self.page_size
             job.step_positions = list(range(job.sent_upto, ready)) if self.stream_layers else []
@@ -250,6 +254,7 @@ class NixlKVReceiver(KVReceiver):
         self.layout = kv_layout(engine.kv_cache())
         self.dims = engine.dims()
         self.timeout_s = config.kv_transfer_timeout_s
+        self.queue_timeout_s = config.prefill_queue_timeout_s
         self.agent = make_agent(engine, name, config)
         self._active: dict[str, _Receive] = {}
         self._lock = threading.Lock()
@@ -289,11 +294,16 @@ class NixlKVReceiver(KVReceiver):
             req_id,
             expected,
             on_done=done,
-            timeout_s=self.timeout_s,
+            timeout_s=self.queue_timeout_s,  # until the prefill instance reports it started
             peer=peer,
             on_release=lambda rid, generation: on_release(rid),
         )
+        self.agent.rearm(req_id, handle.generation, self.queue_timeout_s, "queued at the prefill instance")
         return ReceiveTicket(handle.generation, handle.slot, n_pages, expected)
+
+    def started(self, req_id: str, generation: int) -> None:
+        """The prefill instance began the request: from now on the transfer deadline applies."""
+        self.agent.rearm(req_id, generation, self.timeout_s, "prefill and transfer")
 
     def split_meta(self, meta):
         """The meta block (fp32 hidden ++ logits of the last prefilled position) as (hidden, logits)."""

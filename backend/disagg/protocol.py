@@ -10,11 +10,13 @@ The KV bytes never travel here: they go over NIXL.
   decode -> prefill   Hello(version, name, fabric, proof)    fabric: the agent's handshake payload
   prefill -> decode   Hello(version, name, fabric, "")  or  {"error": reason} (refused)
   decode -> prefill   PrefillRequest(req_id, generation, slot, tokens, dst_pages)
+  prefill -> decode   PrefillStarted(req_id, generation)   its first chunk is scheduled
   decode -> prefill   Cancel(req_id)
   prefill -> decode   PrefillFailed(req_id, kind, message)   the prefill will not complete
 
 Version history: 1 = the first typed, versioned protocol; 2 = peers authenticate (HMAC
-challenge-response) before the hello.
+challenge-response) before the hello; 3 = the prefill instance reports when it starts a request
+(PrefillStarted), so the decode side's transfer deadline does not count its queueing there.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 from backend.engine.outputs import ErrorKind
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_FRAME_BYTES = 4 << 20  # a prefill request of 100k tokens is about 1 MiB of JSON
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_REQ_ID_LEN = 256
@@ -66,6 +68,12 @@ class PrefillRequest:
 
 
 @dataclass(frozen=True)
+class PrefillStarted:
+    req_id: str
+    generation: int
+
+
+@dataclass(frozen=True)
 class Cancel:
     req_id: str
 
@@ -77,12 +85,13 @@ class PrefillFailed:
     message: str
 
 
-Message = AuthChallenge | AuthResponse | Hello | PrefillRequest | Cancel | PrefillFailed
+Message = AuthChallenge | AuthResponse | Hello | PrefillRequest | PrefillStarted | Cancel | PrefillFailed
 TYPES: dict[str, type] = {
     "auth_challenge": AuthChallenge,
     "auth_response": AuthResponse,
     "hello": Hello,
     "prefill": PrefillRequest,
+    "prefill_started": PrefillStarted,
     "cancel": Cancel,
     "prefill_failed": PrefillFailed,
 }
@@ -115,7 +124,10 @@ def decode(obj) -> Message:
             raise ProtocolError(f"{name}: missing field {field!r}")
         values[field] = _check(name, field, obj[field], hints[field])
     msg = cls(**values)
-    if isinstance(msg, (PrefillRequest, Cancel, PrefillFailed)) and not 0 < len(msg.req_id) <= MAX_REQ_ID_LEN:
+    if (
+        isinstance(msg, (PrefillRequest, PrefillStarted, Cancel, PrefillFailed))
+        and not 0 < len(msg.req_id) <= MAX_REQ_ID_LEN
+    ):
         raise ProtocolError(f"{name}: req_id must be 1..{MAX_REQ_ID_LEN} characters")
     if isinstance(msg, PrefillRequest) and len(msg.tokens) > MAX_PROMPT_TOKENS:
         raise ProtocolError(f"prefill: {len(msg.tokens)} tokens exceed {MAX_PROMPT_TOKENS}")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from backend.disagg import auth
 from backend.disagg.messenger import PrefillEndpoint
 from backend.disagg.nixl_connector import NixlKVReceiver
-from backend.disagg.protocol import Cancel, Message, PrefillFailed, PrefillRequest
+from backend.disagg.protocol import Cancel, Message, PrefillFailed, PrefillRequest, PrefillStarted
 from backend.engine.engine_loop import EngineLoop
 from backend.engine.outputs import ErrorKind, FinishReason
 from backend.engine.page_allocator import PoolFullError
@@ -182,7 +182,10 @@ class DecodeWorker:
 
     # ------------------------------------------------------------ messenger (network threads)
     def _on_message(self, endpoint: PrefillEndpoint, msg: Message) -> None:
-        if isinstance(msg, PrefillFailed):
+        if isinstance(msg, PrefillStarted):
+            if msg.req_id in endpoint.outstanding:
+                self.receiver.started(msg.req_id, msg.generation)
+        elif isinstance(msg, PrefillFailed):
             if msg.req_id in endpoint.outstanding:
                 self.receiver.cancel(msg.req_id, f"prefill instance {endpoint.address}: {msg.message}")
         else:

@@ -19,7 +19,7 @@ from backend.disagg import auth
 from backend.disagg.connector import SendRequest
 from backend.disagg.messenger import Connection, MessengerServer
 from backend.disagg.nixl_connector import NixlKVSender
-from backend.disagg.protocol import Cancel, Message, PrefillFailed, PrefillRequest
+from backend.disagg.protocol import Cancel, Message, PrefillFailed, PrefillRequest, PrefillStarted
 from backend.engine.engine_loop import EngineLoop
 from backend.engine.outputs import EngineOutput, ErrorKind, FinishReason
 from backend.engine.sampling_params import SamplingParams
@@ -40,7 +40,9 @@ class PrefillWorker:
         self._owners: dict[str, Connection] = {}  # req_id -> the connection that asked for it
         self._lock = threading.Lock()
         self.server: MessengerServer | None = None
-        self.sender = NixlKVSender(self.engine, config.connector, name, self._peer_layout, self._on_send_error)
+        self.sender = NixlKVSender(
+            self.engine, config.connector, name, self._peer_layout, self._on_send_error, self._on_started
+        )
         self.loop = EngineLoop(self.engine, name=f"{name}-engine")
         c = config.connector
         self.server = MessengerServer(
@@ -148,6 +150,13 @@ class PrefillWorker:
             self._owners.pop(req_id, None)
         freed = self.loop.release(req_id)
         log.debug("prefill %s: %d pages freed", req_id, freed)
+
+    def _on_started(self, request: SendRequest) -> None:
+        """Engine thread: the request's first chunk is scheduled; its receiver's deadline restarts."""
+        with self._lock:
+            conn = self._owners.get(request.req_id)
+        if conn is not None:
+            self._send(conn, PrefillStarted(request.req_id, request.generation))
 
     def _on_send_error(self, req_id: str, err: str) -> None:
         self.loop.cancel(req_id)

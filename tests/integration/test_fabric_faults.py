@@ -60,7 +60,7 @@ def test_receiver_times_out_when_sender_killed(worker, local):
     worker.kill()  # mid-transfer: layer 0 landed, layers 1.. never come
     done, ok, err, _ = local.wait("q", timeout=10)
     failed_at = time.monotonic()
-    assert done and ok is False and err.startswith(f"timeout: {N // LAYERS}/{N} writes")
+    assert done and ok is False and err.startswith(f"timeout (transfer): {N // LAYERS}/{N} writes")
     released = local.wait_released("q", timeout=10)
     assert released is not None and released - failed_at >= 0.4  # quarantine, no confirmation
     assert local.agents[r].pending() == 0

@@ -45,7 +45,7 @@ def test_timeout_quarantines_slot_until_sender_confirms():
     now = time.monotonic()
     assert t.tick(now) == []
     assert t.tick(now + 2) == [("r", "p", h.generation)]
-    assert h.done.is_set() and not h.ok and "timeout: 0/3 writes, meta no" in h.error
+    assert h.done.is_set() and not h.ok and "timeout (transfer): 0/3 writes, meta no" in h.error
     with pytest.raises(RuntimeError, match="no free meta slot"):
         t.expect("other", 1, with_meta=True)  # the slot is quarantined, not reusable yet
     t.sender_stopped("r", h.generation)
@@ -70,3 +70,15 @@ def test_sender_stop_fails_active_request_and_releases_at_once():
     h = t.expect("r", 3, on_release=lambda *a: released.append(a))
     t.sender_stopped("r", h.generation)
     assert not h.ok and h.error == "sender stopped" and released == [("r", h.generation)]
+
+
+def test_rearm_moves_the_deadline_and_names_what_timed_out():
+    t = tracker()
+    h = t.expect("r", 3, timeout_s=1.0)
+    now = time.monotonic()
+    assert t.rearm("r", h.generation, 10.0, "prefill and transfer")
+    assert t.tick(now + 2) == []  # the first deadline no longer applies
+    assert not t.rearm("r", h.generation + 1, 10.0, "x")  # another generation: ignored
+    assert t.tick(now + 11) == [("r", None, h.generation)]
+    assert "timeout (prefill and transfer): 0/3 writes" in h.error
+    assert not t.rearm("r", h.generation, 10.0, "x")  # no longer active
