@@ -368,13 +368,27 @@ class FabricAgent:
         with_meta: bool | None = None,
         peer: str | None = None,
         on_release: ReleaseCallback | None = None,
+        waiting_for: str = "transfer",
     ) -> RecvHandle:
         """Expect ``expected_writes`` KV writes (plus a meta block if ``with_meta``, default:
         when this agent has meta slots) for ``req_id``. ``peer`` is told to stop on
         cancel/timeout. ``on_release(req_id, generation)`` says when a failed request's pages
-        may be reused. Returns the handle whose ``generation`` and ``slot`` go to the sender."""
+        may be reused. ``waiting_for`` names what ``timeout_s`` bounds in a timeout's message.
+        Returns the handle whose ``generation`` and ``slot`` go to the sender."""
         with_meta = self.meta is not None if with_meta is None else with_meta
-        return self._tracker.expect(req_id, expected_writes, on_done, timeout_s, with_meta, peer, on_release)
+        return self._tracker.expect(
+            req_id, expected_writes, on_done, timeout_s, with_meta, peer, on_release, waiting_for
+        )
+
+    def peer_layout(self, peer: str) -> KVLayout:
+        """A connected peer's KV layout (KeyError for an unknown peer)."""
+        with self._lock:
+            return self._peers[peer].layout
+
+    def peer_pages(self, peer: str) -> int:
+        """Pages in a connected peer's pool (its smallest shard)."""
+        with self._lock:
+            return min(self._peers[peer].n_pages)
 
     def rearm(self, req_id: str, generation: int, timeout_s: float, waiting_for: str) -> bool:
         """Move a request's receive deadline to ``timeout_s`` from now (see ``CompletionTracker.rearm``)."""

@@ -88,6 +88,7 @@ class CompletionTracker:
         with_meta: bool = False,
         peer: str | None = None,
         on_release: ReleaseCallback | None = None,
+        waiting_for: str = "transfer",
     ) -> RecvHandle:
         with self._lock:
             if req_id in self._active:
@@ -95,7 +96,9 @@ class CompletionTracker:
             slot = self._take_slot() if with_meta else None
             handle = RecvHandle(req_id, self._next_gen, slot, expected_writes)
             self._next_gen += 1
-            self._active[req_id] = _Entry(handle, peer, time.monotonic() + timeout_s, with_meta, on_done, on_release)
+            self._active[req_id] = _Entry(
+                handle, peer, time.monotonic() + timeout_s, with_meta, on_done, on_release, waiting_for=waiting_for
+            )
             return handle
 
     def rearm(self, req_id: str, generation: int, timeout_s: float, waiting_for: str) -> bool:

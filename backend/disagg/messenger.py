@@ -222,8 +222,6 @@ class MessengerServer:
         self._conns: dict[str, Connection] = {}  # peer name -> its live connection
         self._handshaking = 0
         self._lock = threading.Lock()
-        self.peer_layouts: dict[str, KVLayout] = {}
-        self.peer_pages: dict[str, int] = {}  # pages of the peer's pool (per shard)
         self._thread = threading.Thread(target=self._accept_loop, name="messenger-accept", daemon=True)
         self._thread.start()
         log.info("prefill instance %s: messenger listening on %s:%d", name, self.host, self.port)
@@ -297,10 +295,7 @@ class MessengerServer:
             existing = self._conns.get(name)
             if existing is not None and not existing.closed:
                 raise auth.AuthError(f"a decode instance named {name!r} is already connected")
-        peer = self.agent.add_peer(hello.fabric)
-        self.peer_layouts[peer] = KVLayout.from_dict(hello.fabric["layout"])
-        self.peer_pages[peer] = min(int(s["num_pages"]) for s in hello.fabric["shards"])
-        return peer
+        return self.agent.add_peer(hello.fabric)
 
     def close(self) -> None:
         try:

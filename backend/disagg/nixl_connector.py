@@ -93,16 +93,15 @@ class _SendJob:
 
 
 class NixlKVSender(KVSender):
-    """Prefill role (see the module docstring). ``peer_layouts(peer)`` gives a receiver's KV
-    layout (learnt at the messenger handshake); ``on_send_error(req_id, reason)`` is told when
-    a transfer fails so the prefill can be aborted."""
+    """Prefill role (see the module docstring). ``on_send_error(req_id, reason)`` is told when a
+    transfer fails so the prefill can be aborted; ``on_started(request)`` when the engine
+    schedules a request's first chunk."""
 
     def __init__(
         self,
         engine: Engine,
         config: ConnectorConfig,
         name: str,
-        peer_layout: Callable[[str], KVLayout],
         on_send_error: Callable[[str, str], None],
         on_started: Callable[[SendRequest], None],
     ):
@@ -110,7 +109,6 @@ class NixlKVSender(KVSender):
         self.layout = kv_layout(engine.kv_cache())
         self.page_size = self.layout.page_size
         self.stream_layers = config.stream_layers
-        self._peer_layout = peer_layout
         self._on_send_error = on_send_error
         self._on_started = on_started
         self.agent = make_agent(engine, name, config, on_send_error=self._send_error)
@@ -128,10 +126,15 @@ class NixlKVSender(KVSender):
 
     # ------------------------------------------------------------ scheduler side
     def add_request(self, request: SendRequest) -> None:
-        n = request.n_tokens
-        if n < 1 or len(request.dst_pages) != math.ceil(n / self.page_size):
-            raise ValueError(f"{n} tokens do not fill {len(request.dst_pages)} destination pages")
-        layout = self._peer_layout(request.peer)
+        n, dst = request.n_tokens, request.dst_pages
+        if n < 1 or len(dst) != math.ceil(n / self.page_size):
+            raise ValueError(f"{n} tokens do not fill {len(dst)} destination pages")
+        pages = self.agent.peer_pages(request.peer)
+        if max(dst) >= pages:
+            raise ValueError(f"destination page {max(dst)} is outside the receiver's pool of {pages} pages")
+        if len(set(dst)) != len(dst):
+            raise ValueError("destination pages repeat")
+        layout = self.agent.peer_layout(request.peer)
         with self._lock:
             if request.req_id in self.jobs:
                 raise ValueError("duplicate request id")
@@ -154,7 +157,6 @@ class NixlKVSender(KVSender):
         req = job.request
         if output.finish_reason == FinishReason.PREFILL_DONE:
             if not self.stream_layers:  # the switch for measuring overlap: send everything now
-                self._plan(job)
                 for layer in range(self.layout.num_layers):
                     self._post(job, layer, range(job.n_pages))
             if req.slot is not None:
@@ -194,11 +196,12 @@ class NixlKVSender(KVSender):
             job = self.jobs.get(c.req_id)
             if job is None:
                 continue
-            if job.plan is None:  # its first chunk: tell the receiver the prefill has begun
+            if job.plan is None:  # its first chunk: plan the writes, tell the receiver it began
+                src_pages = self.engine.page_table(c.req_id)[: job.n_pages]
+                job.plan = build_plan(self.layout, job.dst_layout, src_pages, job.request.dst_pages, self._rng)
                 self._on_started(job.request)
-            self._plan(job)
             ready = job.n_pages if c.is_last_chunk else (c.start + c.num_tokens) // self.page_size
-            job.step_positions = list(range(job.sent_upto, ready)) if self.stream_layers else []
+            job.step_positions = list(range(job.sent_upto, ready))
             job.sent_upto = ready
 
     def layer_written(self, layer: int, batch: StepBatch) -> None:
@@ -206,11 +209,6 @@ class NixlKVSender(KVSender):
             job = self.jobs.get(c.req_id)
             if job is not None and job.step_positions:
                 self._post(job, layer, job.step_positions)
-
-    def _plan(self, job: _SendJob) -> None:
-        if job.plan is None:
-            src_pages = self.engine.page_table(job.request.req_id)[: job.n_pages]
-            job.plan = build_plan(self.layout, job.dst_layout, src_pages, job.request.dst_pages, self._rng)
 
     def _post(self, job: _SendJob, layer: int, positions) -> None:
         req = job.request
@@ -297,8 +295,8 @@ class NixlKVReceiver(KVReceiver):
             timeout_s=self.queue_timeout_s,  # until the prefill instance reports it started
             peer=peer,
             on_release=lambda rid, generation: on_release(rid),
+            waiting_for="queued at the prefill instance",
         )
-        self.agent.rearm(req_id, handle.generation, self.queue_timeout_s, "queued at the prefill instance")
         return ReceiveTicket(handle.generation, handle.slot, n_pages, expected)
 
     def started(self, req_id: str, generation: int) -> None:

@@ -321,7 +321,7 @@ class LLMEngine:
             raise ValueError(f"request {req_id!r} is already active")
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
-        vocab = self.runner.dims().vocab_size
+        vocab = self.runner.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if len(prompt) >= self.max_model_len:

@@ -43,11 +43,6 @@ class KVCacheSpec:
     shards: tuple[torch.Tensor, ...]
 
     @property
-    def bytes_per_page_per_layer(self) -> int:
-        """One page of one layer, all heads of all shards (K and V)."""
-        return sum(t[0, 0].numel() * t.element_size() for t in self.shards)
-
-    @property
     def total_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.shards)
 

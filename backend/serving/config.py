@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 
 from backend.disagg.config import ConnectorConfig
-from backend.engine.config import EngineConfig, field_types, parse_section
+from backend.engine.config import EngineConfig, field_types, parse_section, parse_value
 from backend.engine.sampling_params import DRAFT_METHODS, MAX_DRAFT_TOKENS
 
 ROLES = ("aggregated", "prefill", "decode")
@@ -77,18 +77,30 @@ class ServingConfig:
 SECTIONS = {"engine": EngineConfig, "serving": ServingConfig, "connector": ConnectorConfig}
 
 
-def _section_keys() -> dict[str, str]:
-    """parameter name -> its section (names are unique across sections)."""
-    keys: dict[str, str] = {}
+def _fields() -> dict[str, tuple[str, type]]:
+    """parameter name -> (its section, its value type); names are unique across sections."""
+    fields: dict[str, tuple[str, type]] = {}
     for section, cls in SECTIONS.items():
-        for name in field_types(cls):
-            if name in keys:
-                raise AssertionError(f"parameter {name!r} is in sections {keys[name]} and {section}")
-            keys[name] = section
-    return keys
+        for name, typ in field_types(cls).items():
+            if name in fields:
+                raise AssertionError(f"parameter {name!r} is in sections {fields[name][0]} and {section}")
+            fields[name] = (section, typ)
+    return fields
 
 
-SECTION_OF = _section_keys()
+FIELDS = _fields()
+
+
+def _by_section(params: dict) -> dict[str, dict]:
+    """The parameters other than ``role``, grouped by section; an unknown one is refused by name."""
+    unknown = sorted(k for k in params if k != "role" and k not in FIELDS)
+    if unknown:
+        raise ValueError(f"unknown parameter(s) {unknown}; known: {sorted(['role', *FIELDS])}")
+    grouped: dict[str, dict] = {s: {} for s in SECTIONS}
+    for key, value in params.items():
+        if key != "role":
+            grouped[FIELDS[key][0]][key] = value
+    return grouped
 
 
 @dataclass(frozen=True)
@@ -104,13 +116,7 @@ class InstanceConfig:
         role = str(params.get("role") or "aggregated").strip()
         if role not in ROLES:
             raise ValueError(f"parameter 'role' must be one of {list(ROLES)}, got {role!r}")
-        unknown = sorted(k for k in params if k != "role" and k not in SECTION_OF)
-        if unknown:
-            raise ValueError(f"unknown parameter(s) {unknown}; known: {sorted(['role', *SECTION_OF])}")
-        by_section: dict[str, dict] = {s: {} for s in SECTIONS}
-        for key, value in params.items():
-            if key != "role":
-                by_section[SECTION_OF[key]][key] = value
+        by_section = _by_section(params)
         if not str(by_section["engine"].get("model_path") or "").strip():
             raise ValueError(
                 "parameter 'model_path' is empty: give the checkpoint directory "
@@ -159,15 +165,10 @@ def check_parameters(role: str, params: dict) -> None:
     if role == "front":
         FrontConfig.from_parameters(params)
         return
-    unknown = sorted(k for k in params if k != "role" and k not in SECTION_OF)
-    if unknown:
-        raise ValueError(f"unknown parameter(s) {unknown} for a {role} model")
-    types = {**field_types(EngineConfig), **field_types(ServingConfig), **field_types(ConnectorConfig)}
-    from backend.engine.config import parse_value
-
-    for key, value in params.items():
-        if key != "role" and str(value).strip():
-            parse_value(key, value, types[key])
+    for values in _by_section(params).values():
+        for key, value in values.items():
+            if str(value).strip():
+                parse_value(key, value, FIELDS[key][1])
 
 
 def _to_string(value) -> str:

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from backend.disagg import auth
 from backend.disagg.messenger import PrefillEndpoint
@@ -37,7 +37,6 @@ log = logging.getLogger("triton_disagg.decode")
 class KVWait:
     session: GenerationSession
     endpoint: PrefillEndpoint
-    t_start: float = field(default_factory=time.perf_counter)
     cancel_sent: bool = False
 
 
@@ -251,9 +250,6 @@ class DecodeWorker:
             s["requests_waiting_kv"] = len(self.waiting_kv) + len(self.waiting_pages)
         s.update(self.receiver.stats())
         return s
-
-    def health(self) -> str | None:
-        return self.engine.health()
 
     def shutdown(self) -> None:
         self._stop.set()

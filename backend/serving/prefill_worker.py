@@ -40,9 +40,7 @@ class PrefillWorker:
         self._owners: dict[str, Connection] = {}  # req_id -> the connection that asked for it
         self._lock = threading.Lock()
         self.server: MessengerServer | None = None
-        self.sender = NixlKVSender(
-            self.engine, config.connector, name, self._peer_layout, self._on_send_error, self._on_started
-        )
+        self.sender = NixlKVSender(self.engine, config.connector, name, self._on_send_error, self._on_started)
         self.loop = EngineLoop(self.engine, name=f"{name}-engine")
         c = config.connector
         self.server = MessengerServer(
@@ -66,9 +64,6 @@ class PrefillWorker:
             f"{'layer-wise streaming' if self.config.connector.stream_layers else 'send after prefill'}"
         )
 
-    def _peer_layout(self, peer: str):
-        return self.server.peer_layouts[peer]
-
     # ------------------------------------------------------------ messenger (network threads)
     def _on_message(self, peer: str, msg: Message, conn: Connection) -> None:
         if isinstance(msg, PrefillRequest):
@@ -89,7 +84,7 @@ class PrefillWorker:
         try:
             if down:
                 raise ValueError(down)
-            self._check(peer, msg)
+            self._check(msg)
             self.sender.add_request(request)
         except ValueError as e:
             kind = ErrorKind.OUT_OF_SERVICE if down else ErrorKind.BAD_REQUEST
@@ -100,18 +95,14 @@ class PrefillWorker:
         log.debug("prefill %s: %d tokens -> %d pages of %s", msg.req_id, len(msg.tokens), len(msg.dst_pages), peer)
         self.loop.submit(msg.req_id, msg.tokens, SamplingParams(max_tokens=1), self._on_output, prefill_only=True)
 
-    def _check(self, peer: str, msg: PrefillRequest) -> None:
-        """Every field within this deployment's limits, before anything reaches the engine: a bad
-        request fails alone (here), never the batch it would have joined."""
+    def _check(self, msg: PrefillRequest) -> None:
+        """Tokens within this engine's limits, before anything reaches the engine: a bad request
+        fails alone (here or, for its destination pages, in the sender), never the batch it would
+        have joined."""
         if not 0 < len(msg.tokens) < self.max_model_len:
             raise ValueError(f"{len(msg.tokens)} tokens: must be 1..{self.max_model_len - 1}")
         if max(msg.tokens) >= self.vocab_size:
             raise ValueError(f"token id {max(msg.tokens)} is outside the vocabulary of {self.vocab_size}")
-        pages = self.server.peer_pages[peer]
-        if msg.dst_pages and max(msg.dst_pages) >= pages:
-            raise ValueError(f"destination page {max(msg.dst_pages)} is outside the receiver's pool of {pages} pages")
-        if len(set(msg.dst_pages)) != len(msg.dst_pages):
-            raise ValueError("destination pages repeat")
 
     def _cancel(self, req_id: str, reason: str) -> None:
         if self.sender.has(req_id):
@@ -174,9 +165,6 @@ class PrefillWorker:
     # ------------------------------------------------------------ serving-layer interface
     def stats(self) -> dict:
         return {**pool_gauges(self.engine.pool_stats()), **self.sender.stats()}
-
-    def health(self) -> str | None:
-        return self.engine.health()
 
     def shutdown(self) -> None:
         self.server.close()

@@ -16,7 +16,7 @@ from backend.serving.session import GenerationSession
 
 class Worker(Protocol):
     """``submit`` a session (answered through the session), ``cancel`` one; ``stats`` feeds the
-    metrics; ``health`` is None while the instance serves."""
+    metrics."""
 
     max_model_len: int
     vocab_size: int
@@ -25,7 +25,6 @@ class Worker(Protocol):
     def submit(self, session: GenerationSession) -> None: ...
     def cancel(self, req_id: str) -> None: ...
     def stats(self) -> dict: ...
-    def health(self) -> str | None: ...
     def shutdown(self) -> None: ...
 
 
