@@ -58,6 +58,12 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
         help="file holding the secret KV messenger peers prove (split deployments: the same file on "
         "every server; default: a secret generated for this run)",
     )
+    p.add_argument(
+        "--fabric-device",
+        default=None,
+        help="network device(s) the KV fabric (NIXL/UCX) may use, e.g. eth0 (UCX_NET_DEVICES); default: "
+        "loopback when the messenger addresses are loopback, else UCX's choice",
+    )
     p.add_argument("--log-file", default=None)
 
 
@@ -78,6 +84,8 @@ def start_server(args):
     from build_scripts.prepare_model import ensure_model
 
     overrides = _overrides(args.set)
+    if args.fabric_device:
+        overrides["fabric_device"] = args.fabric_device
     if args.messenger_secret_file:
         overrides["messenger_secret_file"] = str(Path(args.messenger_secret_file).resolve())
     elif args.mode in ("prefill", "decode") and not os.environ.get(SECRET_ENV):

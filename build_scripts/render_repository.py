@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 from backend.serving.config import check_parameters, parameter_defaults
-from backend.serving.tensors import CANCEL_INPUT, INPUTS, OUTPUTS, TensorSpec, pbtxt_list
+from backend.serving.tensors import CONTROL_INPUTS, INPUTS, OUTPUTS, TensorSpec, pbtxt_list
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "model_repository"
 TEMPLATE = "config.pbtxt.template"
@@ -27,8 +27,8 @@ _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
 
 TENSOR_LISTS = {
     "client_inputs": pbtxt_list(INPUTS),
-    # optional on decode so the front model can send control requests (cancel_request_id)
-    "decode_inputs": pbtxt_list(INPUTS + (CANCEL_INPUT,), force_optional=True),
+    # optional on decode so the front model can send control requests (cancel, health probe)
+    "decode_inputs": pbtxt_list(INPUTS + CONTROL_INPUTS, force_optional=True),
     "prefill_inputs": pbtxt_list((TensorSpec("text_input", "TYPE_STRING"),)),
     "client_outputs": pbtxt_list(OUTPUTS),
     "prefill_outputs": pbtxt_list((TensorSpec("text_output", "TYPE_STRING", optional=False),)),

@@ -34,6 +34,7 @@ through ``on_send_error`` and ``finish_send``'s callback; they never raise into 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -189,6 +190,7 @@ class FabricAgent:
         xfer_timeout_s: float = 30.0,
         on_send_error: ErrorCallback | None = None,
         nixl_progress_thread: bool = False,
+        net_devices: str | None = None,
     ):
         if len(shards) != layout.tp_size:
             raise ValueError(f"{len(shards)} shard pools given, layout has TP {layout.tp_size}")
@@ -208,6 +210,10 @@ class FabricAgent:
         if self.meta is not None:
             to_register.append(self.meta)
 
+        if net_devices and backend == "UCX":
+            # UCX reads its configuration when the backend starts: this process's agent (and a
+            # TP rank started after it) listens and sends only on these devices
+            os.environ["UCX_NET_DEVICES"] = net_devices
         self._nixl = self._start_nixl(name, backend, nixl_progress_thread)
         self._regs = [self._nixl.register_memory(t, backends=[backend]) for t in to_register]
         self._meta_local_dl = (
@@ -234,12 +240,13 @@ class FabricAgent:
         self._thread = threading.Thread(target=self._progress_loop, name=f"fabric-{name}", daemon=True)
         self._thread.start()
         log.info(
-            "fabric agent %s: %s, %d shard(s), %s pages/shard, backend %s",
+            "fabric agent %s: %s, %d shard(s), %s pages/shard, backend %s, network devices %s",
             name,
             layout.layout,
             layout.tp_size,
             self._n_pages,
             backend,
+            os.environ.get("UCX_NET_DEVICES", "all") if backend == "UCX" else "-",
         )
 
     # ---------------------------------------------------------------- setup / handshake

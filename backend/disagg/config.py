@@ -3,6 +3,8 @@ fabric agent, the messenger and the transfer deadlines. An aggregated instance i
 
 from __future__ import annotations
 
+import ipaddress
+import os
 from dataclasses import dataclass
 
 
@@ -22,7 +24,11 @@ class ConnectorConfig:
     deployment secret peers prove (default: environment variable
     ``TRITON_DISAGG_MESSENGER_SECRET``; see ``backend/disagg/auth.py``).
     ``messenger_max_connections`` (prefill role): decode instances connected at once.
-    ``messenger_handshake_timeout_s``: the whole handshake's deadline."""
+    ``messenger_handshake_timeout_s``: the whole handshake's deadline. ``fabric_device``: the
+    network device(s) NIXL's UCX transport may listen and send on (``UCX_NET_DEVICES``, e.g.
+    ``eth0`` or ``mlx5_0:1``); ``auto``: loopback (``lo``) when every messenger address of this
+    instance is a loopback address, else UCX's default (every device) unless the environment
+    sets ``UCX_NET_DEVICES``; ``all``: UCX's default."""
 
     fabric_backend: str = "UCX"
     meta_slots: int = 64
@@ -37,6 +43,7 @@ class ConnectorConfig:
     messenger_secret_file: str = ""
     messenger_max_connections: int = 64
     messenger_handshake_timeout_s: float = 10.0
+    fabric_device: str = "auto"
 
     def __post_init__(self) -> None:
         if self.meta_slots < 1:
@@ -68,3 +75,23 @@ class ConnectorConfig:
         if not out:
             raise ValueError("no prefill endpoints configured (parameter 'prefill_endpoints')")
         return out
+
+    def net_devices(self) -> str | None:
+        """The ``UCX_NET_DEVICES`` this instance's fabric agent uses; None: leave UCX's choice."""
+        if self.fabric_device == "all":
+            return None
+        if self.fabric_device != "auto":
+            return self.fabric_device
+        if os.environ.get("UCX_NET_DEVICES"):
+            return None  # the operator chose already
+        hosts = [h for h, _ in self.endpoints()] if self.prefill_endpoints else [self.messenger_host]
+        return "lo" if all(_is_loopback(h) for h in hosts) else None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

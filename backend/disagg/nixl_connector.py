@@ -73,6 +73,7 @@ def make_agent(
         quarantine_s=config.kv_quarantine_s,
         xfer_timeout_s=config.kv_xfer_timeout_s,
         on_send_error=on_send_error,
+        net_devices=config.net_devices(),
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 DRAFT_METHODS = ("lookup", "hidden")
@@ -39,8 +40,8 @@ class SamplingParams:
         self.stop_token_ids = tuple(tuple(int(t) for t in seq) for seq in self.stop_token_ids)
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not (self.temperature >= 0.0):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (0.0 <= self.temperature < math.inf):
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (0.0 < self.top_p <= 1.0):

@@ -1,4 +1,9 @@
-"""Start and stop a real ``tritonserver`` on a model repository, and wait until it is ready."""
+"""Start and stop a real ``tritonserver`` on a model repository, and wait until it is ready.
+
+The server runs with explicit model control, so a :class:`Supervisor`
+(``backend/launch/supervisor.py``) can reload a model whose instance died. A stop drains
+first (``backend/triton/lifecycle.py``): the models end their streams, then Triton gets SIGINT
+and unloads everything within its exit timeout."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from backend.disagg import auth
 from backend.disagg.auth import SECRET_ENV
 from backend.launch.ports import free_port
 from backend.launch.triton_install import install_stub
+from backend.triton.lifecycle import drain_file
 
 log = logging.getLogger("triton_disagg.server")
 
@@ -34,6 +40,8 @@ class TritonServer:
         extra_env: dict | None = None,
         log_verbose: int = 0,
         netns: str | None = None,
+        supervise: bool = True,
+        exit_timeout_s: int = 10,
     ):
         self.repo = Path(model_repository).resolve()
         self.host = host
@@ -45,6 +53,9 @@ class TritonServer:
         self.extra_env = extra_env or {}
         self.log_verbose = log_verbose
         self.netns = netns
+        self.supervise = supervise
+        self.exit_timeout_s = exit_timeout_s
+        self.supervisor = None
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -86,7 +97,9 @@ class TritonServer:
             "--allow-cpu-metrics",
             "false",
             "--exit-timeout-secs",
-            "10",
+            str(self.exit_timeout_s),
+            "--model-control-mode=explicit",
+            "--load-model=*",
             f"--log-verbose={self.log_verbose}",
         ]
         if self.netns:
@@ -99,6 +112,7 @@ class TritonServer:
         # the KV messenger's deployment secret: one per server unless the caller shares one
         env.setdefault(SECRET_ENV, auth.new_secret())
         self.messenger_secret = env[SECRET_ENV]
+        drain_file(self.repo).unlink(missing_ok=True)  # left by a stop that was cut short
         out = open(self.log_file, "ab") if self.log_file else None
         log.info(
             "starting tritonserver: repository %s, http %s, grpc %s, metrics %s",
@@ -121,6 +135,10 @@ class TritonServer:
         except BaseException:
             self.stop()
             raise
+        if self.supervise:
+            from backend.launch.supervisor import Supervisor
+
+            self.supervisor = Supervisor(self).start()
         return self
 
     def is_ready(self) -> bool:
@@ -145,22 +163,51 @@ class TritonServer:
             f"tritonserver not ready after {timeout_s:.0f}s" + (f"; see {self.log_file}" if self.log_file else "")
         )
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGINT (graceful), then SIGKILL of the whole process group (stubs included)."""
+    def stop(self, timeout_s: float = 30.0, drain_timeout_s: float = 5.0) -> None:
+        """Drain (the models end their requests), SIGINT (graceful: Triton unloads every model
+        within its exit timeout), then SIGKILL of the whole process group (stubs included)."""
         if self.proc is None:
             return
+        if self.supervisor is not None:
+            self.supervisor.stop()
+            self.supervisor = None
         if self.proc.poll() is None:
+            self.drain(drain_timeout_s)
             try:
                 os.killpg(self.proc.pid, signal.SIGINT)
                 self.proc.wait(timeout_s)
             except (subprocess.TimeoutExpired, ProcessLookupError):
                 pass
+            drain_file(self.repo).unlink(missing_ok=True)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         self.proc.wait()
         self.proc = None
+
+    def drain(self, timeout_s: float) -> None:
+        """Ask every model to end its requests; wait until none is active (or ``timeout_s``)."""
+        drain_file(self.repo).touch()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            active = self.requests_active()
+            if active == 0:
+                return
+            time.sleep(0.2)
+        log.warning("drain: requests still active after %.0fs; stopping anyway", timeout_s)
+
+    def requests_active(self) -> float | None:
+        """Sum of ``triton_disagg_requests_active`` over the models (None: metrics unreadable)."""
+        try:
+            text = requests.get(self.metrics_url, timeout=2).text
+        except requests.RequestException:
+            return None
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("triton_disagg_requests_active{")
+        )
 
     def instance_pids(self) -> dict[str, int]:
         """Python-backend stub processes of this server: model instance name -> pid."""
@@ -171,6 +218,8 @@ class TritonServer:
             return out
         for child in psutil.Process(self.proc.pid).children(recursive=True):
             try:
+                if child.status() == psutil.STATUS_ZOMBIE:  # a dead stub Triton has not reaped
+                    continue
                 args = child.cmdline()
             except psutil.Error:
                 continue

@@ -45,13 +45,16 @@ class Admission:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._tag = uuid.uuid4().hex[:6]  # request ids stay unique across servers and restarts
+        self._draining: str | None = None  # set once: why new requests are refused
 
     def admit(self, get: Getter, sink: ResponseSink, external_id: str = "") -> None:
         """Start one request; every failure is answered through ``sink`` with its kind. A request
         with a grammar returns at once: its grammar compiles on a worker thread and the rest of
         the admission runs when it is ready (:meth:`_admit_guided`)."""
         try:
-            req = parse_request(get, max_tokens_limit=self.max_tokens_limit)
+            req = parse_request(
+                get, max_tokens_limit=self.max_tokens_limit, max_input_bytes=self.config.serving.max_input_bytes
+            )
             if req.guided_json is not None or req.guided_regex is not None:
                 self._admit_guided(req, sink, external_id)
             else:
@@ -66,6 +69,8 @@ class Admission:
         """Tokenize, take an in-flight slot, open the session, hand it to the worker."""
         prompt_ids = self._tokenize(req)
         with self._lock:
+            if self._draining is not None:
+                raise RequestError(self._draining, ErrorKind.OUT_OF_SERVICE)
             if len(self.sessions) >= self.max_in_flight:
                 raise RequestError(
                     f"{len(self.sessions)} requests in flight (max_queue_size {self.max_in_flight}); retry later",
@@ -150,6 +155,19 @@ class Admission:
     def close(self) -> None:
         self._compile_pool.shutdown(wait=False, cancel_futures=True)
 
+    def drain(self, reason: str) -> int:
+        """Refuse every new request with ``reason`` and end every one in flight with it (their
+        work stops as for a client cancel, so their pages come back). Returns how many ended."""
+        with self._lock:
+            self._draining = reason
+            sessions = list(self.sessions.values())
+        for session in sessions:
+            session.cancelled = True
+            self.worker.cancel(session.req_id)
+            session.fail(reason, ErrorKind.OUT_OF_SERVICE)
+        log.info("%s: draining (%s); ended %d request(s) in flight", self.name, reason, len(sessions))
+        return len(sessions)
+
     def cancel_by_external_id(self, external_id: str) -> None:
         with self._lock:
             session = self.sessions.get(self.by_external_id.get(external_id, ""))
@@ -181,6 +199,8 @@ class Admission:
             )
         if req.end_id is None:
             req.end_id = self.tokenizer.eos_token_id
+        elif not 0 <= req.end_id < self.worker.vocab_size:
+            raise RequestError(f"'end_id' {req.end_id} is outside the vocabulary of {self.worker.vocab_size} tokens")
         return ids
 
     def _on_done(self, session: GenerationSession, reason: str) -> None:

@@ -38,6 +38,9 @@ class AggregatedWorker:
     def stats(self) -> dict:
         return pool_gauges(self.engine.pool_stats())
 
+    def health(self) -> str | None:
+        return self.engine.health()
+
     def shutdown(self) -> None:
         self.loop.shutdown()
         self.engine.close()

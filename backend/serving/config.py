@@ -26,7 +26,8 @@ class ServingConfig:
     Guided decoding: a ``guided_json`` / ``guided_regex`` longer than ``max_grammar_bytes`` is
     refused; grammars compile on a worker thread, off the request path, and a request whose
     grammar takes longer than ``max_grammar_compile_s`` fails alone; compiled grammars are
-    cached up to ``grammar_cache_bytes``."""
+    cached up to ``grammar_cache_bytes``. A prompt (``text_input``) longer than
+    ``max_input_bytes`` is refused before it is decoded or tokenized."""
 
     max_queue_size: int = 256
     speculative_k: int = 0
@@ -37,6 +38,7 @@ class ServingConfig:
     max_grammar_bytes: int = 65536
     max_grammar_compile_s: float = 10.0
     grammar_cache_bytes: int = 64 << 20
+    max_input_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         if self.max_queue_size < 1:
@@ -50,7 +52,7 @@ class ServingConfig:
         for name in ("page_wait_timeout_s", "max_grammar_compile_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("max_grammar_bytes", "grammar_cache_bytes"):
+        for name in ("max_grammar_bytes", "grammar_cache_bytes", "max_input_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         self.cores()
@@ -132,13 +134,23 @@ class InstanceConfig:
 
 @dataclass(frozen=True)
 class FrontConfig:
-    """The disaggregated front model: ``decode_models`` it routes to (comma-separated)."""
+    """The disaggregated front model: ``decode_models`` it routes to (comma-separated). Each is
+    probed every ``health_probe_interval_s``; a probe unanswered within ``health_probe_timeout_s``
+    or answered "not serving" counts as failed, and ``health_probe_failures`` failures in a row
+    take the decode model out of routing (and fail the requests in flight on it) until a probe
+    succeeds again."""
 
     decode_models: str = "decode"
+    health_probe_interval_s: float = 1.0
+    health_probe_timeout_s: float = 5.0
+    health_probe_failures: int = 2
 
     def __post_init__(self) -> None:
         if not self.targets():
             raise ValueError("parameter 'decode_models' lists no decode model")
+        for name in ("health_probe_interval_s", "health_probe_timeout_s", "health_probe_failures"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
     def targets(self) -> list[str]:
         return [m.strip() for m in self.decode_models.split(",") if m.strip()]
@@ -151,7 +163,7 @@ class FrontConfig:
 def parameter_defaults(role: str) -> dict[str, str]:
     """Every parameter of a role's model with its default, as config.pbtxt strings."""
     if role == "front":
-        return {"decode_models": FrontConfig.decode_models}
+        return {f.name: _to_string(f.default) for f in FrontConfig.__dataclass_fields__.values()}
     out = {"role": role, "model_path": ""}
     for cls in (EngineConfig, ServingConfig, ConnectorConfig):
         for f in cls.__dataclass_fields__.values():

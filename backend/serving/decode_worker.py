@@ -244,10 +244,20 @@ class DecodeWorker:
     def cancel(self, req_id: str) -> None:
         self.loop.cancel(req_id)
 
+    def health(self) -> str | None:
+        down = self.engine.health()
+        if down:
+            return f"decode instance {self.name}: {down}"
+        if not any(e.connected for e in self.endpoints):
+            errs = "; ".join(f"{e.address}: {e.last_error}" for e in self.endpoints)
+            return f"decode instance {self.name}: no prefill instance connected ({errs})"
+        return None
+
     def stats(self) -> dict:
         s = pool_gauges(self.engine.pool_stats())
         with self._lock:
             s["requests_waiting_kv"] = len(self.waiting_kv) + len(self.waiting_pages)
+        s["prefill_endpoints_connected"] = sum(e.connected for e in self.endpoints)
         s.update(self.receiver.stats())
         return s
 

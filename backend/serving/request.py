@@ -48,6 +48,9 @@ class ClientRequest:
 
 Getter = Callable[[str], np.ndarray | None]
 
+MAX_STOP_WORDS = 32
+MAX_STOP_WORD_BYTES = 1024
+
 
 def _as_str(v) -> str:
     if isinstance(v, (bytes, np.bytes_)):
@@ -84,7 +87,15 @@ def _strings(get: Getter, name: str) -> list[str] | None:
     return [_as_str(v) for v in arr.reshape(-1)]
 
 
-def parse_request(get: Getter, *, max_tokens_limit: int) -> ClientRequest:
+def parse_request(get: Getter, *, max_tokens_limit: int, max_input_bytes: int = 1 << 20) -> ClientRequest:
+    """Every input checked here, before a session exists: types, one value each, numbers
+    finite and in range, strings within their limits (``max_input_bytes`` for the prompt,
+    :data:`MAX_STOP_WORDS` of at most :data:`MAX_STOP_WORD_BYTES` each)."""
+    raw = get("text_input")
+    if raw is not None and np.asarray(raw).dtype.kind in "OSU":
+        size = sum(len(v) if isinstance(v, (bytes, str)) else 0 for v in np.asarray(raw).reshape(-1))
+        if size > max_input_bytes:  # before decoding or tokenizing it
+            raise RequestError(f"'text_input' has {size} bytes; the limit is {max_input_bytes} (max_input_bytes)")
     texts = _strings(get, "text_input")
     if not texts:
         raise RequestError("input 'text_input' is required")
@@ -116,6 +127,10 @@ def parse_request(get: Getter, *, max_tokens_limit: int) -> ClientRequest:
             setattr(req, attr, v)
     stops = _strings(get, "stop_words")
     if stops:
+        if len(stops) > MAX_STOP_WORDS:
+            raise RequestError(f"'stop_words' has {len(stops)} entries; the limit is {MAX_STOP_WORDS}")
+        if any(len(s.encode()) > MAX_STOP_WORD_BYTES for s in stops):
+            raise RequestError(f"a stop word is longer than {MAX_STOP_WORD_BYTES} bytes")
         req.stop_words = [s for s in stops if s]
     _parse_decode_options(get, req)
     _check_sampling(req)

@@ -55,6 +55,9 @@ INPUTS = (
 )
 # Sent by the front model to a decode model: cancel the request with this Triton request id.
 CANCEL_INPUT = TensorSpec("cancel_request_id", "TYPE_STRING")
+# Sent by the front model to a decode model: answer whether you can serve (its health probe).
+PROBE_INPUT = TensorSpec("health_probe", "TYPE_BOOL")
+CONTROL_INPUTS = (CANCEL_INPUT, PROBE_INPUT)
 
 OUTPUTS = (
     TensorSpec("text_output", "TYPE_STRING", optional=False),
@@ -64,7 +67,7 @@ OUTPUTS = (
     TensorSpec("finish_reason", "TYPE_STRING", optional=False, dims="1"),
 )
 
-INPUTS_BY_NAME = {t.name: t for t in INPUTS + (CANCEL_INPUT,)}
+INPUTS_BY_NAME = {t.name: t for t in INPUTS + CONTROL_INPUTS}
 
 
 def pbtxt_list(specs, force_optional: bool = False) -> str:

@@ -16,7 +16,7 @@ from backend.serving.session import GenerationSession
 
 class Worker(Protocol):
     """``submit`` a session (answered through the session), ``cancel`` one; ``stats`` feeds the
-    metrics."""
+    metrics; ``health`` says why the worker cannot serve now (None: it can)."""
 
     max_model_len: int
     vocab_size: int
@@ -25,6 +25,7 @@ class Worker(Protocol):
     def submit(self, session: GenerationSession) -> None: ...
     def cancel(self, req_id: str) -> None: ...
     def stats(self) -> dict: ...
+    def health(self) -> str | None: ...
     def shutdown(self) -> None: ...
 
 

@@ -1,11 +1,14 @@
 """Triton Python-backend front model of the disaggregated deployment.
 
 Clients call it with the same tensors as the aggregated ``llm`` model. It sends each request
-to one decode model (least requests in flight; the decode models are listed in the
-``decode_models`` parameter) with a decoupled BLS call and streams the responses back as they
-arrive. A response whose ``finish_reason`` is set is the last one. A client that cancels
-gets its request cancelled on the decode model by a control request (``cancel_request_id``),
-so the decode instance (and the prefill instance working for it) stop and free their pages.
+to one decode model (the serving one with the fewest requests in flight, by the health state
+of ``backend/triton/decode_targets.py``; the decode models are listed in the ``decode_models``
+parameter) with a decoupled BLS call and streams the responses back as they arrive. A
+response whose ``finish_reason`` is set is the last one. A client that cancels gets its
+request cancelled on the decode model by a control request (``cancel_request_id``), so the
+decode instance (and the prefill instance working for it) stop and free their pages. When a
+decode model goes down, its requests fail here at once; when the deployment stops
+(``backend/triton/lifecycle.py``), every request does.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -20,83 +24,130 @@ from backend.engine.outputs import ErrorKind
 from backend.serving.config import FrontConfig
 from backend.serving.errors import parse_error
 from backend.serving.tensors import OUTPUTS
+from backend.triton.decode_targets import DecodeTargets
+from backend.triton.lifecycle import DRAIN_MESSAGE, DrainWatch
 from backend.triton.model_args import init_model
 from backend.triton.sender import GuardedSender, triton_error
 
 log = logging.getLogger("triton_disagg.front")
+MAX_ATTEMPTS = 2  # decode models a request without output is tried on
 
 
 class TritonPythonModel:
     def initialize(self, args):
         self.pb, cfg, params, _ = init_model(args)
-        self.targets = FrontConfig.from_parameters(params).targets()
+        config = FrontConfig.from_parameters(params)
         self.outputs = [o.name for o in OUTPUTS]
-        self.inflight = {t: 0 for t in self.targets}
-        self.out_of_service: set[str] = set()  # decode models that answered with kind out_of_service
-        self._lock = threading.Lock()
-        log.info("front model %s: routing to %s", cfg["name"], self.targets)
+        self.draining = False
+        self.targets = DecodeTargets(self.pb, config, self._fail_lost)
+        self.metrics = FrontMetrics(self.pb, cfg["name"], self.targets)
+        self.drain = DrainWatch(args["model_repository"], self._drain)
+        log.info("front model %s: routing to %s", cfg["name"], config.targets())
 
     def execute(self, requests):
+        pb = self.pb
         for request in requests:
-            sender = GuardedSender(self.pb, request.get_response_sender())
-            inputs = [self.pb.Tensor(t.name(), t.as_numpy()) for t in request.inputs()]
-            with self._lock:
-                live = [t for t in self.targets if t not in self.out_of_service] or self.targets
-                target = min(live, key=lambda t: self.inflight[t])
-                self.inflight[target] += 1
-            threading.Thread(target=self._forward, args=(sender, target, inputs), daemon=True).start()
+            sender = GuardedSender(pb, request.get_response_sender())
+            fwd = Forwarding(sender, [pb.Tensor(t.name(), t.as_numpy()) for t in request.inputs()])
+            target = None if self.draining else self.targets.pick(fwd)
+            if target is None:
+                why = DRAIN_MESSAGE if self.draining else f"no decode model is serving ({self.targets.down_reasons()})"
+                _send_error(pb, sender, ErrorKind.OUT_OF_SERVICE, why)
+                continue
+            self._start(fwd, target)
         return None
 
-    def _forward(self, sender, target: str, inputs) -> None:
+    def _start(self, fwd: "Forwarding", target: str) -> None:
+        with fwd.lock:
+            fwd.attempt += 1
+            attempt = fwd.attempt
+        threading.Thread(target=self._forward, args=(fwd, target, attempt), daemon=True).start()
+
+    def _reroute(self, fwd: "Forwarding", target: str, reason: str) -> None:
+        """``target`` did not serve a request that has no output yet: send it to another
+        serving decode model (once), else fail it."""
+        retry = None
+        if not self.draining and fwd.attempt < MAX_ATTEMPTS:
+            retry = self.targets.pick(fwd, exclude=target)
+        if retry is None:
+            _send_error(self.pb, fwd.sender, ErrorKind.OUT_OF_SERVICE, f"decode model {target}: {reason}")
+            return
+        log.warning("decode model %s did not serve a request (%s); sending it to %s", target, reason, retry)
+        self._start(fwd, retry)
+
+    def _fail_lost(self, target: str, reason: str, lost: list) -> None:
+        """``target`` went down (or the server drains): its requests without output yet go
+        elsewhere; the others fail now (a dead instance would never finish them)."""
+        for fwd in lost:
+            if target and not fwd.relayed:
+                self._reroute(fwd, target, f"stopped serving ({reason})")
+            else:
+                message = reason if not target else f"decode model {target} stopped serving ({reason}); request lost"
+                _send_error(self.pb, fwd.sender, ErrorKind.OUT_OF_SERVICE, message)
+
+    def _drain(self) -> None:
+        self.draining = True
+        self.targets.close()  # no more probes: the decode models drain too
+        self._fail_lost("", DRAIN_MESSAGE, self.targets.all_inflight())
+
+    def _forward(self, fwd: "Forwarding", target: str, attempt: int) -> None:
+        refused = self._forward_once(fwd, target, attempt)
+        self.targets.done(target, fwd)
+        if refused is not None and fwd.attempt == attempt:
+            self.targets.mark_failed(target, refused)
+            self._reroute(fwd, target, refused)
+
+    def _forward_once(self, fwd: "Forwarding", target: str, attempt: int):
+        """Relay one attempt. Returns why the decode model did not take the request (its
+        out-of-service error, or an error that is not ours, e.g. Triton's for a dead stub; the
+        caller sends it elsewhere), or None when it is answered or failed for good."""
         pb = self.pb
-        final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         stop = threading.Event()
         request_id = f"front-{uuid.uuid4().hex}"
         # exec() below blocks until the first response; the watcher must run already
-        threading.Thread(target=self._watch_cancel, args=(sender, target, request_id, stop), daemon=True).start()
+        threading.Thread(target=self._watch_cancel, args=(fwd.sender, target, request_id, stop), daemon=True).start()
         try:
             responses = pb.InferenceRequest(
-                model_name=target, inputs=inputs, request_id=request_id, requested_output_names=self.outputs
+                model_name=target, inputs=fwd.inputs, request_id=request_id, requested_output_names=self.outputs
             ).exec(decoupled=True)
-            if not self._relay(sender, responses, target) and not sender.is_cancelled():
-                sender.send(flags=final)
+            return self._relay(fwd, attempt, responses, target)
         except Exception as e:
-            log.exception("forwarding to %s failed", target)
-            try:
-                sender.send(
-                    pb.InferenceResponse(error=triton_error(pb, ErrorKind.INTERNAL, f"front model: {e}")), flags=final
-                )
-            except Exception:
-                pass
+            if fwd.attempt == attempt and not fwd.sender.closed:
+                log.exception("forwarding to %s failed", target)
+                _send_error(pb, fwd.sender, ErrorKind.INTERNAL, f"front model: {e}")
+            return None
         finally:
             stop.set()
-            with self._lock:
-                self.inflight[target] -= 1
 
-    def _relay(self, sender, responses, target: str) -> bool:
-        """Pass responses on until the last one; True if a final response was sent."""
+    def _relay(self, fwd: "Forwarding", attempt: int, responses, target: str):
         pb = self.pb
         final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        sender = fwd.sender
         for resp in responses:
-            if sender.is_cancelled():
-                return False
-            if resp.has_error():
-                kind, _ = parse_error(resp.error().message())
-                if kind is ErrorKind.OUT_OF_SERVICE:
-                    log.warning("decode model %s is out of service; routing around it", target)
-                    with self._lock:
-                        self.out_of_service.add(target)
-                sender.send(pb.InferenceResponse(error=resp.error()), flags=final)
-                return True
-            tensors = resp.output_tensors()
-            if not tensors:
-                continue
-            reason = pb.get_output_tensor_by_name(resp, "finish_reason")
-            last = reason is not None and reason.as_numpy().reshape(-1)[0] not in (b"", "")
-            sender.send(pb.InferenceResponse(output_tensors=tensors), flags=final if last else 0)
-            if last:
-                return True
-        return False
+            with fwd.lock:
+                if fwd.attempt != attempt or sender.closed:  # superseded, or failed here already
+                    return None
+                if sender.is_cancelled():
+                    return None
+                if resp.has_error():
+                    kind, message = parse_error(resp.error().message())
+                    if not fwd.relayed and kind in (None, ErrorKind.OUT_OF_SERVICE):
+                        return message  # not taken: Triton's answer for a dead stub, or ours
+                    sender.send(pb.InferenceResponse(error=resp.error()), flags=final)
+                    return None
+                tensors = resp.output_tensors()
+                if not tensors:
+                    continue
+                reason = pb.get_output_tensor_by_name(resp, "finish_reason")
+                last = reason is not None and reason.as_numpy().reshape(-1)[0] not in (b"", "")
+                sender.send(pb.InferenceResponse(output_tensors=tensors), flags=final if last else 0)
+                fwd.relayed = True
+                if last:
+                    return None
+        with fwd.lock:
+            if fwd.attempt == attempt and not sender.closed and not sender.is_cancelled():
+                sender.send(flags=final)
+        return None
 
     def _watch_cancel(self, sender, target: str, request_id: str, stop: threading.Event) -> None:
         """When the client cancels, tell the decode model to cancel ``request_id`` at once, even
@@ -118,4 +169,59 @@ class TritonPythonModel:
             return
 
     def finalize(self):
-        pass
+        self.drain.close()
+        self.targets.close()
+        self.metrics.close()
+
+
+@dataclass(eq=False)
+class Forwarding:
+    """One client request on its way through the front. ``attempt``: the forwarding that owns
+    the client's sender (a newer one supersedes an attempt stuck on a dead decode model);
+    ``relayed``: some output reached the client (from then on it cannot move)."""
+
+    sender: GuardedSender
+    inputs: list
+    attempt: int = 0
+    relayed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _send_error(pb, sender: GuardedSender, kind: ErrorKind, message: str) -> None:
+    try:
+        sender.send(
+            pb.InferenceResponse(error=triton_error(pb, kind, message)), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        )
+    except Exception:
+        pass  # the final response went already
+
+
+class FrontMetrics:
+    """``triton_disagg_decode_target_up{model, target}``: 1 while the front routes to that decode
+    model; ``triton_disagg_requests_active{model}``: requests the front is relaying."""
+
+    def __init__(self, pb, model: str, targets: DecodeTargets, period_s: float = 0.25):
+        self._targets = targets
+        self._up_family = pb.MetricFamily(
+            name="triton_disagg_decode_target_up",
+            description="1 while the front model routes to this decode model (its health probes pass)",
+            kind=pb.MetricFamily.GAUGE,
+        )
+        self._active_family = pb.MetricFamily(
+            name="triton_disagg_requests_active",
+            description="requests admitted and not finished in this instance",
+            kind=pb.MetricFamily.GAUGE,
+        )
+        self._up = {t: self._up_family.Metric(labels={"model": model, "target": t}) for t in targets.states}
+        self._active = self._active_family.Metric(labels={"model": model, "instance": model})
+        self._stop = threading.Event()
+        threading.Thread(target=self._refresh, args=(period_s,), name="front-metrics", daemon=True).start()
+
+    def _refresh(self, period_s: float) -> None:
+        while not self._stop.wait(period_s):
+            for name, up in self._targets.gauges().items():
+                self._up[name].set(up)
+            self._active.set(float(len(self._targets.all_inflight())))
+
+    def close(self) -> None:
+        self._stop.set()

@@ -4,21 +4,25 @@
 enqueue); the engine loop thread streams responses through each request's response sender
 (decoupled model). The ``role`` parameter picks the worker: ``aggregated`` (one engine, chunked
 prefill + decode) or ``decode`` (KV from prefill instances, ``backend/serving/decode_worker.py``).
-A request carrying ``cancel_request_id`` is a control request of the front model: it cancels
-the request with that Triton request id.
+Control requests of the front model: ``cancel_request_id`` cancels the request with that
+Triton request id; ``health_probe`` is answered with an empty final response while the worker
+can serve, else with an out-of-service error saying why. When the deployment stops
+(``backend/triton/lifecycle.py``) new requests are refused and those in flight end.
 """
 
 from __future__ import annotations
 
 import logging
 
+from backend.engine.outputs import ErrorKind
 from backend.serving.admission import Admission
 from backend.serving.config import InstanceConfig
 from backend.serving.roles import make_worker
 from backend.serving.session import GenerationSession
+from backend.triton.lifecycle import DRAIN_MESSAGE, DrainWatch
 from backend.triton.metrics import InstanceMetrics
 from backend.triton.model_args import init_model
-from backend.triton.sender import TritonSink
+from backend.triton.sender import TritonSink, triton_error
 
 log = logging.getLogger("triton_disagg.model")
 
@@ -34,6 +38,7 @@ class TritonPythonModel:
         self.worker = make_worker(config, self.instance)
         self.admission = Admission(config, self.worker, tokenizer, self.instance, on_done=self._on_done)
         self.metrics = InstanceMetrics(pb_utils, {"model": cfg["name"], "instance": self.instance}, self._stats)
+        self.drain = DrainWatch(args["model_repository"], lambda: self.admission.drain(DRAIN_MESSAGE))
         log.info(
             "instance %s ready: role %s, model %s, %s",
             self.instance,
@@ -59,6 +64,15 @@ class TritonPythonModel:
                 self.admission.cancel_by_external_id(cancel_id.reshape(-1)[0].decode())
                 sink.sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
+            if get("health_probe") is not None:  # a control request: can this instance serve?
+                down = self.worker.health()
+                response = (
+                    None
+                    if down is None
+                    else pb.InferenceResponse(error=triton_error(pb, ErrorKind.OUT_OF_SERVICE, down))
+                )
+                sink.sender.send(response, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
             self.admission.admit(get, sink, request.request_id())
         return None
 
@@ -72,6 +86,8 @@ class TritonPythonModel:
 
     def finalize(self):
         log.info("instance %s shutting down", self.instance)
+        self.drain.close()
+        self.admission.drain(DRAIN_MESSAGE)
         self.admission.close()
         self.worker.shutdown()
         self.metrics.close()

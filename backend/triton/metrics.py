@@ -20,6 +20,7 @@ GAUGES = {
     "requests_active": "requests admitted and not finished in this instance",
     "requests_waiting_kv": "decode requests waiting for their KV transfer to complete",
     "prefill_queue_depth": "prefill requests queued or running in this instance",
+    "prefill_endpoints_connected": "decode instance: prefill instances its KV messenger is connected to",
 }
 COUNTERS = {
     "requests_total": "requests finished, any outcome",

@@ -32,10 +32,13 @@ class GuardedSender:
                 raise RuntimeError("the final response was already sent")
             if final:
                 self.closed = True
+            sender = self._sender
+            if final:  # let go of Triton's response factory: a model holding one cannot unload
+                self._sender = None
             if response is None:
-                self._sender.send(flags=flags)
+                sender.send(flags=flags)
             else:
-                self._sender.send(response, flags=flags)
+                sender.send(response, flags=flags)
 
     def is_cancelled(self) -> bool:
         with self._lock:

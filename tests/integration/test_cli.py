@@ -1,4 +1,5 @@
-"""The console command as a user runs it: serve, generate against it, Ctrl-C stops everything."""
+"""The console command as a user runs it: serve, generate against it, Ctrl-C stops everything,
+cleanly and at once even with streams in flight (they end with "the server is shutting down")."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import psutil
 
+from backend.client import stream_generate
 from backend.launch.ports import free_port
 
 BIN = Path(sys.executable).parent / "triton-disagg"
@@ -57,8 +60,27 @@ def test_serve_generate_and_ctrl_c(tmp_path):
         assert out.returncode == 0 and "Paris" in out.stdout, out.stdout + out.stderr
         server_pids = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
         assert server_pids
+        streams = [None, None]
+
+        def stream(i):
+            streams[i] = stream_generate(
+                f"127.0.0.1:{ports[1]}", "Tell me a long story.", 250, ignore_eos=True, timeout_s=120
+            )
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+        [t.start() for t in threads]
+        time.sleep(3)  # both streaming
+        t_stop = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
         assert proc.wait(60) == 0
+        stop_s = time.monotonic() - t_stop
+        [t.join(30) for t in threads]
+        assert all(s is not None and s.error and "the server is shutting down" in s.error for s in streams), [
+            s and s.error for s in streams
+        ]
+        log = (tmp_path / "server.log").read_text(errors="replace")
+        assert "Exit timeout expired" not in log and "successfully unloaded 'llm'" in log
+        assert stop_s < 10, f"stop took {stop_s:.1f}s"
         time.sleep(1)
         assert not [p for p in server_pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     finally:

@@ -141,3 +141,19 @@ def test_authenticated_peer_bad_requests_fail_alone(disagg_server, model_dir):
         agent.close()
     for model in ("prefill_0", "prefill_1", "decode_0"):
         wait_pool_free(disagg_server.metrics_url, model)
+
+
+def test_fabric_listens_on_loopback_only(disagg_server):
+    """Every address its server listens on is loopback, so the NIXL/UCX listeners of the
+    prefill and decode instances are bound to ``lo`` too (``fabric_device`` auto)."""
+    import psutil
+
+    pids = disagg_server.instance_pids()
+    assert any(name.startswith("prefill_") for name in pids), pids
+    listening = {
+        name: [c.laddr.ip for c in psutil.Process(pid).net_connections("inet") if c.status == psutil.CONN_LISTEN]
+        for name, pid in pids.items()
+    }
+    assert any(listening.values()), listening  # the messengers and UCX listen somewhere
+    exposed = {name: ips for name, ips in listening.items() if any(ip not in ("127.0.0.1", "::1") for ip in ips)}
+    assert not exposed, f"listeners outside loopback: {exposed}"

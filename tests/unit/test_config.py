@@ -73,7 +73,8 @@ def test_rendered_repository_lists_tensors_and_every_parameter(tmp_path):
     assert set(params) == set(parameter_defaults("decode"))
     assert params["page_size"] == "32" and params["role"] == "decode" and params["prefill_endpoints"]
     assert read_parameters(prefill)["role"] == "prefill"
-    assert read_parameters(llm) == {"decode_models": "decode_0"}
+    assert read_parameters(llm) == {**parameter_defaults("front"), "decode_models": "decode_0"}
+    assert 'name: "health_probe", data_type: TYPE_BOOL' in decode
 
 
 def test_render_refuses_unknown_parameter(tmp_path):
@@ -81,3 +82,17 @@ def test_render_refuses_unknown_parameter(tmp_path):
         render_deployment(tmp_path / "repo", mode="aggregated", model_path="/m", overrides={"page_sise": "32"})
     with pytest.raises(ValueError, match="parameter 'page_size' must be an integer"):
         render_deployment(tmp_path / "repo", mode="aggregated", model_path="/m", overrides={"page_size": "big"})
+
+
+def test_fabric_device_binds_loopback_deployments_to_lo(monkeypatch):
+    from backend.disagg.config import ConnectorConfig
+
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    assert ConnectorConfig(messenger_host="127.0.0.1").net_devices() == "lo"
+    assert ConnectorConfig(prefill_endpoints="127.0.0.1:5000,localhost:5001").net_devices() == "lo"
+    assert ConnectorConfig(prefill_endpoints="127.0.0.1:5000,10.0.0.2:5001").net_devices() is None
+    assert ConnectorConfig(messenger_host="0.0.0.0").net_devices() is None
+    assert ConnectorConfig(messenger_host="10.0.0.2", fabric_device="eth1").net_devices() == "eth1"
+    assert ConnectorConfig(fabric_device="all").net_devices() is None
+    monkeypatch.setenv("UCX_NET_DEVICES", "eth0")  # the operator's choice stands under auto
+    assert ConnectorConfig(messenger_host="127.0.0.1").net_devices() is None

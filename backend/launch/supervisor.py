@@ -1,0 +1,108 @@
+"""Brings dead model instances back: watches a server's Python-backend stub processes and,
+when one dies, reloads its model through Triton's model-control API (unload, then load).
+
+Triton does not restart a dead stub by itself: every later request to the model fails with
+"stub process is not healthy" while the model still reads as ready. While a reload runs,
+Triton's readiness (``/v2/health/ready``, strict) answers "not ready"; the front model routes
+around a decode model that fails its probes (``backend/triton/front_model.py``); decode
+instances reconnect to a prefill instance that comes back (``backend/disagg/messenger.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import requests
+
+log = logging.getLogger("triton_disagg.supervisor")
+
+
+def model_of(instance: str) -> str:
+    """``decode_0_0_0`` -> ``decode_0`` (Triton names instances ``<model>_<group>_<index>``)."""
+    return instance.rsplit("_", 2)[0]
+
+
+@dataclass
+class Restart:
+    model: str
+    instances: list[str]
+    t_detected: float
+    t_ready: float | None = None
+    error: str | None = None
+
+
+class Supervisor:
+    """``server``: a started :class:`~backend.launch.server.TritonServer` (its HTTP endpoint
+    and stub processes). ``restarts`` records every reload, for logs and tests."""
+
+    def __init__(self, server, period_s: float = 0.5, load_timeout_s: float = 300.0):
+        self.server = server
+        self.period_s, self.load_timeout_s = period_s, load_timeout_s
+        self.restarts: list[Restart] = []
+        self._expected: dict[str, int] = {}
+        self._busy: set[str] = set()  # models being reloaded
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
+
+    def start(self) -> "Supervisor":
+        self._expected = self.server.instance_pids()
+        log.info("supervising %d model instance(s): %s", len(self._expected), sorted(self._expected))
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self._check()
+            except Exception:
+                log.exception("supervisor check failed")
+
+    def _check(self) -> None:
+        live = self.server.instance_pids()
+        dead: dict[str, list[str]] = {}
+        with self._lock:
+            for instance, pid in self._expected.items():
+                model = model_of(instance)
+                if live.get(instance) != pid and model not in self._busy:
+                    dead.setdefault(model, []).append(instance)
+            self._busy.update(dead)
+        for model, instances in dead.items():
+            restart = Restart(model, instances, time.monotonic())
+            self.restarts.append(restart)
+            log.error("model %s: instance(s) %s died; reloading the model", model, ", ".join(instances))
+            threading.Thread(target=self._reload, args=(restart,), name=f"reload-{model}", daemon=True).start()
+
+    def _reload(self, restart: Restart) -> None:
+        base = f"http://{self.server.http_url}/v2/repository/models/{restart.model}"
+        try:
+            r = requests.post(f"{base}/unload", timeout=30)
+            if r.status_code != 200:
+                raise RuntimeError(f"unload answered {r.status_code}: {r.text}")
+            r = requests.post(f"{base}/load", timeout=self.load_timeout_s)
+            if r.status_code != 200:
+                raise RuntimeError(f"load answered {r.status_code}: {r.text}")
+            restart.t_ready = time.monotonic()
+            log.warning(
+                "model %s reloaded in %.1fs; its instances serve again",
+                restart.model,
+                restart.t_ready - restart.t_detected,
+            )
+        except Exception as e:
+            restart.error = f"{type(e).__name__}: {e}"
+            log.error("model %s: reload failed (%s); will retry", restart.model, restart.error)
+            self._stop.wait(5.0)  # back off before the next try
+        finally:
+            live = self.server.instance_pids()
+            with self._lock:
+                for instance in [i for i in self._expected if model_of(i) == restart.model]:
+                    if instance in live:
+                        self._expected[instance] = live[instance]
+                self._busy.discard(restart.model)

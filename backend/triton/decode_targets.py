@@ -1,0 +1,145 @@
+"""The front model's decode models: an explicit health state per model, from probes, and the
+requests in flight on each.
+
+Every ``health_probe_interval_s`` each decode model gets a control request (``health_probe``)
+on its own thread; it answers with an empty final response while it can serve. A probe that
+errs (a dead stub answers "not healthy", a decode instance without a prefill connection or a
+lost tensor-parallel rank answers "out of service") or stays unanswered for
+``health_probe_timeout_s`` is a failure; once the model has answered a probe (before that,
+while the server starts, it is presumed serving), ``health_probe_failures`` in a row mark it
+DOWN: it gets no new requests, and the requests in flight on it fail at once with
+"unavailable" (a dead instance would never answer them). One successful probe marks it UP.
+Routing: the UP model with the fewest requests in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from backend.serving.config import FrontConfig
+
+log = logging.getLogger("triton_disagg.front")
+
+
+@dataclass
+class TargetState:
+    name: str
+    up: bool = True  # presumed until it answers (Triton's readiness covers the start)
+    seen_up: bool = False  # answered a probe once: from then on failures can take it down
+    failures: int = 0  # consecutive failed probes
+    reason: str = ""
+    probing_since: float | None = None  # a probe is outstanding since
+    inflight: set = field(default_factory=set)  # the front's requests forwarded to it
+
+
+class DecodeTargets:
+    """``pick()`` a model for a new request (None: none is UP), ``done()`` when it ends;
+    ``on_down(name, reason, requests)`` runs when a model goes DOWN with the requests it had."""
+
+    def __init__(self, pb_utils, config: FrontConfig, on_down: Callable[[str, str, list], None]):
+        self.pb, self.config, self._on_down = pb_utils, config, on_down
+        self.states = {t: TargetState(t) for t in config.targets()}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._probe_loop, name="front-probes", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ routing
+    def pick(self, request, exclude: str | None = None) -> str | None:
+        with self._lock:
+            up = [s for s in self.states.values() if s.up and s.name != exclude]
+            if not up:
+                return None
+            target = min(up, key=lambda s: len(s.inflight))
+            target.inflight.add(request)
+            return target.name
+
+    def done(self, target: str, request) -> None:
+        with self._lock:
+            self.states[target].inflight.discard(request)
+
+    def is_up(self, target: str) -> bool:
+        with self._lock:
+            return self.states[target].up
+
+    def all_inflight(self) -> list:
+        with self._lock:
+            return [r for s in self.states.values() for r in s.inflight]
+
+    def down_reasons(self) -> str:
+        with self._lock:
+            return "; ".join(f"{s.name}: {s.reason}" for s in self.states.values() if not s.up)
+
+    def mark_failed(self, target: str, reason: str) -> None:
+        """A request found the model out of service: count it as a failed probe."""
+        self._failed(target, reason)
+
+    # ------------------------------------------------------------ probes
+    def _probe_loop(self) -> None:
+        interval, timeout = self.config.health_probe_interval_s, self.config.health_probe_timeout_s
+        while not self._stop.wait(interval):
+            now = time.monotonic()
+            for state in list(self.states.values()):
+                with self._lock:
+                    since = state.probing_since
+                    if since is None:
+                        state.probing_since = now
+                if since is None:
+                    threading.Thread(target=self._probe, args=(state.name,), daemon=True).start()
+                elif now - since > timeout:  # still unanswered: a failure per interval until it returns
+                    self._failed(state.name, f"health probe unanswered for {now - since:.0f}s")
+
+    def _probe(self, target: str) -> None:
+        pb = self.pb
+        error = None
+        try:
+            probe = pb.Tensor("health_probe", np.array([True], dtype=bool))
+            for resp in pb.InferenceRequest(model_name=target, inputs=[probe], requested_output_names=[]).exec(
+                decoupled=True
+            ):
+                if resp.has_error():
+                    error = resp.error().message()
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        with self._lock:
+            self.states[target].probing_since = None
+        if error is None:
+            self._succeeded(target)
+        else:
+            self._failed(target, error)
+
+    def _succeeded(self, target: str) -> None:
+        with self._lock:
+            state = self.states[target]
+            came_back = not state.up
+            state.up, state.seen_up, state.failures, state.reason = True, True, 0, ""
+        if came_back:
+            log.warning("decode model %s serves again; routing to it", target)
+
+    def _failed(self, target: str, reason: str) -> None:
+        with self._lock:
+            state = self.states[target]
+            state.failures += 1
+            state.reason = reason
+            went_down = state.up and state.seen_up and state.failures >= self.config.health_probe_failures
+            if went_down:
+                state.up = False
+                lost, state.inflight = list(state.inflight), set()
+        if went_down:
+            log.error(
+                "decode model %s is down (%s); routing around it, failing its %d request(s)", target, reason, len(lost)
+            )
+            self._on_down(target, reason, lost)
+
+    def gauges(self) -> dict[str, float]:
+        with self._lock:
+            return {name: float(s.up) for name, s in self.states.items()}
+
+    def close(self) -> None:
+        self._stop.set()

@@ -1,0 +1,51 @@
+"""The stop signal of a deployment, as the models see it.
+
+Triton stops a server only once every model has unloaded, and a decoupled model with streams
+still open does not unload: on a stop with requests in flight Triton's exit timeout expires and
+it exits hard. So whoever stops a server (``backend/launch/server.py``) first creates the file
+:data:`DRAIN_FILE` in the model repository; each model watches for it (:class:`DrainWatch`),
+refuses new requests and ends the ones in flight with a clear error, and Triton then unloads
+every model within its exit timeout. Only a process that may write the repository can do this.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger("triton_disagg.lifecycle")
+
+DRAIN_FILE = ".drain"
+DRAIN_MESSAGE = "the server is shutting down"
+
+
+def drain_file(repository: str | Path) -> Path:
+    return Path(repository) / DRAIN_FILE
+
+
+class DrainWatch:
+    """Calls ``on_drain`` once, from its own thread, when the drain file appears in the
+    repository that holds ``model_dir`` (``args["model_repository"]`` of a Python model)."""
+
+    def __init__(self, model_dir: str, on_drain: Callable[[], None], period_s: float = 0.2):
+        self.path = drain_file(Path(model_dir).parent)
+        self._on_drain = on_drain
+        self._period = period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="drain-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            if self.path.exists():
+                log.info("%s appeared: draining", self.path)
+                try:
+                    self._on_drain()
+                except Exception:
+                    log.exception("draining failed")
+                return
+
+    def close(self) -> None:
+        self._stop.set()

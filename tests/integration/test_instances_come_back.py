@@ -1,0 +1,142 @@
+"""Instances that come back (issue 11, findings 3 and 4), on a real tritonserver: a killed
+prefill or decode stub is detected, taken out of routing, reloaded through Triton's
+model-control API by the supervisor, and serves again; requests in flight on a dead decode
+instance fail within seconds, the others are routed around it; readiness says "not ready"
+while a reload runs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import requests
+
+from backend.client import stream_generate
+from tests.conftest import metric_values, running_server, wait_pool_free
+
+pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+
+MODELS = ["prefill_0", "decode_0", "decode_1"]
+LONG = "Tell me a long story about a dragon who learns to paint."
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    from backend.launch.deployment import render_deployment
+
+    tmp = tmp_path_factory.mktemp("restart")
+    repo = render_deployment(
+        tmp / "repo",
+        mode="disagg",
+        model_path=str(model_dir),
+        prefill_instances=1,
+        decode_instances=2,
+        overrides={"kv_cache_tokens": "4096", "num_threads": "1", "kv_transfer_timeout_s": "15"},
+        per_model={"front": {"health_probe_interval_s": "0.5"}},
+    )
+    with running_server(repo, tmp / "tritonserver.log", timeout_s=400) as s:
+        yield s
+
+
+def generate(server, prompt="What is the capital of France?", n=6):
+    return stream_generate(server.grpc_url, prompt, n, model="llm", timeout_s=120, ignore_eos=True)
+
+
+def kind(error: str | None) -> str | None:
+    return error.split("]", 1)[0].lstrip("[") if error else None
+
+
+def ready(server) -> int:
+    return requests.get(f"http://{server.http_url}/v2/health/ready", timeout=5).status_code
+
+
+def wait_reloaded(server, model: str, old_pid: int, timeout_s: float = 180) -> list[int]:
+    """Poll readiness until the supervisor has reloaded ``model``; returns the statuses seen."""
+    seen, deadline = [], time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        seen.append(ready(server))
+        done = [r for r in server.supervisor.restarts if r.model == model and r.t_ready is not None]
+        pid = server.instance_pids().get(f"{model}_0_0")
+        if done and pid not in (None, old_pid) and seen[-1] == 200:
+            return seen
+        time.sleep(0.25)
+    raise AssertionError(f"{model} not reloaded within {timeout_s}s: {server.supervisor.restarts}")
+
+
+def serves_again(server, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if generate(server).error is None:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"no request succeeded within {timeout_s}s of the reload")
+
+
+def test_killed_prefill_instance_comes_back(server):
+    assert generate(server).error is None
+    old = server.instance_pids()["prefill_0_0_0"]
+    os.kill(old, signal.SIGKILL)
+    t_kill = time.monotonic()
+    during = []
+    for _ in range(3):  # while it is down: clear errors, fast, never a hang
+        t0 = time.monotonic()
+        r = generate(server)
+        during.append((kind(r.error), round(time.monotonic() - t0, 1)))
+    assert all(k in ("prefill_unavailable", "kv_transfer_failed", "out_of_service") for k, _ in during), during
+    assert all(s < 20 for _, s in during), during
+    seen = wait_reloaded(server, "prefill_0", old)
+    assert any(s != 200 for s in seen), f"readiness stayed 200 through the reload: {seen}"
+    serves_again(server)
+    results = [generate(server) for _ in range(3)]
+    assert all(r.error is None and r.token_ids for r in results), [r.error for r in results]
+    print(f"prefill back {time.monotonic() - t_kill:.1f}s after the kill; during the outage: {during}")
+    for m in MODELS:
+        wait_pool_free(server.metrics_url, m, timeout_s=30)
+
+
+def test_killed_decode_instance_fails_its_requests_and_comes_back(server):
+    url = server.metrics_url
+    results = {}
+
+    def run(i):
+        results[i] = generate(server, LONG, 160)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    [t.start() for t in threads]
+    deadline = time.monotonic() + 60  # one stream on each decode model (fewest in flight first)
+    while time.monotonic() < deadline:
+        if all(sum(metric_values(url, "triton_disagg_kv_pages_used", model=m)) > 0 for m in ("decode_0", "decode_1")):
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("the two streams did not start on decode_0 and decode_1")
+    old = server.instance_pids()["decode_0_0_0"]
+    os.kill(old, signal.SIGKILL)
+    t_kill = time.monotonic()
+    during = [generate(server) for _ in range(4)]  # routed around the dead instance
+    assert all(r.error is None and r.token_ids for r in during), [r.error for r in during]
+    [t.join(120) for t in threads]
+    failed = [r for r in results.values() if r.error]
+    assert len(failed) == 1 and kind(failed[0].error) == "out_of_service", [r.error for r in results.values()]
+    assert failed[0].error and "decode_0" in failed[0].error
+    survivor = [r for r in results.values() if not r.error]
+    assert len(survivor) == 1 and len(survivor[0].token_ids) > 0
+    seen = wait_reloaded(server, "decode_0", old)
+    assert any(s != 200 for s in seen), f"readiness stayed 200 through the reload: {seen}"
+    deadline = time.monotonic() + 30
+    while metric_values(url, "triton_disagg_decode_target_up", model="llm", target="decode_0") != [1.0]:
+        assert time.monotonic() < deadline, "the front did not route to decode_0 again"
+        time.sleep(0.25)
+    before = sum(metric_values(url, "triton_disagg_requests_total", model="decode_0"))
+    back = [None] * 4
+    pool = [threading.Thread(target=lambda i=i: back.__setitem__(i, generate(server))) for i in range(4)]
+    [t.start() for t in pool]
+    [t.join(120) for t in pool]
+    assert all(r.error is None for r in back), [r.error for r in back]
+    assert sum(metric_values(url, "triton_disagg_requests_total", model="decode_0")) > before
+    print(f"decode back {time.monotonic() - t_kill:.1f}s after the kill")
+    for m in MODELS:
+        wait_pool_free(url, m, timeout_s=30)
