@@ -165,6 +165,13 @@ class NixlKVSender(KVSender):
         else:
             self.agent.cancel(req.req_id, output.error or output.finish_reason or "aborted")
 
+        if output.finish_reason == FinishReason.PREFILL_DONE:
+            outcome = "sent"
+        elif output.finish_reason == FinishReason.ABORT:
+            outcome = "cancelled"
+        else:
+            outcome = "failed"
+
         def done(req_id: str, ok: bool, err: str | None) -> None:
             with self._lock:
                 finished = self.jobs.pop(req_id, None)
@@ -176,7 +183,7 @@ class NixlKVSender(KVSender):
                 log.info(
                     "prefill %s %s: %d tokens, %d writes, compute %.3fs, transfer tail %.3fs%s",
                     req_id,
-                    "sent" if ok else "failed",
+                    outcome if ok else "failed",
                     finished.request.n_tokens,
                     finished.writes,
                     finished.t_compute_done - finished.t_start,

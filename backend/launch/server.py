@@ -193,6 +193,7 @@ class TritonServer:
         while time.monotonic() < deadline:
             active = self.requests_active()
             if active == 0:
+                time.sleep(0.5)  # the models let go of their last responses
                 return
             time.sleep(0.2)
         log.warning("drain: requests still active after %.0fs; stopping anyway", timeout_s)

@@ -88,6 +88,7 @@ class PrefillWorker:
             self.sender.add_request(request)
         except ValueError as e:
             kind = ErrorKind.OUT_OF_SERVICE if down else ErrorKind.BAD_REQUEST
+            log.warning("refused prefill %s from %s (%s): %s", msg.req_id, peer, kind, e)
             self._send(conn, PrefillFailed(msg.req_id, kind, str(e)))
             return
         with self._lock:

@@ -10,6 +10,7 @@ every model within its exit timeout. Only a process that may write the repositor
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 from collections.abc import Callable
@@ -45,6 +46,10 @@ class DrainWatch:
                     self._on_drain()
                 except Exception:
                     log.exception("draining failed")
+                # Triton's response factories go when their Python senders are collected: free
+                # any held in reference cycles now, so nothing keeps the model from unloading
+                self._stop.wait(0.2)
+                gc.collect()
                 return
 
     def close(self) -> None:

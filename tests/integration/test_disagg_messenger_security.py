@@ -133,6 +133,12 @@ def test_authenticated_peer_bad_requests_fail_alone(disagg_server, model_dir):
         assert all(m.kind is ErrorKind.BAD_REQUEST for m in failed.values())
         assert "outside the receiver's pool" in failed["evil-pages"].message
         assert "outside the vocabulary" in failed["evil-tokens"].message
+        deadline = time.monotonic() + 10  # the prefill instance's log says "refused", never "sent"
+        while "refused prefill evil-tokens" not in disagg_server.log_file.read_text(errors="replace"):
+            assert time.monotonic() < deadline, "the refusal is not in the server log"
+            time.sleep(0.2)
+        log_text = disagg_server.log_file.read_text(errors="replace")
+        assert "refused prefill evil-pages" in log_text and "prefill evil-pages sent" not in log_text
         assert not again.ensure_connected(force=True) and "already connected" in again.last_error, again.last_error
         legit.join(120)
         assert box["r"].error is None and len(box["r"].token_ids) == 8, box["r"].error

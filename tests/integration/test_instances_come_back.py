@@ -101,14 +101,29 @@ def test_killed_decode_instance_fails_its_requests_and_comes_back(server):
     url = server.metrics_url
     results = {}
 
+    streaming = [threading.Event(), threading.Event()]
+
     def run(i):
-        results[i] = generate(server, LONG, 160)
+        results[i] = stream_generate(
+            server.grpc_url,
+            LONG,
+            160,
+            model="llm",
+            timeout_s=120,
+            ignore_eos=True,
+            on_text=lambda t: streaming[i].set(),
+        )
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     [t.start() for t in threads]
-    deadline = time.monotonic() + 60  # one stream on each decode model (fewest in flight first)
+    # one stream on each decode model (fewest in flight first), both streaming: a request that
+    # has streamed nothing yet would move to the other decode model instead of failing
+    deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
-        if all(sum(metric_values(url, "triton_disagg_kv_pages_used", model=m)) > 0 for m in ("decode_0", "decode_1")):
+        on_both = all(
+            sum(metric_values(url, "triton_disagg_kv_pages_used", model=m)) > 0 for m in ("decode_0", "decode_1")
+        )
+        if on_both and all(e.is_set() for e in streaming):
             break
         time.sleep(0.2)
     else:
