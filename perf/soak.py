@@ -42,7 +42,8 @@ def stub_rss(server) -> dict[str, float]:
 
 def held(server) -> dict[str, dict[str, float]]:
     metrics = read_metrics(server.metrics_url)
-    models = sorted({dict(labels)["model"] for (name, labels) in metrics if name == "triton_disagg_kv_pages_used"})
+    names = ("triton_disagg_kv_pages_used", "triton_disagg_requests_active")  # the front has no pool
+    models = sorted({dict(labels)["model"] for (name, labels) in metrics if name in names})
     return {
         m: {
             "kv_pages_used": sum(metric_values(server.metrics_url, "triton_disagg_kv_pages_used", model=m)),

@@ -24,6 +24,7 @@ class ResponseSink(Protocol):
         self, text: str, token_ids: list[int], n_input: int, n_output: int, finish_reason: str, final: bool
     ) -> None: ...
     def error(self, message: str, kind: ErrorKind) -> None: ...
+    def close(self) -> None: ...
     def is_cancelled(self) -> bool: ...
 
 
@@ -112,6 +113,11 @@ class GenerationSession:
 
     def _close(self, reason: str) -> None:
         self.done = True
+        if reason in ("cancelled", "send-failed"):
+            try:  # end the stream: a caller waiting for the final response (the front model) stops
+                self.sink.close()
+            except Exception as e:
+                log.debug("request %s: closing its stream: %s", self.req_id, e)
         if reason not in ("cancelled", "send-failed", "error"):
             ttft = (self.t_first - self.t_start) if self.t_first else float("nan")
             log.info(

@@ -83,5 +83,10 @@ class TritonSink:
             pb.InferenceResponse(error=triton_error(pb, kind, message)), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         )
 
+    def close(self):
+        """The final flag without a response, unless the final response went already."""
+        if not self.sender.closed:
+            self.sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
     def is_cancelled(self):
         return self.sender.is_cancelled()

@@ -24,6 +24,10 @@ def pools_back_to_free(disagg_server, request):
     for model in DISAGG_MODELS:
         if model not in skip:
             wait_pool_free(disagg_server.metrics_url, model, timeout_s=30)
+    deadline = time.monotonic() + 30  # the front relays nothing any more (cancelled streams end)
+    while sum(metric_values(disagg_server.metrics_url, "triton_disagg_requests_active", model="llm")) != 0:
+        assert time.monotonic() < deadline, "the front model still counts requests in flight"
+        time.sleep(0.2)
 
 
 def run_concurrently(url, prompts, model, n_tokens=N_TOKENS, **kw):

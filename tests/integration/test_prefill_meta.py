@@ -31,6 +31,9 @@ class Sink:
         self.error = f"[{kind}] {message}"
         self.done.set()
 
+    def close(self):
+        self.done.set()
+
     def is_cancelled(self):
         return False
 
