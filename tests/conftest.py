@@ -74,14 +74,25 @@ def running_server(repo, log_file, timeout_s: float = 400, **kw):
         print(f"tritonserver log: {log_file}")
 
 
+@contextlib.contextmanager
+def deployment_server(tmp_path_factory, name: str, timeout_s: float = 400, **render_kwargs):
+    """Render a deployment (``render_deployment`` arguments) into a fresh temporary folder and
+    run a real tritonserver on it, stopped however the block ends."""
+    from backend.launch.deployment import render_deployment
+
+    tmp = tmp_path_factory.mktemp(name)
+    repo = render_deployment(tmp / "repo", **render_kwargs)
+    with running_server(repo, tmp / "tritonserver.log", timeout_s=timeout_s) as server:
+        yield server
+
+
 @pytest.fixture(scope="session")
 def aggregated_server(model_dir, tmp_path_factory):
     """A real tritonserver with the aggregated ``llm`` model, small limits for the fault tests."""
-    from backend.launch.deployment import render_deployment
-
-    tmp = tmp_path_factory.mktemp("agg")
-    repo = render_deployment(
-        tmp / "repo",
+    with deployment_server(
+        tmp_path_factory,
+        "agg",
+        timeout_s=300,
         mode="aggregated",
         model_path=str(model_dir),
         overrides={
@@ -92,8 +103,7 @@ def aggregated_server(model_dir, tmp_path_factory):
             "num_threads": "2",
             "max_grammar_compile_s": "1",
         },
-    )
-    with running_server(repo, tmp / "tritonserver.log", timeout_s=300) as server:
+    ) as server:
         yield server
 
 
@@ -119,11 +129,10 @@ DISAGG_MODELS = ["prefill_0", "prefill_1", "decode_0", "decode_1", "decode_2", "
 def disagg_server(model_dir, tmp_path_factory):
     """One tritonserver with 2 prefill + 3 decode instances, the front ``llm`` (routing to
     decode_0 and decode_1), and ``llm_aggregated``. decode_2 has a tiny pool for overload tests."""
-    from backend.launch.deployment import render_deployment
-
-    tmp = tmp_path_factory.mktemp("disagg")
-    repo = render_deployment(
-        tmp / "repo",
+    with deployment_server(
+        tmp_path_factory,
+        "disagg",
+        timeout_s=400,
         mode="disagg",
         model_path=str(model_dir),
         prefill_instances=2,
@@ -142,8 +151,7 @@ def disagg_server(model_dir, tmp_path_factory):
             "front": {"decode_models": "decode_0,decode_1"},
             "decode_2": {"kv_cache_tokens": "512", "max_waiting_for_pages": "1", "page_wait_timeout_s": "4"},
         },
-    )
-    with running_server(repo, tmp / "tritonserver.log", timeout_s=400) as server:
+    ) as server:
         yield server
 
 

@@ -108,8 +108,7 @@ class DecodeWorker:
         endpoint = self._pick_endpoint()
         if endpoint is None:
             self.loop.cancel_reservation(session.req_id)
-            errs = "; ".join(f"{e.address}: {e.last_error}" for e in self.endpoints)
-            session.fail(f"no prefill instance reachable ({errs})", ErrorKind.PREFILL_UNAVAILABLE)
+            session.fail(f"no prefill instance reachable ({self._endpoint_errors()})", ErrorKind.PREFILL_UNAVAILABLE)
             return True
         n_remote = self.receiver.num_external_tokens(n)
         ticket = self.receiver.expect(
@@ -249,9 +248,11 @@ class DecodeWorker:
         if down:
             return f"decode instance {self.name}: {down}"
         if not any(e.connected for e in self.endpoints):
-            errs = "; ".join(f"{e.address}: {e.last_error}" for e in self.endpoints)
-            return f"decode instance {self.name}: no prefill instance connected ({errs})"
+            return f"decode instance {self.name}: no prefill instance connected ({self._endpoint_errors()})"
         return None
+
+    def _endpoint_errors(self) -> str:
+        return "; ".join(f"{e.address}: {e.last_error}" for e in self.endpoints)
 
     def stats(self) -> dict:
         s = pool_gauges(self.engine.pool_stats())

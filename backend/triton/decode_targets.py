@@ -76,10 +76,6 @@ class DecodeTargets:
         with self._lock:
             return "; ".join(f"{s.name}: {s.reason}" for s in self.states.values() if not s.up)
 
-    def mark_failed(self, target: str, reason: str) -> None:
-        """A request found the model out of service: count it as a failed probe."""
-        self._failed(target, reason)
-
     # ------------------------------------------------------------ probes
     def _probe_loop(self) -> None:
         interval, timeout = self.config.health_probe_interval_s, self.config.health_probe_timeout_s
@@ -93,7 +89,7 @@ class DecodeTargets:
                 if since is None:
                     threading.Thread(target=self._probe, args=(state.name,), daemon=True).start()
                 elif now - since > timeout:  # still unanswered: a failure per interval until it returns
-                    self._failed(state.name, f"health probe unanswered for {now - since:.0f}s")
+                    self.mark_failed(state.name, f"health probe unanswered for {now - since:.0f}s")
 
     def _probe(self, target: str) -> None:
         pb = self.pb
@@ -112,7 +108,7 @@ class DecodeTargets:
         if error is None:
             self._succeeded(target)
         else:
-            self._failed(target, error)
+            self.mark_failed(target, error)
 
     def _succeeded(self, target: str) -> None:
         with self._lock:
@@ -122,7 +118,8 @@ class DecodeTargets:
         if came_back:
             log.warning("decode model %s serves again; routing to it", target)
 
-    def _failed(self, target: str, reason: str) -> None:
+    def mark_failed(self, target: str, reason: str) -> None:
+        """A failed probe (or a request the model did not take): counts toward DOWN."""
         with self._lock:
             state = self.states[target]
             state.failures += 1

@@ -76,19 +76,20 @@ class TritonPythonModel:
         self._start(fwd, retry)
 
     def _fail_lost(self, target: str, reason: str, lost: list) -> None:
-        """``target`` went down (or the server drains): its requests without output yet go
-        elsewhere; the others fail now (a dead instance would never finish them)."""
+        """``target`` went down: its requests without output yet go elsewhere; the others fail
+        now (a dead instance would never finish them)."""
         for fwd in lost:
-            if target and not fwd.relayed:
+            if not fwd.relayed:
                 self._reroute(fwd, target, f"stopped serving ({reason})")
             else:
-                message = reason if not target else f"decode model {target} stopped serving ({reason}); request lost"
+                message = f"decode model {target} stopped serving ({reason}); request lost"
                 _send_error(self.pb, fwd.sender, ErrorKind.OUT_OF_SERVICE, message)
 
     def _drain(self) -> None:
         self.draining = True
         self.targets.close()  # no more probes: the decode models drain too
-        self._fail_lost("", DRAIN_MESSAGE, self.targets.all_inflight())
+        for fwd in self.targets.all_inflight():
+            _send_error(self.pb, fwd.sender, ErrorKind.OUT_OF_SERVICE, DRAIN_MESSAGE)
 
     def _forward(self, fwd: "Forwarding", target: str, attempt: int) -> None:
         refused = self._forward_once(fwd, target, attempt)

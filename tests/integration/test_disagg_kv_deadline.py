@@ -11,7 +11,7 @@ import time
 import pytest
 
 from backend.client import stream_generate
-from tests.conftest import running_server, wait_pool_free
+from tests.conftest import deployment_server, wait_pool_free
 
 pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
 
@@ -22,11 +22,10 @@ PROMPT = "Summarise: " + " ".join(f"item{i} costs {i * 3} coins;" for i in range
 @pytest.fixture(scope="module")
 def queue_server(model_dir, tmp_path_factory):
     """One prefill instance that runs one request at a time; decode_1 allows 1 s of queueing."""
-    from backend.launch.deployment import render_deployment
-
-    tmp = tmp_path_factory.mktemp("kv_deadline")
-    repo = render_deployment(
-        tmp / "repo",
+    with deployment_server(
+        tmp_path_factory,
+        "kv_deadline",
+        timeout_s=400,
         mode="disagg",
         model_path=str(model_dir),
         prefill_instances=1,
@@ -39,8 +38,7 @@ def queue_server(model_dir, tmp_path_factory):
             "kv_quarantine_s": "4",
         },
         per_model={"prefill": {"max_num_seqs": "1"}, "decode_1": {"prefill_queue_timeout_s": "1"}},
-    )
-    with running_server(repo, tmp / "tritonserver.log", timeout_s=400) as server:
+    ) as server:
         yield server
 
 

@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from backend.client import stream_generate
-from tests.conftest import metric_values, running_server, wait_pool_free
+from tests.conftest import deployment_server, metric_values, wait_pool_free
 
 pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
 
@@ -25,19 +25,17 @@ LONG = "Tell me a long story about a dragon who learns to paint."
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    from backend.launch.deployment import render_deployment
-
-    tmp = tmp_path_factory.mktemp("restart")
-    repo = render_deployment(
-        tmp / "repo",
+    with deployment_server(
+        tmp_path_factory,
+        "restart",
+        timeout_s=400,
         mode="disagg",
         model_path=str(model_dir),
         prefill_instances=1,
         decode_instances=2,
         overrides={"kv_cache_tokens": "4096", "num_threads": "1", "kv_transfer_timeout_s": "15"},
         per_model={"front": {"health_probe_interval_s": "0.5"}},
-    )
-    with running_server(repo, tmp / "tritonserver.log", timeout_s=400) as s:
+    ) as s:
         yield s
 
 
