@@ -43,11 +43,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
 from .completion import CompletionTracker, DoneCallback, RecvHandle, ReleaseCallback
 from .control import b64, unb64
 from .layout import KVLayout, check_compatible
+from .nixl_api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 from .plan import TransferPlan, all_pairs
 
 log = logging.getLogger("triton_disagg.fabric")
@@ -447,7 +447,9 @@ class FabricAgent:
         self, peer: str, req_id: str, generation: int, slot: int, hidden: torch.Tensor, logits: torch.Tensor
     ) -> bool:
         """Write ``hidden`` and ``logits`` (as fp32, concatenated) into the receiver's meta
-        ``slot``. Staged through a free local meta slot. Returns like :meth:`post_layer`."""
+        ``slot``. Staged through a free local meta slot (on a GPU: waits until the staging copy
+        has run, so call it off the engine's thread; ``hidden`` and ``logits`` must be computed
+        by then, or be produced on this thread's stream). Returns like :meth:`post_layer`."""
         p = self._peers[peer]
         if p.meta_dl is None or self.meta is None:
             raise ValueError("meta write needs meta slots on both agents")
@@ -456,6 +458,10 @@ class FabricAgent:
             raise ValueError(f"meta block of {flat.numel()} floats exceeds the slot size {self.meta.shape[1]}")
         stage = self._tracker.acquire_slot()
         self.meta[stage, : flat.numel()].copy_(flat)
+        if self.meta.is_cuda:  # the copy is queued on this thread's stream: NIXL must read it done
+            staged = torch.cuda.Event()
+            staged.record()
+            staged.synchronize()
         msg = f"M:{generation}:{flat.numel()}:{req_id}".encode()
         ok = self._post(
             p,
@@ -520,10 +526,13 @@ class FabricAgent:
         self._run(fired)
 
     # ---------------------------------------------------------------- both sides
-    def cancel(self, req_id: str, reason: str = "cancelled") -> None:
+    def cancel(
+        self, req_id: str, reason: str = "cancelled", peer: str | None = None, generation: int | None = None
+    ) -> None:
         """Cancel ``req_id``: as receiver, fail it, quarantine its pages and tell the sender to
         stop; as sender, post nothing more, and once in-flight writes are done tell the
-        receiver (``S``) so it can reuse the pages."""
+        receiver (``S``) so it can reuse the pages. A sender that names the receiving ``peer``
+        and ``generation`` tells it even when it has posted nothing yet."""
         stop = self._tracker.cancel(req_id, reason)
         if stop is not None and stop[0] is not None:
             self._notify(stop[0], "X", req_id, stop[1])
@@ -532,6 +541,11 @@ class FabricAgent:
             st = self._sends.get(req_id)
             if st is not None:
                 self._stop_send(req_id, st, reason, fired)
+            elif peer is not None and generation is not None and self._stopped.get(req_id, (None,))[0] != generation:
+                self._stopped[req_id] = (generation, reason)
+                while len(self._stopped) > _REMEMBER_STOPPED:
+                    self._stopped.popitem(last=False)
+                fired.append(lambda: self._notify(peer, "S", req_id, generation))
         self._run(fired)
 
     def pending(self) -> int:

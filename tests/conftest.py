@@ -157,18 +157,9 @@ def disagg_server(model_dir, tmp_path_factory):
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     """Reference: n greedy tokens from transformers (its own forward and KV cache), EOS not special."""
-    import torch
+    from perf.gpu_check import hf_greedy as greedy_on
 
-    out, past = [], None
-    x = torch.tensor([ids])
-    with torch.inference_mode():
-        for _ in range(n):
-            r = model(input_ids=x, cache=past, use_cache=True)
-            past = r.past_key_values
-            tok = int(r.logits[0, -1].argmax())
-            out.append(tok)
-            x = torch.tensor([[tok]])
-    return out
+    return greedy_on(model, ids, n, "cpu")
 
 
 def generate_concurrently(url: str, prompts: list[str], model: str, n_tokens: int, **kw) -> list:

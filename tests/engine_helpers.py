@@ -94,6 +94,7 @@ class Listener:
         if self.on_step is not None:
             self.on_step(batch)
 
-    def layer_written(self, layer, batch) -> None:
+    def layer_written(self, layer, batch, written) -> None:
+        assert written.wait(10.0), "the engine's device mark for a written layer never completed"
         if self.on_layer is not None:
             self.on_layer(layer, batch)

@@ -5,10 +5,13 @@ instance's pool registered once).
 Sender bookkeeping, per request: before each step, the chunk of the request that the step
 computes decides which destination pages become complete (full pages, or all of them at the
 last chunk), so each page is sent exactly once and the receiver knows the count in advance;
-after each layer has written its KV those pages' writes for that layer are posted (with
+after each layer has queued its KV write those pages' writes for that layer are posted (with
 ``stream_layers`` off, everything is posted after the prefill instead); after the last chunk
-the last hidden state and logits go to the receiver's meta slot. The pages are freed only
-when every write that reads them is done.
+the last hidden state and logits go to the receiver's meta slot. Every post goes through the
+:class:`~backend.disagg.poster.Poster`: it waits for the engine's device mark (the device has
+executed the write, or computed the hidden state and logits) and keeps the order: a request's
+layer posts, then its meta block or its cancellation, then ``finish_send``. The pages are
+freed only when every write that reads them is done.
 
 Receiver bookkeeping: the number of writes to expect (from both sides' layouts and the page
 count), the deadline, and splitting the meta block back into (hidden state, logits).
@@ -23,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from backend.disagg.config import ConnectorConfig
 from backend.disagg.connector import (
@@ -34,8 +38,9 @@ from backend.disagg.connector import (
     ReleaseCallback,
     SendRequest,
 )
+from backend.disagg.poster import Poster
 from backend.engine.outputs import EngineOutput, FinishReason
-from backend.engine.protocol import Engine, KVCacheSpec
+from backend.engine.protocol import DeviceMark, Engine, KVCacheSpec
 from backend.engine.scheduler import StepBatch
 from fabric_bridge.agent import FabricAgent
 from fabric_bridge.layout import KVLayout
@@ -113,6 +118,7 @@ class NixlKVSender(KVSender):
         self._on_send_error = on_send_error
         self._on_started = on_started
         self.agent = make_agent(engine, name, config, on_send_error=self._send_error)
+        self._poster = Poster(name, config.kv_xfer_timeout_s, self._post_failed)
         self.jobs: dict[str, _SendJob] = {}
         self._lock = threading.Lock()
         self._rng = random.Random()
@@ -156,14 +162,17 @@ class NixlKVSender(KVSender):
             return
         job.t_compute_done = time.perf_counter()
         req = job.request
+        computed = self.engine.device_mark()  # the hidden state and logits are on the device then
         if output.finish_reason == FinishReason.PREFILL_DONE:
             if not self.stream_layers:  # the switch for measuring overlap: send everything now
-                for layer in range(self.layout.num_layers):
-                    self._post(job, layer, range(job.n_pages))
+                self._poster.submit(computed, req.req_id, partial(self._post_all_layers, job))
             if req.slot is not None:
-                self.agent.post_meta(req.peer, req.req_id, req.generation, req.slot, output.hidden_state, output.logits)
+                meta = (req.peer, req.req_id, req.generation, req.slot, output.hidden_state, output.logits)
+                self._poster.submit(computed, req.req_id, partial(self.agent.post_meta, *meta))
         else:
-            self.agent.cancel(req.req_id, output.error or output.finish_reason or "aborted")
+            reason = output.error or output.finish_reason or "aborted"
+            stop = partial(self.agent.cancel, req.req_id, reason, req.peer, req.generation)
+            self._poster.submit(computed, req.req_id, stop)
 
         if output.finish_reason == FinishReason.PREFILL_DONE:
             outcome = "sent"
@@ -192,11 +201,14 @@ class NixlKVSender(KVSender):
                 )
             on_freeable(req_id, ok, err)
 
-        self.agent.finish_send(req.req_id, done)
+        # after every post queued for the request, so its pages are freed only after those writes
+        self._poster.submit(computed, req.req_id, partial(self.agent.finish_send, req.req_id, done))
 
     def cancel(self, req_id: str, reason: str) -> None:
-        if self.has(req_id):
-            self.agent.cancel(req_id, reason)
+        with self._lock:
+            job = self.jobs.get(req_id)
+        if job is not None:
+            self.agent.cancel(req_id, reason, job.request.peer, job.request.generation)
 
     # ------------------------------------------------------------ worker side (engine thread)
     def step_scheduled(self, batch: StepBatch) -> None:
@@ -212,11 +224,15 @@ class NixlKVSender(KVSender):
             job.step_positions = list(range(job.sent_upto, ready))
             job.sent_upto = ready
 
-    def layer_written(self, layer: int, batch: StepBatch) -> None:
+    def layer_written(self, layer: int, batch: StepBatch, written: DeviceMark) -> None:
         for c in batch.prefill_only_chunks:
             job = self.jobs.get(c.req_id)
             if job is not None and job.step_positions:
-                self._post(job, layer, job.step_positions)
+                self._poster.submit(written, c.req_id, partial(self._post, job, layer, job.step_positions))
+
+    def _post_all_layers(self, job: _SendJob) -> None:
+        for layer in range(self.layout.num_layers):
+            self._post(job, layer, range(job.n_pages))
 
     def _post(self, job: _SendJob, layer: int, positions) -> None:
         req = job.request
@@ -226,6 +242,11 @@ class NixlKVSender(KVSender):
             self.totals["kv_writes_total"] += n
             self.totals["kv_transfer_bytes_total"] += len(positions) * sum(int(p.length.sum()) for p in job.plan.pairs)
 
+    def _post_failed(self, req_id: str, reason: str) -> None:
+        """The poster could not post (the device did not finish, or posting raised)."""
+        self.cancel(req_id, reason)
+        self._on_send_error(req_id, reason)
+
     def _send_error(self, req_id: str, generation: int, err: str) -> None:
         log.warning("prefill %s: transfer error %s", req_id, err)
         self._on_send_error(req_id, err)
@@ -233,7 +254,7 @@ class NixlKVSender(KVSender):
     def stats(self) -> dict:
         with self._lock:
             depth = len(self.jobs)
-        return {"prefill_queue_depth": depth, **self.totals}
+        return {"prefill_queue_depth": depth, "kv_posts_deferred_total": self._poster.deferred, **self.totals}
 
     def handshake_payload(self) -> dict:
         return self.agent.handshake_payload()
@@ -242,6 +263,7 @@ class NixlKVSender(KVSender):
         return self.agent.add_peer(payload)
 
     def close(self) -> None:
+        self._poster.close()
         self.agent.close()
 
 

@@ -29,7 +29,7 @@ from backend.engine.model_runner import ModelRunner
 from backend.engine.outputs import EngineOutput, ErrorKind, FinishReason
 from backend.engine.page_allocator import PageAllocator
 from backend.engine.paged_attention import BatchEntry
-from backend.engine.protocol import KVCacheSpec, KVStepListener, ModelDims
+from backend.engine.protocol import DeviceMark, KVCacheSpec, KVStepListener, ModelDims
 from backend.engine.sampling.decode_sampler import DecodeSampler
 from backend.engine.sampling.sampler import make_generator, sample
 from backend.engine.sampling_params import SamplingParams
@@ -67,10 +67,13 @@ class LLMEngine:
 
     def set_kv_listener(self, listener: KVStepListener | None, layer_events: bool = True) -> None:
         """``listener.step_scheduled(batch)`` before each step with prefill-only chunks; with
-        ``layer_events``, ``listener.layer_written(layer, batch)`` right after each layer wrote
-        the step's KV."""
+        ``layer_events``, ``listener.layer_written(layer, batch, written)`` right after each layer
+        queued the step's KV write (``written``: done once the device executed it)."""
         self.kv_listener = listener
         self.runner.set_layer_hook(listener.layer_written if listener is not None and layer_events else None)
+
+    def device_mark(self) -> DeviceMark:
+        return self.runner.device_mark()
 
     # ------------------------------------------------------------ the model, the cache, health
     def dims(self) -> ModelDims:

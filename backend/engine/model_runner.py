@@ -10,9 +10,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from backend.engine.config import EngineConfig
+from backend.engine.device_progress import DeviceProgress, make_progress
 from backend.engine.kv_pool import KVPool
 from backend.engine.paged_attention import ATTN_IMPLEMENTATION, BatchEntry, build_paged_batch
-from backend.engine.protocol import ModelDims
+from backend.engine.protocol import DeviceMark, ModelDims
 
 log = logging.getLogger("triton_disagg.engine")
 
@@ -28,9 +29,12 @@ class StepResult:
 
 class ModelRunner:
     """Owns the model and the KV pool. ``on_layer_kv_written(layer_idx, hook_arg)`` fires inside
-    each layer right after that layer's K/V for the step is in the pool."""
+    each layer right after that layer's K/V write for the step is queued; the hook set with
+    :meth:`set_layer_hook` gets a :class:`DeviceMark` with it. ``progress``: how the runner
+    tells when the device has executed what it queued (default: by its device, see
+    ``device_progress.py``; a test passes a stand-in)."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, progress: DeviceProgress | None = None):
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         if config.num_threads:
@@ -44,6 +48,7 @@ class ModelRunner:
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         self.pool = self._make_pool(config, head_dim)
         self.on_layer_kv_written: Callable[[int, object], None] | None = None
+        self.progress = progress if progress is not None else make_progress(self.device)
         log.info(
             "engine model=%s type=%s layers=%d device=%s dtype=%s; KV pool %d pages x %d tokens "
             "= %d tokens, %.1f MiB (%s)",
@@ -82,9 +87,22 @@ class ModelRunner:
             head_dim=self.pool.head_dim,
         )
 
-    def set_layer_hook(self, hook: Callable[[int, object], None] | None) -> None:
-        """``hook(layer_idx, hook_arg)`` runs right after each layer wrote the step's KV."""
-        self.on_layer_kv_written = hook
+    def set_layer_hook(self, hook: Callable[[int, object, DeviceMark], None] | None) -> None:
+        """``hook(layer_idx, hook_arg, written)`` runs right after each layer queued the step's KV
+        write; ``written`` is done once the device has executed it."""
+        if hook is None:
+            self.on_layer_kv_written = None
+            return
+        progress = self.progress
+
+        def fire(layer_idx: int, hook_arg: object) -> None:
+            hook(layer_idx, hook_arg, progress.mark())
+
+        self.on_layer_kv_written = fire
+
+    def device_mark(self) -> DeviceMark:
+        """Done once the device has executed everything queued so far."""
+        return self.progress.mark()
 
     def shard_pools(self) -> list[torch.Tensor]:
         """Every TP rank's KV pool tensor, in rank order (here: the one pool)."""

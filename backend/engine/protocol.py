@@ -1,7 +1,8 @@
 """The seams of the engine layer, typed: what a serving worker or a KV connector may ask of an
 engine (:class:`Engine`), what it learns about the model and the KV cache (:class:`ModelDims`,
 :class:`KVCacheSpec`), and what the engine tells a KV connector while it runs
-(:class:`KVStepListener`). ``LLMEngine`` (the torch engine) implements :class:`Engine`; a
+(:class:`KVStepListener`, with a :class:`DeviceMark` that says when the device has really
+written what a step queued). ``LLMEngine`` (the torch engine) implements :class:`Engine`; a
 TensorRT-LLM engine would implement the same protocol in its own module."""
 
 from __future__ import annotations
@@ -47,14 +48,25 @@ class KVCacheSpec:
         return sum(t.numel() * t.element_size() for t in self.shards)
 
 
+class DeviceMark(Protocol):
+    """A point in the device's queue of work: done once the device has executed everything
+    queued before the mark was made (on the CPU: at once). See ``device_progress.py``."""
+
+    def done(self) -> bool: ...
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until done; False if ``timeout_s`` passed first."""
+
+
 class KVStepListener(Protocol):
     """Worker side of a KV connector, as the engine calls it (engine thread)."""
 
     def step_scheduled(self, batch: StepBatch) -> None:
         """Before a step with prefill-only chunks runs: which chunks it computes."""
 
-    def layer_written(self, layer: int, batch: StepBatch) -> None:
-        """After each layer of such a step has written its KV into the pool (TP: on every rank)."""
+    def layer_written(self, layer: int, batch: StepBatch, written: DeviceMark) -> None:
+        """Each layer of such a step has *queued* its KV write into the pool (TP: on every rank);
+        ``written`` is done once the device has executed it. The listener must not let anything
+        read the layer's pages before then, and must not block the engine thread waiting."""
 
 
 class Engine(Protocol):
@@ -89,6 +101,10 @@ class Engine(Protocol):
     def dims(self) -> ModelDims: ...
     def kv_cache(self) -> KVCacheSpec: ...
     def set_kv_listener(self, listener: KVStepListener | None, layer_events: bool = True) -> None: ...
+    def device_mark(self) -> DeviceMark:
+        """Done once the device has run everything queued so far (e.g. a finished step's hidden
+        state and logits)."""
+
     def health(self) -> str | None: ...
     def on_out_of_service(self, callback: Callable[[str], None]) -> None: ...
     def close(self) -> None: ...

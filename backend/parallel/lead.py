@@ -10,7 +10,10 @@ shard of the forward. All ranks run the same forward over their heads and MLP sl
 agent per instance registers them as its TP shards and posts every write.
 
 Layer hook: on a TP instance the per-layer hook fires on the lead after the layer's o_proj
-all-reduce (every rank has written the layer's KV by then), not inside the attention function.
+all-reduce has been queued, not inside the attention function. Its device mark is queued on
+the lead's stream after that all-reduce, which completes only once every rank has reached it,
+each after its own KV write (stream order): when the mark is done, every rank's shard holds
+the layer's KV. On CPU (gloo) the all-reduce returns when it is done and so does the write.
 
 Failure: if a rank process exits or a collective fails, the instance is out of service for
 good: the running step fails, every later step fails at once with the reason, the other

@@ -7,9 +7,10 @@ are summed with an all-reduce; a bias is added once, after the sum). Embeddings,
 lm_head stay replicated. With contiguous head slices, rank r's query heads use exactly its KV
 heads (GQA groups never straddle ranks when the TP size divides the KV head count).
 
-The layer-complete signal: :class:`LayerSignal` fires after a layer's o_proj all-reduce.
-Every rank has then finished that layer's attention, so every rank has written the layer's
-KV into its shard of the pool.
+The layer-complete signal: :class:`LayerSignal` fires after a layer's o_proj all-reduce is
+queued. Every rank reaches that all-reduce only after its own attention for the layer, so
+once the all-reduce has run (the device mark the lead makes next, see ``lead.py``) every rank
+has written the layer's KV into its shard of the pool.
 """
 
 from __future__ import annotations

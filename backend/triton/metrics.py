@@ -33,6 +33,7 @@ COUNTERS = {
     "prefill_compute_seconds_total": "prefill instance: time from request arrival to its last chunk computed",
     "kv_transfer_tail_seconds_total": "prefill instance: time from last chunk computed to all KV writes done",
     "prefills_total": "prefill instance: prefills finished (sent or failed)",
+    "kv_posts_deferred_total": "prefill instance: KV posts that waited for the device to execute the write (0 on CPU)",
 }
 
 
