@@ -4,6 +4,7 @@ triton-disagg prepare [--model PATH]
 triton-disagg serve [--mode aggregated|disagg] [--host H] [--http-port P] ...   (Ctrl-C stops)
 triton-disagg demo                 serve, answer a sample prompt through Triton, stop
 triton-disagg generate "prompt"    stream an answer from a running server
+triton-disagg openai --triton-url HOST:PORT   the OpenAI-compatible API in front of a running deployment
 """
 
 from __future__ import annotations
@@ -65,6 +66,12 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
         "loopback when the messenger addresses are loopback, else UCX's choice",
     )
     p.add_argument("--log-file", default=None)
+    p.add_argument(
+        "--openai-port",
+        type=int,
+        default=None,
+        help="also serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions) on this port",
+    )
 
 
 def _overrides(items: list[str]) -> dict:
@@ -93,6 +100,8 @@ def start_server(args):
             f"--mode {args.mode}: both sides of a split deployment must share the KV messenger's secret: "
             f"give --messenger-secret-file FILE (or set {SECRET_ENV}) on every server"
         )
+    if args.openai_port and args.mode == "prefill":
+        raise SystemExit("--openai-port: a prefill-only server has no model that answers requests")
     model_dir = ensure_model(args.model)
     repo = render_deployment(
         Path(tempfile.mkdtemp(prefix="triton-disagg-repo-")),
@@ -119,7 +128,24 @@ def start_server(args):
         from backend.launch.deployment import prefill_endpoints_of
 
         print(f"prefill messenger endpoints: {','.join(prefill_endpoints_of(repo))}", flush=True)
-    return server
+    frontend = None
+    if args.openai_port:
+        from backend.launch.openai_frontend import OpenAIFrontend
+
+        log_file = Path(args.log_file).with_suffix(".openai.log") if args.log_file else None
+        frontend = OpenAIFrontend(server.grpc_url, model_dir, host=args.host, port=args.openai_port, log_file=log_file)
+        try:
+            frontend.start()
+        except Exception:
+            server.stop()
+            raise
+    return server, frontend
+
+
+def stop_server(server, frontend) -> None:
+    if frontend is not None:
+        frontend.stop()
+    server.stop()
 
 
 def cmd_prepare(args) -> int:
@@ -130,10 +156,11 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    server = start_server(args)
+    server, frontend = start_server(args)
+    openai = f", OpenAI API {frontend.url}/v1" if frontend is not None else ""
     print(
         f"Triton is serving ({args.mode}) on {args.host}: HTTP {server.http_port}, gRPC {server.grpc_port}, "
-        f"metrics {server.metrics_port}. Try:\n  triton-disagg generate --url {server.grpc_url} "
+        f"metrics {server.metrics_port}{openai}. Try:\n  triton-disagg generate --url {server.grpc_url} "
         f'--chat "{SAMPLE_PROMPT}"\nCtrl-C stops.',
         flush=True,
     )
@@ -146,7 +173,7 @@ def cmd_serve(args) -> int:
         pass
     finally:
         print("stopping tritonserver ...", flush=True)
-        server.stop()
+        stop_server(server, frontend)
     return 0
 
 
@@ -156,7 +183,7 @@ def cmd_demo(args) -> int:
     if args.log_file is None:
         args.log_file = str(Path(tempfile.mkdtemp(prefix="triton-disagg-")) / "tritonserver.log")
         print(f"tritonserver log: {args.log_file}", flush=True)
-    server = start_server(args)
+    server, frontend = start_server(args)
     try:
         print(f"> {SAMPLE_PROMPT}", flush=True)
         res = stream_generate(
@@ -168,7 +195,7 @@ def cmd_demo(args) -> int:
             return 1
         print(f"[{len(res.token_ids)} tokens, time to first token {res.ttft:.3f}s, finish reason {res.finish_reason}]")
     finally:
-        server.stop()
+        stop_server(server, frontend)
     return 0
 
 
@@ -219,6 +246,11 @@ def main(argv=None) -> int:
     sp.add_argument("--chat", action="store_true", help="apply the model's chat template on the server")
     sp.add_argument("--no-stream", action="store_true")
     sp.set_defaults(fn=cmd_generate)
+    sp = sub.add_parser("openai", help="serve the OpenAI-compatible API in front of a running deployment")
+    from backend.openai.__main__ import add_args, run
+
+    add_args(sp)
+    sp.set_defaults(fn=run)
     args = p.parse_args(argv)
     return args.fn(args)
 

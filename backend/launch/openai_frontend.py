@@ -1,0 +1,107 @@
+"""Start and stop the OpenAI-compatible frontend (``python -m backend.openai``) as its own
+process next to a Triton server, and wait until it answers ``/health``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+from backend.launch.ports import free_port
+
+log = logging.getLogger("triton_disagg.server")
+
+
+class OpenAIFrontend:
+    """The frontend process for the deployment at ``triton_url`` (gRPC)."""
+
+    def __init__(
+        self,
+        triton_url: str,
+        tokenizer: str | Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        triton_model: str = "llm",
+        served_model_name: str | None = None,
+        log_file: str | Path | None = None,
+    ):
+        self.triton_url, self.tokenizer, self.host = triton_url, str(tokenizer), host
+        self.port = port or free_port()
+        self.triton_model = triton_model
+        self.served_model_name = served_model_name or triton_model
+        self.log_file = Path(log_file) if log_file else None
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        """Start the process and wait until ``/health`` says the deployment's model is ready."""
+        self._launch()
+        self._wait(timeout_s, lambda status: status == 200, "become healthy")
+        log.info("OpenAI frontend ready on %s/v1", self.url)
+
+    def start_process(self, timeout_s: float = 60.0) -> None:
+        """Start the process and wait until it answers HTTP (healthy or not)."""
+        self._launch()
+        self._wait(timeout_s, lambda status: True, "answer HTTP")
+
+    def _launch(self) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "backend.openai",
+            "--triton-url",
+            self.triton_url,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--triton-model",
+            self.triton_model,
+            "--served-model-name",
+            self.served_model_name,
+            "--tokenizer",
+            self.tokenizer,
+        ]
+        root = Path(__file__).resolve().parents[2]
+        env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        self._log = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=root)
+
+    def _wait(self, timeout_s: float, good, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the OpenAI frontend exited with {self.proc.returncode} (log: {self.log_file})")
+            try:
+                if good(requests.get(f"{self.url}/health", timeout=2).status_code):
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise TimeoutError(f"the OpenAI frontend did not {what} within {timeout_s}s (log: {self.log_file})")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGINT (uvicorn finishes open responses, bounded), then SIGKILL."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        if self._log not in (None, subprocess.DEVNULL):
+            self._log.close()
+        self._log = None

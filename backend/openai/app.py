@@ -1,0 +1,330 @@
+"""The OpenAI-compatible ASGI app (FastAPI): routes, streaming, errors.
+
+A request is checked (pydantic schema, then :meth:`check_supported`), its model name mapped to
+the Triton model, chat messages turned into a prompt by the model's own chat template, and the
+generation run through :class:`TritonStream`. The first response from Triton is awaited before
+the HTTP response starts, so a request Triton refuses gets its proper status (400 bad input,
+429 overloaded, 503 out of service or no prefill instance) in OpenAI's error shape, streaming
+or not. A streamed answer is server-sent events ending in ``data: [DONE]``; an error after the
+first token arrives as one ``data: {"error": ...}`` event before ``[DONE]``. A client that
+disconnects cancels its Triton request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from backend.engine.outputs import ErrorKind
+from backend.openai.schemas import (
+    OPENAI_DEFAULT_TEMPERATURE,
+    ChatCompletionRequest,
+    CompletionRequest,
+    UnsupportedField,
+    error_body,
+    usage,
+)
+from backend.openai.triton_stream import Delta, GenerationError, GenerationParams, TritonStream
+
+log = logging.getLogger("triton_disagg.openai")
+
+# our error kinds -> (HTTP status, OpenAI error type)
+_STATUS = {
+    ErrorKind.BAD_REQUEST: (400, "invalid_request_error"),
+    ErrorKind.OVERLOADED: (429, "rate_limit_error"),
+    ErrorKind.OUT_OF_SERVICE: (503, "service_unavailable"),
+    ErrorKind.PREFILL_UNAVAILABLE: (503, "service_unavailable"),
+    ErrorKind.KV_TRANSFER_FAILED: (503, "service_unavailable"),
+}
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    """``triton_url``: gRPC address of the deployment; ``triton_model``: the model to call
+    (``llm``: the aggregated model or the disaggregated front); ``served_model_name``: the id
+    clients use (also accepted: the Triton model's name); ``tokenizer``: directory of the
+    model's tokenizer (its chat template); ``max_tokens_default``: a chat request without a
+    limit gets this many tokens at most."""
+
+    triton_url: str
+    triton_model: str = "llm"
+    served_model_name: str = "llm"
+    tokenizer: str | None = None
+    max_tokens_default: int = 1024
+
+
+def _finish_reason(ours: str) -> str:
+    return "length" if ours == "length" else "stop"
+
+
+def _error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param), status_code=status)
+
+
+def _generation_error(exc: GenerationError) -> JSONResponse:
+    status, type_ = _STATUS.get(exc.kind, (500, "server_error"))
+    if exc.kind is None and "unknown model" in exc.message.lower():
+        status, type_ = 503, "service_unavailable"  # the deployment does not serve the model (yet)
+    return _error(status, exc.message, type_)
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class _Answer:
+    """The pieces an endpoint shapes into its OpenAI objects."""
+
+    def __init__(self, kind: str, model: str):
+        self.kind, self.model = kind, model
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _base(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self, text: str, finish: str, prompt_tokens: int, completion_tokens: int) -> dict:
+        if self.kind == "chat":
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+            return {
+                **self._base("chat.completion"),
+                "choices": [choice],
+                "usage": usage(prompt_tokens, completion_tokens),
+            }
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {**self._base("text_completion"), "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+
+    def chunk(self, text: str | None, finish: str | None, with_usage_field: bool, role: bool = False) -> dict:
+        if self.kind == "chat":
+            delta = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            body = {**self._base("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            body = {**self._base("text_completion"), "choices": [choice]}
+        if with_usage_field:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._base(obj), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def build_app(config: FrontendConfig) -> FastAPI:
+    state: dict = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        if "triton" in state:
+            await state["triton"].close()
+
+    app = FastAPI(title="triton-disagg OpenAI-compatible API", lifespan=lifespan)
+
+    def triton() -> TritonStream:
+        if "triton" not in state:  # made inside the server's event loop
+            state["triton"] = TritonStream(config.triton_url)
+        return state["triton"]
+
+    def tokenizer():
+        if "tokenizer" not in state:
+            from transformers import AutoTokenizer
+
+            if not config.tokenizer:
+                raise UnsupportedField("messages", "chat completions need the model's tokenizer (--tokenizer DIR)")
+            state["tokenizer"] = AutoTokenizer.from_pretrained(config.tokenizer)
+        return state["tokenizer"]
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        return _error(400, message, "invalid_request_error", ".".join(loc) or None)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if await triton().ready(config.triton_model):
+            return JSONResponse({"status": "ok"})
+        return _error(503, f"model {config.triton_model!r} is not ready in Triton", "service_unavailable")
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = {"id": config.served_model_name, "object": "model", "created": 0, "owned_by": "triton-disagg"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    def _check_model(name: str) -> JSONResponse | None:
+        if name in (config.served_model_name, config.triton_model):
+            return None
+        return _error(
+            404, f"The model '{name}' does not exist (served: {config.served_model_name})", "not_found_error", "model"
+        )
+
+    def _params(body, max_tokens: int) -> GenerationParams:
+        return GenerationParams(
+            max_tokens=max_tokens,
+            temperature=OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+            stop=list(body.stop or []),
+            ignore_eos=body.ignore_eos,
+            guided_json=body.guided_json(),
+        )
+
+    async def _run(
+        request: Request, answer: _Answer, prompt: str, params: GenerationParams, stream: bool, include_usage: bool
+    ):
+        deltas = triton().generate(config.triton_model, prompt, params)
+        try:
+            first = await _first_or_disconnect(request, deltas)
+        except GenerationError as exc:
+            log.info("request %s refused: %s", answer.id, exc.message)
+            return _generation_error(exc)
+        if first is None:  # the client went away before the first token
+            return JSONResponse({}, status_code=499)
+        if stream:
+            return StreamingResponse(
+                _events(answer, first, deltas, include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        return await _whole(request, answer, first, deltas)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        try:
+            body.check_supported()
+            params = _params(body, body.max_tokens or 16)
+            prompt = body.prompt_text()
+        except UnsupportedField as exc:
+            return _error(400, str(exc), "invalid_request_error", exc.param)
+        if (missing := _check_model(body.model)) is not None:
+            return missing
+        return await _run(request, _Answer("text", body.model), prompt, params, body.stream, body.include_usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        try:
+            body.check_supported()
+            params = _params(body, body.output_limit() or config.max_tokens_default)
+            prompt = tokenizer().apply_chat_template(
+                body.template_messages(), add_generation_prompt=True, tokenize=False
+            )
+        except UnsupportedField as exc:
+            return _error(400, str(exc), "invalid_request_error", exc.param)
+        if (missing := _check_model(body.model)) is not None:
+            return missing
+        return await _run(request, _Answer("chat", body.model), prompt, params, body.stream, body.include_usage)
+
+    return app
+
+
+async def _cancel(task: asyncio.Future, deltas: AsyncIterator[Delta]) -> None:
+    """Stop waiting on Triton: the generation's iterator closes, which cancels its gRPC call."""
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    await deltas.aclose()
+
+
+async def _first_or_disconnect(request: Request, deltas: AsyncIterator[Delta]) -> Delta | None:
+    """The first response, or None (request cancelled in Triton) if the client leaves first."""
+    first = asyncio.ensure_future(deltas.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({first}, timeout=0.25)
+            if done:
+                return first.result()
+            if await request.is_disconnected():
+                await _cancel(first, deltas)
+                return None
+    except StopAsyncIteration:
+        raise GenerationError(ErrorKind.INTERNAL, "Triton sent no response") from None
+    except asyncio.CancelledError:
+        await _cancel(first, deltas)
+        raise
+
+
+async def _whole(request: Request, answer: _Answer, first: Delta, deltas: AsyncIterator[Delta]):
+    """A non-streamed answer; a client that disconnects meanwhile cancels the request."""
+    parts, last = [first.text], first
+
+    async def collect():
+        nonlocal last
+        async for d in deltas:
+            parts.append(d.text)
+            last = d
+
+    if first.finish_reason is None:
+        task = asyncio.ensure_future(collect())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.25)
+                if not task.done() and await request.is_disconnected():
+                    await _cancel(task, deltas)
+                    log.info("request %s: client disconnected; cancelled", answer.id)
+                    return JSONResponse({}, status_code=499)
+            task.result()
+        except GenerationError as exc:
+            return _generation_error(exc)
+        except asyncio.CancelledError:
+            await _cancel(task, deltas)
+            raise
+        finally:
+            await deltas.aclose()
+    return JSONResponse(
+        answer.whole("".join(parts), _finish_reason(last.finish_reason), last.num_input_tokens, last.num_output_tokens)
+    )
+
+
+async def _events(answer: _Answer, first: Delta, deltas: AsyncIterator[Delta], include_usage: bool):
+    """Server-sent events; if the client disconnects, Starlette cancels this generator and
+    closing ``deltas`` cancels the Triton request."""
+    last = first
+    try:
+        if answer.kind == "chat":
+            yield _sse(answer.chunk(None, None, include_usage, role=True))
+        d = first
+        while True:
+            last = d
+            if d.text:
+                yield _sse(answer.chunk(d.text, None, include_usage))
+            if d.finish_reason is not None:
+                yield _sse(
+                    answer.chunk(None if answer.kind == "chat" else "", _finish_reason(d.finish_reason), include_usage)
+                )
+                break
+            try:
+                d = await deltas.__anext__()
+            except StopAsyncIteration:
+                break
+        if include_usage:
+            yield _sse(answer.usage_chunk(last.num_input_tokens, last.num_output_tokens))
+        yield "data: [DONE]\n\n"
+    except GenerationError as exc:
+        status, type_ = _STATUS.get(exc.kind, (500, "server_error"))
+        log.info("request %s failed after its first token: %s", answer.id, exc.message)
+        yield _sse(error_body(exc.message, type_, code=str(status)))
+        yield "data: [DONE]\n\n"
+    finally:
+        await deltas.aclose()

@@ -1,0 +1,128 @@
+"""One generation against Triton over gRPC streaming (tritonclient's asyncio client): the
+request's tensors, and the responses as :class:`Delta` values. Closing the iterator (a client
+that went away, a finished request) cancels the gRPC call, which Triton passes to the model as
+a cancellation, so the request's KV pages go back to the pool."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import tritonclient.grpc.aio as grpcaio
+from tritonclient.grpc import InferInput
+from tritonclient.utils import InferenceServerException
+
+from backend.engine.outputs import ErrorKind
+from backend.serving.errors import parse_error
+
+
+@dataclass
+class GenerationParams:
+    max_tokens: int
+    temperature: float
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    guided_json: str | None = None
+
+
+@dataclass
+class Delta:
+    text: str
+    num_input_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None  # set on the last response
+
+
+class GenerationError(Exception):
+    """Triton refused or failed the request; ``kind`` is our error kind when the model named it."""
+
+    def __init__(self, kind: ErrorKind | None, message: str):
+        super().__init__(message)
+        self.kind, self.message = kind, message
+
+
+def _tensor(name: str, values, triton_type: str, np_type) -> InferInput:
+    arr = np.array(values, dtype=np_type)
+    t = InferInput(name, list(arr.shape), triton_type)
+    t.set_data_from_numpy(arr)
+    return t
+
+
+def build_inputs(prompt: str, params: GenerationParams) -> list[InferInput]:
+    ins = [
+        _tensor("text_input", [prompt.encode("utf-8")], "BYTES", object),
+        _tensor("max_tokens", [params.max_tokens], "INT32", np.int32),
+        _tensor("stream", [True], "BOOL", bool),
+        _tensor("temperature", [params.temperature], "FP32", np.float32),
+    ]
+    if params.top_p is not None:
+        ins.append(_tensor("top_p", [params.top_p], "FP32", np.float32))
+    if params.seed is not None:
+        ins.append(_tensor("random_seed", [params.seed], "UINT64", np.uint64))
+    if params.ignore_eos:
+        ins.append(_tensor("ignore_eos", [True], "BOOL", bool))
+    if params.stop:
+        ins.append(_tensor("stop_words", [w.encode("utf-8") for w in params.stop], "BYTES", object))
+    if params.guided_json is not None:
+        ins.append(_tensor("guided_json", [params.guided_json.encode("utf-8")], "BYTES", object))
+    return ins
+
+
+def _scalar(result, name: str, default=None):
+    arr = result.as_numpy(name)
+    if arr is None or not arr.size:
+        return default
+    value = arr.reshape(-1)[0]
+    return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
+class TritonStream:
+    """One gRPC channel to Triton, shared by every request of this frontend."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.client = grpcaio.InferenceServerClient(url)
+
+    async def ready(self, model: str) -> bool:
+        try:
+            return await self.client.is_server_ready() and await self.client.is_model_ready(model)
+        except InferenceServerException:
+            return False
+
+    async def generate(self, model: str, prompt: str, params: GenerationParams) -> AsyncIterator[Delta]:
+        """Deltas until the one with a finish reason; :class:`GenerationError` for a refused or
+        failed request. Closing the iterator early cancels the request in Triton."""
+        request = {"model_name": model, "inputs": build_inputs(prompt, params), "request_id": uuid.uuid4().hex}
+
+        async def one_request():
+            yield request
+
+        call = self.client.stream_infer(one_request())
+        try:
+            async for result, error in call:
+                if error is not None:
+                    kind, message = parse_error(error.message())
+                    raise GenerationError(kind, message)
+                delta = Delta(
+                    text=_scalar(result, "text_output", ""),
+                    num_input_tokens=int(_scalar(result, "num_input_tokens", 0)),
+                    num_output_tokens=int(_scalar(result, "num_output_tokens", 0)),
+                    finish_reason=_scalar(result, "finish_reason", "") or None,
+                )
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+            raise GenerationError(ErrorKind.INTERNAL, "Triton closed the stream before the request finished")
+        except (grpc.RpcError, InferenceServerException) as exc:
+            message = exc.details() if isinstance(exc, grpc.RpcError) else exc.message()
+            raise GenerationError(ErrorKind.OUT_OF_SERVICE, f"Triton at {self.url} failed the call: {message}") from exc
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        await self.client.close()
