@@ -113,4 +113,10 @@ class KVReceiver(ABC):
     def stats(self) -> dict: ...
 
     @abstractmethod
+    def observations(self) -> dict[str, list[float]]:
+        """Per-request latencies measured since the last call (``prefill_queue_time_seconds``:
+        asked until the sender started; ``kv_transfer_time_seconds``: started until the last
+        write landed), forgotten once handed over."""
+
+    @abstractmethod
     def close(self) -> None: ...

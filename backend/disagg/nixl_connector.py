@@ -272,6 +272,10 @@ class _Receive:
     n_pages: int
     expected: int
     t_start: float = field(default_factory=time.perf_counter)
+    t_started: float | None = None  # the sender reported that it began the prefill
+
+
+_MAX_PENDING_OBSERVATIONS = 10_000  # per histogram, between two metric refreshes
 
 
 class NixlKVReceiver(KVReceiver):
@@ -287,6 +291,7 @@ class NixlKVReceiver(KVReceiver):
         self._active: dict[str, _Receive] = {}
         self._lock = threading.Lock()
         self.totals = {"kv_transfer_seconds_total": 0.0, "kv_transfer_bytes_total": 0, "kv_writes_total": 0}
+        self._observed: dict[str, list[float]] = {"prefill_queue_time_seconds": [], "kv_transfer_time_seconds": []}
 
     def num_external_tokens(self, prompt_len: int) -> int:
         """All prompt tokens but the last come from a prefill instance; the last one is the
@@ -311,7 +316,13 @@ class NixlKVReceiver(KVReceiver):
             with self._lock:
                 rec = self._active.pop(rid, None)
             if ok and rec is not None:
-                self.totals["kv_transfer_seconds_total"] += time.perf_counter() - rec.t_start
+                now = time.perf_counter()
+                started = rec.t_started if rec.t_started is not None else rec.t_start
+                with self._lock:
+                    if rec.t_started is not None:
+                        self._observe("prefill_queue_time_seconds", rec.t_started - rec.t_start)
+                    self._observe("kv_transfer_time_seconds", now - started)
+                self.totals["kv_transfer_seconds_total"] += now - rec.t_start
                 self.totals["kv_writes_total"] += rec.expected
                 self.totals["kv_transfer_bytes_total"] += (
                     rec.n_pages * self.layout.num_layers * self.layout.page_bytes * self.layout.tp_size
@@ -331,7 +342,21 @@ class NixlKVReceiver(KVReceiver):
 
     def started(self, req_id: str, generation: int) -> None:
         """The prefill instance began the request: from now on the transfer deadline applies."""
+        with self._lock:
+            rec = self._active.get(req_id)
+            if rec is not None and rec.t_started is None:
+                rec.t_started = time.perf_counter()
         self.agent.rearm(req_id, generation, self.timeout_s, "prefill and transfer")
+
+    def _observe(self, name: str, value: float) -> None:
+        values = self._observed[name]
+        if len(values) < _MAX_PENDING_OBSERVATIONS:
+            values.append(value)
+
+    def observations(self) -> dict[str, list[float]]:
+        with self._lock:
+            out, self._observed = self._observed, {k: [] for k in self._observed}
+        return out
 
     def split_meta(self, meta):
         """The meta block (fp32 hidden ++ logits of the last prefilled position) as (hidden, logits)."""

@@ -38,6 +38,9 @@ class AggregatedWorker:
     def stats(self) -> dict:
         return pool_gauges(self.engine.pool_stats())
 
+    def observations(self) -> dict[str, list[float]]:
+        return {}  # TTFT, ITL and request latency come from the sessions, in the model
+
     def health(self) -> str | None:
         return self.engine.health()
 

@@ -262,6 +262,9 @@ class DecodeWorker:
         s.update(self.receiver.stats())
         return s
 
+    def observations(self) -> dict[str, list[float]]:
+        return self.receiver.observations()
+
     def shutdown(self) -> None:
         self._stop.set()
         for e in self.endpoints:

@@ -164,6 +164,9 @@ class PrefillWorker:
         self.server.close()
 
     # ------------------------------------------------------------ serving-layer interface
+    def observations(self) -> dict[str, list[float]]:
+        return {}  # the decode instances measure queue and transfer times per request
+
     def stats(self) -> dict:
         return {**pool_gauges(self.engine.pool_stats()), **self.sender.stats()}
 

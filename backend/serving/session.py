@@ -39,6 +39,9 @@ class GenerationSession:
     on_done: Callable[["GenerationSession", str], None] | None = None
     t_start: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
+    t_last: float | None = None  # when the last token batch arrived
+    t_end: float | None = None
+    token_gaps: list = field(default_factory=list)  # inter-token latency of each token after the first
     n_output: int = 0
     done: bool = False
     cancelled: bool = False  # set when a cancel arrives by another path than the sink
@@ -72,8 +75,13 @@ class GenerationSession:
             self.cancel_engine(self.req_id)
             self._close("cancelled")
             return
-        if token_ids and self.t_first is None:
-            self.t_first = time.perf_counter()
+        if token_ids:
+            now = time.perf_counter()
+            if self.t_first is None:
+                self.t_first = now
+            else:  # a batch of k tokens (speculative decoding) after a gap: k tokens at gap/k each
+                self.token_gaps.extend([(now - self.t_last) / len(token_ids)] * len(token_ids))
+            self.t_last = now
         self.n_output += len(token_ids)
         delta = self.detok.add(token_ids, final=finished)
         if self.detok.stopped and not finished:
@@ -113,6 +121,7 @@ class GenerationSession:
 
     def _close(self, reason: str) -> None:
         self.done = True
+        self.t_end = time.perf_counter()
         if reason in ("cancelled", "send-failed"):
             try:  # end the stream: a caller waiting for the final response (the front model) stops
                 self.sink.close()

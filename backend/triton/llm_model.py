@@ -37,7 +37,12 @@ class TritonPythonModel:
         tokenizer = AutoTokenizer.from_pretrained(config.engine.model_path)
         self.worker = make_worker(config, self.instance)
         self.admission = Admission(config, self.worker, tokenizer, self.instance, on_done=self._on_done)
-        self.metrics = InstanceMetrics(pb_utils, {"model": cfg["name"], "instance": self.instance}, self._stats)
+        self.metrics = InstanceMetrics(
+            pb_utils,
+            {"model": cfg["name"], "instance": self.instance},
+            self._stats,
+            observations=self.worker.observations,
+        )
         self.drain = DrainWatch(args["model_repository"], lambda: self.admission.drain(DRAIN_MESSAGE))
         log.info(
             "instance %s ready: role %s, model %s, %s",
@@ -83,6 +88,11 @@ class TritonPythonModel:
             self.metrics.add("requests_failed_total", 1)
         if session.t_first is not None:
             self.metrics.add("ttft_seconds_total", session.t_first - session.t_start)
+            self.metrics.observe("time_to_first_token_seconds", session.t_first - session.t_start)
+        if session.token_gaps:
+            self.metrics.observe("inter_token_latency_seconds", session.token_gaps)
+        if reason not in ("error", "cancelled", "send-failed") and session.t_end is not None:
+            self.metrics.observe("e2e_request_latency_seconds", session.t_end - session.t_start)
 
     def finalize(self):
         log.info("instance %s shutting down", self.instance)

@@ -2,7 +2,9 @@
 
 A small background thread refreshes gauges from a ``stats()`` callable and advances counters
 that ``stats()`` reports as running totals; the serving code bumps the others with ``add``.
-Names start with ``triton_disagg_``.
+Histograms (latencies, in seconds) take single observations: ``observe`` from the model, and
+whatever the worker's ``observations()`` hands over at each refresh. Names start with
+``triton_disagg_``.
 """
 
 from __future__ import annotations
@@ -37,10 +39,38 @@ COUNTERS = {
 }
 
 
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_KV_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0)
+_QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+HISTOGRAMS = {
+    "time_to_first_token_seconds": ("time from a request's arrival to its first token", _TTFT_BUCKETS),
+    "inter_token_latency_seconds": ("time between successive output tokens of a request", _ITL_BUCKETS),
+    "e2e_request_latency_seconds": ("time from a request's arrival to its last response", _E2E_BUCKETS),
+    "kv_transfer_time_seconds": (
+        "decode instance: time from the prefill instance starting a request to its last KV write "
+        "landing (the prefill's compute overlapped with the layer-by-layer transfer)",
+        _KV_BUCKETS,
+    ),
+    "prefill_queue_time_seconds": (
+        "decode instance: time a request waited in the prefill instance's queue before it started",
+        _QUEUE_BUCKETS,
+    ),
+}
+
+
 class InstanceMetrics:
-    def __init__(self, pb_utils, labels: dict, stats: Callable[[], dict], period_s: float = 0.25):
+    def __init__(
+        self,
+        pb_utils,
+        labels: dict,
+        stats: Callable[[], dict],
+        period_s: float = 0.25,
+        observations: Callable[[], dict[str, list[float]]] | None = None,
+    ):
         self._families = []
-        self.gauges, self.counters = {}, {}
+        self.gauges, self.counters, self.histograms = {}, {}, {}
         for table, kind, store in (
             (GAUGES, pb_utils.MetricFamily.GAUGE, self.gauges),
             (COUNTERS, pb_utils.MetricFamily.COUNTER, self.counters),
@@ -49,7 +79,14 @@ class InstanceMetrics:
                 fam = pb_utils.MetricFamily(name=f"triton_disagg_{name}", description=desc, kind=kind)
                 self._families.append(fam)
                 store[name] = fam.Metric(labels=labels)
+        for name, (desc, buckets) in HISTOGRAMS.items():
+            fam = pb_utils.MetricFamily(
+                name=f"triton_disagg_{name}", description=desc, kind=pb_utils.MetricFamily.HISTOGRAM
+            )
+            self._families.append(fam)
+            self.histograms[name] = fam.Metric(labels=labels, buckets=list(buckets))
         self._stats = stats
+        self._observations = observations
         self._last_totals: dict[str, float] = {}
         self._period = period_s
         self._stop = threading.Event()
@@ -60,6 +97,13 @@ class InstanceMetrics:
     def add(self, name: str, value: float) -> None:
         with self._lock:
             self.counters[name].increment(float(value))
+
+    def observe(self, name: str, values) -> None:
+        """One observation (a float) or several (a list) of histogram ``name``."""
+        with self._lock:
+            metric = self.histograms[name]
+            for v in values if isinstance(values, list) else [values]:
+                metric.observe(float(v))
 
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self._period):
@@ -72,6 +116,9 @@ class InstanceMetrics:
                         elif k in self.counters and v > self._last_totals.get(k, 0.0):
                             self.counters[k].increment(float(v) - self._last_totals.get(k, 0.0))
                             self._last_totals[k] = float(v)
+                if self._observations is not None:
+                    for name, values in self._observations().items():
+                        self.observe(name, values)
             except Exception as e:  # metrics must never take serving down
                 log.debug("metrics refresh failed: %s", e)
 
@@ -80,4 +127,5 @@ class InstanceMetrics:
         self._thread.join(timeout=2)
         self.gauges.clear()
         self.counters.clear()
+        self.histograms.clear()
         self._families.clear()
