@@ -222,6 +222,7 @@ class LLMEngine:
         picked = {}
         if plain:
             logits = result.logits if len(plain) == len(chunks) else result.logits[plain]
+            logits = self._mask_end_ids(logits, [chunks[i].seq for i in plain])
             tokens = sample(logits, [chunks[i].seq.params for i in plain], [chunks[i].seq.generator for i in plain])
             picked = {i: [t] for i, t in zip(plain, tokens)}
         for i in rows:
@@ -229,6 +230,21 @@ class LLMEngine:
                 logits = result.position_logits[i] if result.position_logits is not None else result.logits[i : i + 1]
                 picked[i] = self.decode_sampler.pick(chunks[i], logits)
         return picked
+
+    @staticmethod
+    def _mask_end_ids(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Rows whose sequence has not reached ``min_tokens`` cannot sample an end id."""
+        rows = [
+            (r, s.params.end_ids)
+            for r, s in enumerate(seqs)
+            if s.params.end_ids and not s.params.ignore_eos and s.num_output_tokens < s.params.min_tokens
+        ]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for r, end_ids in rows:
+            logits[r, list(end_ids)] = float("-inf")
+        return logits
 
     def _append(self, chunk: ScheduledChunk, tokens: list[int], result, row: int) -> EngineOutput:
         """Append a sampled chunk's accepted drafts + target token (stopping early where a stop

@@ -15,7 +15,8 @@ class SamplingParams:
 
     ``stop_token_ids``: token sequences that end the request when the output ends with one of them
     (string stop words are tokenized by the caller). ``end_ids`` end the request unless
-    ``ignore_eos``. ``seed`` makes random sampling reproducible. ``temperature == 0`` is greedy.
+    ``ignore_eos``; before ``min_tokens`` output tokens they are never sampled (their logits are
+    masked) and never end it. ``seed`` makes random sampling reproducible. ``temperature == 0`` is greedy.
     ``num_draft_tokens`` > 0 turns on speculative decoding with up to that many draft tokens per
     step, proposed by ``draft_method`` (see ``backend/engine/sampling/drafters.py``). ``grammar``: a compiled
     grammar (``backend/engine/sampling/grammar.py``) constraining the output, or None.
@@ -29,6 +30,7 @@ class SamplingParams:
     end_ids: tuple[int, ...] = ()
     stop_token_ids: tuple[tuple[int, ...], ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
     num_draft_tokens: int = 0
     draft_method: str = "lookup"
     grammar: object | None = None
@@ -48,6 +50,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not (0 <= int(self.seed) < 2**64):
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if any(len(seq) == 0 for seq in self.stop_token_ids):
             raise ValueError("stop_token_ids must not contain an empty sequence")
         if not isinstance(self.num_draft_tokens, int) or not 0 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:

@@ -95,7 +95,7 @@ class Sequence:
         """Finish reason after a token was appended, or None to continue."""
         params = self.params
         last = self.token_ids[-1]
-        if not params.ignore_eos and last in params.end_ids:
+        if not params.ignore_eos and last in params.end_ids and self.num_output_tokens >= params.min_tokens:
             return FinishReason.STOP
         for stop in params.stop_token_ids:
             if self.num_output_tokens >= len(stop) and tuple(self.token_ids[-len(stop) :]) == stop:

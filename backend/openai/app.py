@@ -188,6 +188,7 @@ def build_app(config: FrontendConfig) -> FastAPI:
             seed=body.seed,
             stop=list(body.stop or []),
             ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens,
             guided_json=body.guided_json(),
         )
 

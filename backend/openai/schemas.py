@@ -3,8 +3,8 @@
 Accepted: ``model``, ``prompt`` (text) or ``messages`` (text content), ``max_tokens`` /
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
 ``stream_options.include_usage``, ``n`` = 1, ``response_format`` (``text``, ``json_object``,
-``json_schema``), ``user`` (ignored), and vLLM's extension ``ignore_eos`` (benchmarks ask for
-a fixed output length with it). Fields this server cannot honour (``n`` > 1, ``logprobs``,
+``json_schema``), ``user`` (ignored), and vLLM's extensions ``ignore_eos`` and ``min_tokens``
+(benchmarks ask for a fixed output length with them). Fields this server cannot honour (``n`` > 1, ``logprobs``,
 ``echo``, ``best_of``, ``suffix``, penalties, ``logit_bias``, ``tools``) are refused with a 400
 that names them, never silently ignored; other unknown fields are ignored, as OpenAI's clients
 send fields newer than any server.
@@ -74,6 +74,7 @@ class _Common(BaseModel):
     n: int = 1
     response_format: ResponseFormat | None = None
     ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
     user: str | None = None
 
     def check_supported(self) -> None:

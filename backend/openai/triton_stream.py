@@ -27,6 +27,7 @@ class GenerationParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0
     guided_json: str | None = None
 
 
@@ -66,6 +67,8 @@ def build_inputs(prompt: str, params: GenerationParams) -> list[InferInput]:
         ins.append(_tensor("random_seed", [params.seed], "UINT64", np.uint64))
     if params.ignore_eos:
         ins.append(_tensor("ignore_eos", [True], "BOOL", bool))
+    if params.min_tokens:
+        ins.append(_tensor("min_length", [params.min_tokens], "INT32", np.int32))
     if params.stop:
         ins.append(_tensor("stop_words", [w.encode("utf-8") for w in params.stop], "BYTES", object))
     if params.guided_json is not None:

@@ -38,6 +38,7 @@ class ClientRequest:
     end_id: int | None = None
     stop_words: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    min_length: int = 0  # no end token before this many output tokens (TensorRT-LLM's name)
     apply_chat_template: bool = False
     num_draft_tokens: int | None = None  # None: the model's default (parameter speculative_k)
     draft_method: str | None = None  # None: the model's default (parameter draft_method)
@@ -120,11 +121,14 @@ def parse_request(get: Getter, *, max_tokens_limit: int, max_input_bytes: int = 
         ("random_seed", "seed"),
         ("end_id", "end_id"),
         ("ignore_eos", "ignore_eos"),
+        ("min_length", "min_length"),
         ("apply_chat_template", "apply_chat_template"),
     ):
         v = _scalar(get, name)
         if v is not None:
             setattr(req, attr, v)
+    if _scalar(get, "exclude_input_in_output") is False:  # TensorRT-LLM's echo switch; true is all we do
+        raise RequestError("'exclude_input_in_output' false is not supported: the output never repeats the input")
     stops = _strings(get, "stop_words")
     if stops:
         if len(stops) > MAX_STOP_WORDS:
@@ -147,6 +151,7 @@ def _check_sampling(req: ClientRequest) -> None:
             top_k=req.top_k,
             top_p=req.top_p,
             seed=req.seed,
+            min_tokens=req.min_length,
             num_draft_tokens=req.num_draft_tokens or 0,
             draft_method=req.draft_method or DRAFT_METHODS[0],
         )

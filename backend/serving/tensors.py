@@ -47,6 +47,8 @@ INPUTS = (
     TensorSpec("end_id", "TYPE_INT32"),
     TensorSpec("stop_words", "TYPE_STRING"),
     TensorSpec("ignore_eos", "TYPE_BOOL"),
+    TensorSpec("min_length", "TYPE_INT32"),
+    TensorSpec("exclude_input_in_output", "TYPE_BOOL"),
     TensorSpec("apply_chat_template", "TYPE_BOOL"),
     TensorSpec("num_draft_tokens", "TYPE_INT32"),
     TensorSpec("draft_method", "TYPE_STRING"),

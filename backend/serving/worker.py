@@ -48,6 +48,7 @@ def sampling_params(session: GenerationSession, serving: ServingConfig) -> Sampl
         seed=r.seed,
         end_ids=(r.end_id,) if r.end_id is not None else (),
         ignore_eos=r.ignore_eos,
+        min_tokens=r.min_length,
         num_draft_tokens=k,
         draft_method=r.draft_method or serving.draft_method,
         grammar=r.grammar,

@@ -94,6 +94,22 @@ def test_stop_conditions(engine):
     assert tokens_of(outputs["max"]) == reference[:3] and outputs["max"][-1].finish_reason == "length"
 
 
+def test_min_tokens_masks_end_ids_until_reached(engine):
+    prompt = prompt_of(7)
+    engine.add_request("ref", prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    reference = tokens_of(run_to_completion(engine)["ref"])
+    end = reference[0]  # greedy's first choice: ends the request at once without min_tokens
+    engine.add_request("plain", prompt, SamplingParams(max_tokens=8, end_ids=(end,)))
+    engine.add_request("min", prompt, SamplingParams(max_tokens=8, end_ids=(end,), min_tokens=5))
+    outputs = run_to_completion(engine)
+    assert tokens_of(outputs["plain"]) == [end] and outputs["plain"][-1].finish_reason == "stop"
+    got = tokens_of(outputs["min"])
+    assert len(got) >= 5 and end not in got[:5], got  # never sampled before the minimum
+    assert got[0] != end
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
 def test_max_model_len_ends_request(tiny_dir):
     engine = make_engine(tiny_dir, max_model_len=12, kv_cache_tokens=256)
     engine.add_request("a", prompt_of(9), SamplingParams(max_tokens=50, ignore_eos=True))

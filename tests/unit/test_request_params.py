@@ -28,6 +28,19 @@ def test_parse_full_request():
     assert req.stop_words == ["\n"]
 
 
+def test_tensorrt_llm_min_length_and_exclude_input():
+    base = {"text_input": np.array([b"x"], dtype=object), "max_tokens": np.array([8], np.int32)}
+    req = parse_request(
+        getter(**base, min_length=np.array([8], np.int32), exclude_input_in_output=np.array([True])),
+        max_tokens_limit=10,
+    )
+    assert req.min_length == 8
+    with pytest.raises(RequestError, match="exclude_input_in_output"):
+        parse_request(getter(**base, exclude_input_in_output=np.array([False])), max_tokens_limit=10)
+    with pytest.raises(RequestError, match="min_tokens"):
+        parse_request(getter(**base, min_length=np.array([9], np.int32)), max_tokens_limit=10)
+
+
 @pytest.mark.parametrize(
     "tensors,msg",
     [
