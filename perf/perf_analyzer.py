@@ -36,7 +36,9 @@ def ensure_libb64() -> None:
         return
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         raise SystemExit("perf_analyzer needs libb64-0d: run `apt-get install -y libb64-0d` as root")
-    subprocess.run(["apt-get", "install", "-y", "-q", "libb64-0d"], check=True)
+    if subprocess.run(["apt-get", "install", "-y", "-q", "libb64-0d"]).returncode != 0:
+        subprocess.run(["apt-get", "update", "-q"], check=True)  # a fresh machine has no package lists yet
+        subprocess.run(["apt-get", "install", "-y", "-q", "libb64-0d"], check=True)
 
 
 def pa_env() -> dict:

@@ -135,6 +135,8 @@ def build_app(config: FrontendConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        if config.tokenizer:
+            tokenizer()  # loaded before the first chat request, not during it
         yield
         if "triton" in state:
             await state["triton"].close()
