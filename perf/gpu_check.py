@@ -138,11 +138,15 @@ def pages_sha256(engine, pages: list[int]) -> str:
 
 def hf_greedy(model, ids: list[int], n: int, device: str) -> list[int]:
     """Transformers' own forward and KV cache, greedy, EOS not special."""
+    import inspect
+
+    # the KV cache keyword: ``cache`` in newer transformers, ``past_key_values`` before
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out, past = [], None
     x = torch.tensor([ids], device=device)
     with torch.inference_mode():
         for _ in range(n):
-            r = model(input_ids=x, past_key_values=past, use_cache=True)
+            r = model(input_ids=x, use_cache=True, **{key: past})
             past = r.past_key_values
             tok = int(r.logits[0, -1].argmax())
             out.append(tok)

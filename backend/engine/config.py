@@ -39,6 +39,7 @@ class EngineConfig:
     num_threads: int = 0
     max_tokens_limit: int = 1024
     tensor_parallel_size: int = 1
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if not self.model_path:

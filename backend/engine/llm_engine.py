@@ -52,7 +52,9 @@ class LLMEngine:
                 )
             runner = ModelRunner(config)
         self.runner = runner
-        self.allocator = PageAllocator(config.num_pages, config.page_size)
+        self.allocator = PageAllocator(
+            config.num_pages, config.page_size, prefix_caching=config.enable_prefix_caching, salt=self._cache_salt()
+        )
         self.scheduler = Scheduler(
             self.allocator, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
@@ -64,6 +66,13 @@ class LLMEngine:
     @property
     def pool(self):
         return self.runner.pool
+
+    def _cache_salt(self) -> bytes:
+        """What makes two instances' pages for the same tokens hold the same KV."""
+        c = self.config
+        return (
+            f"{os.path.basename(os.path.normpath(c.model_path))}|{c.dtype}|tp{c.tensor_parallel_size}|ps{c.page_size}"
+        ).encode()
 
     def set_kv_listener(self, listener: KVStepListener | None, layer_events: bool = True) -> None:
         """``listener.step_scheduled(batch)`` before each step with prefill-only chunks; with
@@ -207,6 +216,7 @@ class LLMEngine:
         for i, chunk in enumerate(chunks):
             seq = chunk.seq
             seq.num_computed += chunk.num_tokens
+            self.allocator.register(seq.req_id, seq.token_ids, seq.num_computed)  # full pages -> prefix cache
             if chunk.is_last_chunk and seq.prefill_only:
                 outputs.append(
                     self._finish(seq, FinishReason.PREFILL_DONE, [], hidden=result.hidden[i], logits=result.logits[i])

@@ -1,32 +1,69 @@
-"""Page allocator: free list, per-request page tables, and page commitments.
+"""Page allocator: free list, per-request page tables, page commitments, and the prefix cache.
 
-Pages held by a request are pinned: nothing is ever evicted or preempted. To make that safe, a
-request *commits* the pages it may grow into (prompt + max new tokens) when it is admitted; the
-commitments never exceed the pool, so a running request can always extend its table and a request
-that does not fit simply waits. All methods are thread-safe (the decode role reserves pages from
-another thread while the engine loop runs).
+Pages held by a request are pinned: nothing a request holds is ever evicted or preempted. To
+make that safe, a request *commits* the pages it may grow into (prompt + max new tokens) when
+it is admitted; the commitments never exceed the pool, so a running request can always extend
+its table and a request that does not fit simply waits. All methods are thread-safe (the decode
+role reserves pages from another thread while the engine loop runs).
+
+Prefix caching (``prefix_caching=True``): a *full* page whose KV the engine has computed is
+keyed by a chained hash of the token ids up to its end (:func:`page_hashes`, salted with what
+changes the KV: model, dtype, TP layout, page size). Pages carry reference counts; a request
+admitted with ``token_ids`` attaches the longest run of cached pages that starts its prompt
+(never its last token: that one is always computed, for its logits) and computes only the
+rest. A page nobody holds any more stays cached, in LRU order, and is evicted only when a
+request needs a page and the free list is empty. Partial pages are never shared; a page is
+registered only after the engine has computed all of it (:meth:`PageAllocator.register`), so
+pages a transfer is still writing, or that a failed transfer left half-written, are never in
+the cache; a held page is never evicted. Commitments count shared pages once per holder, which
+over-counts and so stays safe. ``stats()["free"]`` counts free and evictable cached pages (what
+a new request can get).
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
-from collections import deque
+from collections import OrderedDict, deque
+
+import numpy as np
 
 
 class PoolFullError(RuntimeError):
     """The pool cannot hold (or commit) the pages asked for right now."""
 
 
+def page_hashes(token_ids, page_size: int, salt: bytes, first: int = 0, prev: bytes | None = None) -> list[bytes]:
+    """Chained hashes of the full pages ``first, first+1, ...`` of ``token_ids`` (``prev``: the
+    hash of page ``first - 1``; the chain starts from ``salt``). Stable across processes."""
+    out, h = [], prev if prev is not None else salt
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    for i in range(first, len(tokens) // page_size):
+        h = hashlib.blake2b(h + tokens[i * page_size : (i + 1) * page_size].tobytes(), digest_size=16).digest()
+        out.append(h)
+    return out
+
+
 class PageAllocator:
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = False, salt: bytes = b""):
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
+        self.prefix_caching = prefix_caching
+        self.salt = salt
         self._free = deque(range(num_pages))
+        self._ref = [0] * num_pages
         self._tables: dict[str, list[int]] = {}
         self._committed: dict[str, int] = {}
         self._committed_total = 0
+        # prefix cache: hash <-> page for computed full pages; unreferenced cached pages in LRU order
+        self._page_of: dict[bytes, int] = {}
+        self._hash_of: dict[int, bytes] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._hashed: dict[str, tuple[int, bytes | None]] = {}  # req -> (pages hashed, last hash)
+        self._cached_tokens: dict[str, int] = {}
+        self.counters = {"query_tokens": 0, "hit_tokens": 0, "evictions": 0}
         self._lock = threading.Lock()
 
     def pages_for(self, n_tokens: int) -> int:
@@ -36,9 +73,12 @@ class PageAllocator:
         with self._lock:
             return self.num_pages - self._committed_total
 
-    def allocate(self, req_id: str, n_tokens: int, commit_tokens: int = 0) -> list[int]:
+    def allocate(self, req_id: str, n_tokens: int, commit_tokens: int = 0, token_ids=None) -> list[int]:
         """Create ``req_id``'s table with pages for ``n_tokens``, committing room for
-        ``max(n_tokens, commit_tokens)`` tokens. Raises :class:`PoolFullError` if that does not fit."""
+        ``max(n_tokens, commit_tokens)`` tokens. With prefix caching and ``token_ids`` (the
+        prompt), the table starts with the cached pages of its longest cached prefix
+        (:meth:`cached_tokens` says how many tokens they hold). Raises :class:`PoolFullError` if
+        that does not fit."""
         with self._lock:
             if req_id in self._tables:
                 raise ValueError(f"request {req_id!r} already holds pages")
@@ -49,10 +89,52 @@ class PageAllocator:
                     f"request {req_id!r} needs {commit} pages; "
                     f"{self.num_pages - self._committed_total} of {self.num_pages} uncommitted"
                 )
-            self._tables[req_id] = [self._free.popleft() for _ in range(n_pages)]
+            table, last = [], None
+            if self.prefix_caching and token_ids is not None and len(token_ids) > 1:
+                self.counters["query_tokens"] += len(token_ids)
+                for h in page_hashes(token_ids[: len(token_ids) - 1], self.page_size, self.salt):
+                    page = self._page_of.get(h)
+                    if page is None or len(table) >= n_pages:
+                        break
+                    self._hold(page)
+                    table.append(page)
+                    last = h
+                self.counters["hit_tokens"] += len(table) * self.page_size
+            self._hashed[req_id] = (len(table), last)
+            self._cached_tokens[req_id] = len(table) * self.page_size
+            table.extend(self._take() for _ in range(n_pages - len(table)))
+            self._tables[req_id] = table
             self._committed[req_id] = commit
             self._committed_total += commit
-            return list(self._tables[req_id])
+            return list(table)
+
+    def cached_tokens(self, req_id: str) -> int:
+        """Tokens of ``req_id``'s prompt found in the cache at allocation (their KV is in its pages)."""
+        with self._lock:
+            return self._cached_tokens.get(req_id, 0)
+
+    def register(self, req_id: str, token_ids, num_computed: int) -> None:
+        """The engine has computed the KV of ``token_ids[:num_computed]`` into ``req_id``'s pages:
+        its full pages become cached (a page whose hash another page holds already stays private)."""
+        if not self.prefix_caching:
+            return
+        with self._lock:
+            table = self._tables.get(req_id)
+            if table is None:
+                return
+            done, prev = self._hashed.get(req_id, (0, None))
+            n_full = min(num_computed // self.page_size, len(table))
+            if n_full <= done:
+                return
+            for i, h in enumerate(
+                page_hashes(token_ids[: n_full * self.page_size], self.page_size, self.salt, done, prev)
+            ):
+                page = table[done + i]
+                if h not in self._page_of and page not in self._hash_of:
+                    self._page_of[h] = page
+                    self._hash_of[page] = h
+                prev = h
+            self._hashed[req_id] = (n_full, prev)
 
     def extend(self, req_id: str, n_tokens: int) -> list[int]:
         """Grow ``req_id``'s table to cover ``n_tokens`` tokens; returns the pages added."""
@@ -67,7 +149,7 @@ class PageAllocator:
                     raise PoolFullError(f"request {req_id!r} cannot grow by {missing} pages: pool fully committed")
                 self._committed[req_id] += over
                 self._committed_total += over
-            added = [self._free.popleft() for _ in range(missing)]
+            added = [self._take() for _ in range(missing)]
             table.extend(added)
             return added
 
@@ -79,7 +161,8 @@ class PageAllocator:
             keep = self.pages_for(n_tokens)
             freed = table[keep:]
             del table[keep:]
-            self._free.extend(freed)
+            for page in freed:  # never cached ones: they hold only rejected drafts' tokens
+                self._release(page)
             return len(freed)
 
     def commit(self, req_id: str, commit_tokens: int) -> None:
@@ -95,12 +178,16 @@ class PageAllocator:
             self._committed_total += extra
 
     def free(self, req_id: str) -> int:
-        """Return all of ``req_id``'s pages to the free list. Unknown or already freed: KeyError."""
+        """Let go of all of ``req_id``'s pages (cached ones stay cached until evicted). Unknown or
+        already freed: KeyError."""
         with self._lock:
             table = self._table(req_id)
             del self._tables[req_id]
             self._committed_total -= self._committed.pop(req_id)
-            self._free.extend(table)
+            self._hashed.pop(req_id, None)
+            self._cached_tokens.pop(req_id, None)
+            for page in table:
+                self._release(page)
             return len(table)
 
     def has(self, req_id: str) -> bool:
@@ -113,7 +200,7 @@ class PageAllocator:
 
     def stats(self) -> dict:
         with self._lock:
-            free = len(self._free)
+            free = len(self._free) + len(self._lru)  # evictable cached pages count as free
             return {
                 "total": self.num_pages,
                 "free": free,
@@ -121,7 +208,37 @@ class PageAllocator:
                 "requests": len(self._tables),
                 "committed": self._committed_total,
                 "page_size": self.page_size,
+                "cached": len(self._hash_of),
+                "prefix_query_tokens": self.counters["query_tokens"],
+                "prefix_hit_tokens": self.counters["hit_tokens"],
+                "prefix_evictions": self.counters["evictions"],
             }
+
+    # ---------------------------------------------------------------- internals (lock held)
+    def _take(self) -> int:
+        if self._free:
+            page = self._free.popleft()
+        elif self._lru:
+            page, _ = self._lru.popitem(last=False)  # the least recently used cached page
+            del self._page_of[self._hash_of.pop(page)]
+            self.counters["evictions"] += 1
+        else:  # commitments make this unreachable
+            raise PoolFullError("no free page left")
+        self._ref[page] = 1
+        return page
+
+    def _hold(self, page: int) -> None:
+        if self._ref[page] == 0:
+            self._lru.pop(page, None)
+        self._ref[page] += 1
+
+    def _release(self, page: int) -> None:
+        self._ref[page] -= 1
+        if self._ref[page] == 0:
+            if page in self._hash_of:
+                self._lru[page] = None
+            else:
+                self._free.append(page)
 
     def _table(self, req_id: str) -> list[int]:
         table = self._tables.get(req_id)

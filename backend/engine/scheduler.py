@@ -3,7 +3,8 @@
 Each step takes, within the per-step token budget and in this order: one token for every running
 sequence that is decoding; the next prefill chunk of running sequences that are part way through
 their prompt; then waiting sequences (FIFO), admitted only while the pool can commit the pages
-they may grow into. Nothing is preempted: a sequence that does not fit waits at the queue head.
+they may grow into; a sequence admitted with a cached prompt prefix (the allocator's prefix
+cache) starts computing after it. Nothing is preempted: a sequence that does not fit waits at the queue head.
 A decoding sequence with draft tokens (speculative decoding) runs its last token and its drafts
 in one chunk, the drafts cut to the budget left.
 """
@@ -114,7 +115,8 @@ class Scheduler:
             if seq.kv_ready:
                 self.allocator.commit(seq.req_id, commit_tokens)
             else:
-                self.allocator.allocate(seq.req_id, seq.num_tokens, commit_tokens)
+                self.allocator.allocate(seq.req_id, seq.num_tokens, commit_tokens, token_ids=seq.token_ids)
+                seq.num_computed = self.allocator.cached_tokens(seq.req_id)  # a cached prefix is not recomputed
         except PoolFullError:
             return False
         return True

@@ -61,4 +61,12 @@ def deliver(session: GenerationSession, out: EngineOutput) -> None:
 
 
 def pool_gauges(pool: dict) -> dict:
-    return {"kv_pages_total": pool["total"], "kv_pages_free": pool["free"], "kv_pages_used": pool["used"]}
+    return {
+        "kv_pages_total": pool["total"],
+        "kv_pages_free": pool["free"],
+        "kv_pages_used": pool["used"],
+        "prefix_cache_cached_pages": pool["cached"],
+        "prefix_cache_query_tokens_total": pool["prefix_query_tokens"],
+        "prefix_cache_hit_tokens_total": pool["prefix_hit_tokens"],
+        "prefix_cache_evictions_total": pool["prefix_evictions"],
+    }

@@ -17,7 +17,8 @@ log = logging.getLogger("triton_disagg.metrics")
 
 GAUGES = {
     "kv_pages_total": "KV cache pages in this instance's pool",
-    "kv_pages_free": "KV cache pages free in this instance's pool",
+    "kv_pages_free": "KV cache pages free in this instance's pool (unused cached pages count as free)",
+    "prefix_cache_cached_pages": "full KV pages in the prefix cache (held by requests or evictable)",
     "kv_pages_used": "KV cache pages held by requests in this instance",
     "requests_active": "requests admitted and not finished in this instance",
     "requests_waiting_kv": "decode requests waiting for their KV transfer to complete",
@@ -35,6 +36,9 @@ COUNTERS = {
     "prefill_compute_seconds_total": "prefill instance: time from request arrival to its last chunk computed",
     "kv_transfer_tail_seconds_total": "prefill instance: time from last chunk computed to all KV writes done",
     "prefills_total": "prefill instance: prefills finished (sent or failed)",
+    "prefix_cache_query_tokens_total": "prompt tokens looked up in the prefix cache",
+    "prefix_cache_hit_tokens_total": "prompt tokens found in the prefix cache (their KV not recomputed)",
+    "prefix_cache_evictions_total": "cached pages evicted to make room",
     "kv_posts_deferred_total": "prefill instance: KV posts that waited for the device to execute the write (0 on CPU)",
 }
 
