@@ -48,7 +48,8 @@ def test_queueing_at_the_prefill_does_not_count_against_the_transfer_deadline(qu
 
     def run(i):
         t0 = time.monotonic()
-        results[i] = stream_generate(url, PROMPT, 4, model="decode_0", ignore_eos=True, timeout_s=120)
+        # distinct from the first token on: no request reuses another's prefix (prefix caching)
+        results[i] = stream_generate(url, f"Case {i}. {PROMPT}", 4, model="decode_0", ignore_eos=True, timeout_s=120)
         times[i] = time.monotonic() - t0
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(5)]
