@@ -37,7 +37,8 @@ class SendRequest:
     generation: int
     slot: int | None
     n_tokens: int
-    dst_pages: list[int]
+    dst_pages: list[int]  # for the prompt's pages first_page, first_page + 1, ...
+    first_page: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,16 @@ class KVReceiver(ABC):
 
     @abstractmethod
     def expect(
-        self, req_id: str, n_tokens: int, source, on_ready: ReadyCallback, on_release: ReleaseCallback
-    ) -> ReceiveTicket: ...
+        self,
+        req_id: str,
+        n_tokens: int,
+        source,
+        on_ready: ReadyCallback,
+        on_release: ReleaseCallback,
+        first_page: int = 0,
+    ) -> ReceiveTicket:
+        """Wait for the KV of tokens ``[first_page * page_size, n_tokens)`` (the pages before
+        ``first_page`` are here already)."""
 
     @abstractmethod
     def started(self, req_id: str, generation: int) -> None:

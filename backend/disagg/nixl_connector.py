@@ -133,9 +133,12 @@ class NixlKVSender(KVSender):
 
     # ------------------------------------------------------------ scheduler side
     def add_request(self, request: SendRequest) -> None:
-        n, dst = request.n_tokens, request.dst_pages
-        if n < 1 or len(dst) != math.ceil(n / self.page_size):
-            raise ValueError(f"{n} tokens do not fill {len(dst)} destination pages")
+        n, dst, first = request.n_tokens, request.dst_pages, request.first_page
+        total = math.ceil(n / self.page_size) if n > 0 else 0
+        if n < 1 or not 0 <= first < total:
+            raise ValueError(f"first page {first} is not one of the {total} pages of {n} tokens")
+        if len(dst) != total - first:
+            raise ValueError(f"{n} tokens from page {first} on do not fill {len(dst)} destination pages")
         pages = self.agent.peer_pages(request.peer)
         if max(dst) >= pages:
             raise ValueError(f"destination page {max(dst)} is outside the receiver's pool of {pages} pages")
@@ -216,13 +219,16 @@ class NixlKVSender(KVSender):
             job = self.jobs.get(c.req_id)
             if job is None:
                 continue
+            first = job.request.first_page
             if job.plan is None:  # its first chunk: plan the writes, tell the receiver it began
-                src_pages = self.engine.page_table(c.req_id)[: job.n_pages]
+                src_pages = self.engine.page_table(c.req_id)[first : first + job.n_pages]
                 job.plan = build_plan(self.layout, job.dst_layout, src_pages, job.request.dst_pages, self._rng)
                 self._on_started(job.request)
-            ready = job.n_pages if c.is_last_chunk else (c.start + c.num_tokens) // self.page_size
+            # plan positions: page first + i of the prompt is position i (a cached prefix here is
+            # complete before the first chunk: its pages go out with the first step's layers)
+            ready = job.n_pages if c.is_last_chunk else max(0, (c.start + c.num_tokens) // self.page_size - first)
             job.step_positions = list(range(job.sent_upto, ready))
-            job.sent_upto = ready
+            job.sent_upto = max(job.sent_upto, ready)
 
     def layer_written(self, layer: int, batch: StepBatch, written: DeviceMark) -> None:
         for c in batch.prefill_only_chunks:
@@ -305,9 +311,12 @@ class NixlKVReceiver(KVReceiver):
         source: tuple[str, KVLayout],
         on_ready: ReadyCallback,
         on_release: ReleaseCallback,
+        first_page: int = 0,
     ) -> ReceiveTicket:
         peer, src_layout = source
-        n_pages = math.ceil(n_tokens / self.layout.page_size)
+        n_pages = math.ceil(n_tokens / self.layout.page_size) - first_page
+        if n_pages < 1 or first_page < 0:
+            raise ValueError(f"nothing to receive: {n_tokens} tokens from page {first_page} on")
         expected = expected_writes(src_layout, self.layout, n_pages)
         with self._lock:
             self._active[req_id] = _Receive(n_pages, expected)

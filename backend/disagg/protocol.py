@@ -9,14 +9,17 @@ The KV bytes never travel here: they go over NIXL.
   prefill -> decode   AuthResponse(nonce, proof)
   decode -> prefill   Hello(version, name, fabric, proof)    fabric: the agent's handshake payload
   prefill -> decode   Hello(version, name, fabric, "")  or  {"error": reason} (refused)
-  decode -> prefill   PrefillRequest(req_id, generation, slot, tokens, dst_pages)
+  decode -> prefill   PrefillRequest(req_id, generation, slot, tokens, dst_pages, first_page)
   prefill -> decode   PrefillStarted(req_id, generation)   its first chunk is scheduled
   decode -> prefill   Cancel(req_id)
   prefill -> decode   PrefillFailed(req_id, kind, message)   the prefill will not complete
 
 Version history: 1 = the first typed, versioned protocol; 2 = peers authenticate (HMAC
 challenge-response) before the hello; 3 = the prefill instance reports when it starts a request
-(PrefillStarted), so the decode side's transfer deadline does not count its queueing there.
+(PrefillStarted), so the decode side's transfer deadline does not count its queueing there;
+4 = a prefill request names the first page it asks for (``first_page``): the decode instance
+holds the pages before it already (its prefix cache), ``dst_pages`` are for the pages from there
+on, and the prefill instance sends only those.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 
 from backend.engine.outputs import ErrorKind
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_FRAME_BYTES = 4 << 20  # a prefill request of 100k tokens is about 1 MiB of JSON
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_REQ_ID_LEN = 256
@@ -65,6 +68,7 @@ class PrefillRequest:
     slot: int | None
     tokens: list[int]
     dst_pages: list[int]
+    first_page: int  # pages [0, first_page) of the prompt are not sent: the decode instance has them
 
 
 @dataclass(frozen=True)

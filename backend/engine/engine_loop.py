@@ -62,8 +62,11 @@ class EngineLoop:
         """Abort a request; its callback gets finish_reason "abort" (nothing if it already ended)."""
         self._commands.put(("cancel", req_id))
 
-    def reserve(self, req_id: str, n_tokens: int) -> list[int]:
-        return self.engine.reserve(req_id, n_tokens)
+    def reserve(self, req_id: str, n_tokens: int, token_ids: list[int] | None = None) -> list[int]:
+        return self.engine.reserve(req_id, n_tokens, token_ids)
+
+    def cached_tokens(self, req_id: str) -> int:
+        return self.engine.cached_tokens(req_id)
 
     def cancel_reservation(self, req_id: str) -> None:
         self.engine.cancel_reservation(req_id)

@@ -165,14 +165,18 @@ class LLMEngine:
     def pool_stats(self) -> dict:
         return self.allocator.stats()
 
-    def reserve(self, req_id: str, n_tokens: int) -> list[int]:
-        """Decode role: pin pages for ``n_tokens`` tokens of KV written from outside.
+    def reserve(self, req_id: str, n_tokens: int, token_ids: list[int] | None = None) -> list[int]:
+        """Decode role: pin pages for ``n_tokens`` tokens of KV written from outside; with
+        ``token_ids`` (the prompt), its cached prefix comes first (:meth:`cached_tokens`).
         Raises PoolFullError when the pool cannot hold them now."""
         if req_id in self._seqs:
             raise ValueError(f"request {req_id!r} is already active")
         if not 0 < n_tokens < self.max_model_len:
             raise ValueError(f"reserve: n_tokens must be in [1, {self.max_model_len}), got {n_tokens}")
-        return self.allocator.allocate(req_id, n_tokens)
+        return self.allocator.allocate(req_id, n_tokens, token_ids=token_ids)
+
+    def cached_tokens(self, req_id: str) -> int:
+        return self.allocator.cached_tokens(req_id)
 
     def cancel_reservation(self, req_id: str) -> None:
         if req_id in self._seqs:

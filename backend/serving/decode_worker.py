@@ -58,6 +58,8 @@ class DecodeWorker:
         self._lock = threading.RLock()  # fabric callbacks may re-enter from cancel()
         self.waiting_kv: dict[str, KVWait] = {}
         self.waiting_pages: deque[tuple[GenerationSession, float]] = deque()
+        # prefills run here (the prefix cache held the whole prompt but its last token) / remotely
+        self.counters = {"prefill_local_total": 0, "prefill_remote_total": 0}
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name=f"{name}-kv-watch", daemon=True)
         self._watcher.start()
@@ -99,25 +101,45 @@ class DecodeWorker:
             )
 
     def _try_start(self, session: GenerationSession) -> bool:
-        """Reserve pages and send the prefill request; False if the pool is full (caller queues)."""
+        """Reserve pages (its cached prefix first) and send the prefill request for the pages
+        this instance lacks, or, when it holds every page but the last token's, start the
+        request here at once; False if the pool is full (caller queues)."""
         n = len(session.prompt_ids)
         try:
-            pages = self.loop.reserve(session.req_id, min(n + session.request.max_tokens, self.max_model_len - 1))
+            pages = self.loop.reserve(
+                session.req_id,
+                min(n + session.request.max_tokens, self.max_model_len - 1),
+                token_ids=session.prompt_ids,
+            )
         except PoolFullError:
             return False
+        n_remote = self.receiver.num_external_tokens(n)
+        cached = self.loop.cached_tokens(session.req_id)
+        if cached >= n_remote:  # the whole prefix is cached here: no prefill instance needed
+            self.counters["prefill_local_total"] += 1
+            self.loop.submit(
+                session.req_id,
+                session.prompt_ids,
+                sampling_params(session, self.config.serving),
+                lambda out: deliver(session, out),
+                kv_ready_tokens=n_remote,
+            )
+            return True
         endpoint = self._pick_endpoint()
         if endpoint is None:
             self.loop.cancel_reservation(session.req_id)
             session.fail(f"no prefill instance reachable ({self._endpoint_errors()})", ErrorKind.PREFILL_UNAVAILABLE)
             return True
-        n_remote = self.receiver.num_external_tokens(n)
+        first_page = cached // self.config.engine.page_size
         ticket = self.receiver.expect(
             session.req_id,
             n_remote,
             (endpoint.peer, endpoint.layout),
             on_ready=self._on_kv_ready,
             on_release=self._on_release,
+            first_page=first_page,
         )
+        self.counters["prefill_remote_total"] += 1
         self.waiting_kv[session.req_id] = KVWait(session, endpoint)
         endpoint.outstanding.add(session.req_id)
         try:
@@ -127,7 +149,8 @@ class DecodeWorker:
                     ticket.generation,
                     ticket.slot,
                     session.prompt_ids[:n_remote],
-                    pages[: ticket.n_pages],
+                    pages[first_page : first_page + ticket.n_pages],
+                    first_page,
                 )
             )
         except ConnectionError as e:
@@ -260,6 +283,7 @@ class DecodeWorker:
             s["requests_waiting_kv"] = len(self.waiting_kv) + len(self.waiting_pages)
         s["prefill_endpoints_connected"] = sum(e.connected for e in self.endpoints)
         s.update(self.receiver.stats())
+        s.update(self.counters)
         return s
 
     def observations(self) -> dict[str, list[float]]:

@@ -80,7 +80,9 @@ class PrefillWorker:
 
     def _start(self, peer: str, msg: PrefillRequest, conn: Connection) -> None:
         down = self.engine.health()
-        request = SendRequest(msg.req_id, peer, msg.generation, msg.slot, len(msg.tokens), msg.dst_pages)
+        request = SendRequest(
+            msg.req_id, peer, msg.generation, msg.slot, len(msg.tokens), msg.dst_pages, msg.first_page
+        )
         try:
             if down:
                 raise ValueError(down)

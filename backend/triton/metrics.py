@@ -37,6 +37,8 @@ COUNTERS = {
     "kv_transfer_tail_seconds_total": "prefill instance: time from last chunk computed to all KV writes done",
     "prefills_total": "prefill instance: prefills finished (sent or failed)",
     "prefix_cache_query_tokens_total": "prompt tokens looked up in the prefix cache",
+    "prefill_local_total": "decode instance: requests that needed no prefill instance (prefix cached here)",
+    "prefill_remote_total": "decode instance: requests sent to a prefill instance",
     "prefix_cache_hit_tokens_total": "prompt tokens found in the prefix cache (their KV not recomputed)",
     "prefix_cache_evictions_total": "cached pages evicted to make room",
     "kv_posts_deferred_total": "prefill instance: KV posts that waited for the device to execute the write (0 on CPU)",

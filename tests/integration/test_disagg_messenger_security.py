@@ -123,8 +123,8 @@ def test_authenticated_peer_bad_requests_fail_alone(disagg_server, model_dir):
     try:
         assert ep.ensure_connected(force=True), ep.last_error
         legit.start()
-        ep.send(PrefillRequest("evil-pages", 0, None, list(range(20)), [3, 10**6]))
-        ep.send(PrefillRequest("evil-tokens", 0, None, [1, 2, 10**7], [0]))
+        ep.send(PrefillRequest("evil-pages", 0, None, list(range(20)), [3, 10**6], 0))
+        ep.send(PrefillRequest("evil-tokens", 0, None, [1, 2, 10**7], [0], 0))
         deadline = time.monotonic() + 20
         while len(got) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -70,3 +70,68 @@ def test_prefill_instances_reuse_the_prefix_disaggregated(disagg_server, tokeniz
     assert outs[2].token_ids == hf_greedy(hf_model, tokenizer(second)["input_ids"], 8)
     for m in (*prefills, "decode_0", "decode_1"):
         wait_pool_free(url, m)
+
+
+def _bytes(url: str, model: str) -> float:
+    return sum(metric_values(url, "triton_disagg_kv_transfer_bytes_total", model=model))
+
+
+def _settled(read, timeout_s=5.0):
+    """A metric read once it stopped moving (the gauges refresh every 0.25 s)."""
+    deadline, last = time.monotonic() + timeout_s, read()
+    while time.monotonic() < deadline:
+        time.sleep(0.6)
+        now = read()
+        if now == last:
+            return now
+        last = now
+    return last
+
+
+def _aligned(tokenizer, text: str, page: int = 16) -> str:
+    """``text`` cut so that all its tokens but the last fill whole pages (the decode side can then
+    hold everything the prefill would send)."""
+    words = text.split(" ")
+    while True:
+        candidate = " ".join(words)
+        n = len(tokenizer.encode(candidate, add_special_tokens=False))
+        if (n - 1) % page == 0:
+            return candidate
+        words = words[:-1]
+
+
+def test_decode_asks_only_for_the_pages_it_lacks(disagg_server, tokenizer, hf_model):
+    """Turn 2 of a conversation on the same decode instance: its cache holds turn 1's pages, the
+    prefill instance is asked for the rest and sends only those; a prompt the decode instance
+    holds completely (but its last token) needs no prefill instance at all."""
+    url, grpc = disagg_server.metrics_url, disagg_server.grpc_url
+    system = "You answer questions about geography. " + " ".join(f"Fact {i}: rivers flow downhill." for i in range(14))
+    first = _aligned(tokenizer, system + " Question: what is the capital of Spain? Answer:")
+    second = first + " Madrid. Question: and of Portugal? Answer:"
+    prefills = ("prefill_0", "prefill_1")
+    sent = lambda: sum(_bytes(url, m) for m in prefills)  # noqa: E731
+    hits = lambda: _hits(url, "decode_0")  # noqa: E731
+    local = lambda: sum(metric_values(url, "triton_disagg_prefill_local_total", model="decode_0"))  # noqa: E731
+
+    b0 = _settled(sent)
+    r1 = stream_generate(grpc, first, 6, model="decode_0", temperature=0.0, ignore_eos=True)
+    b1, h1 = _settled(sent), _settled(hits)
+    n1 = len(tokenizer.encode(first, add_special_tokens=False))
+    per_page = (b1 - b0) / ((n1 - 1) // 16)  # turn 1 crossed the fabric whole
+    assert r1.error is None and per_page > 0
+
+    r2 = stream_generate(grpc, second, 6, model="decode_0", temperature=0.0, ignore_eos=True)
+    b2, h2 = _settled(sent), _settled(hits)
+    n2 = len(tokenizer.encode(second, add_special_tokens=False))
+    cached_pages = (h2 - h1) // 16
+    assert cached_pages >= (n1 - 1) // 16 - 1, (h1, h2)  # turn 1's pages were found on the decode side
+    assert b2 - b1 == per_page * (-(-(n2 - 1) // 16) - cached_pages)  # only the missing pages were sent
+    assert b2 - b1 < (b1 - b0)
+    assert r2.error is None and r2.token_ids == hf_greedy(hf_model, tokenizer(second)["input_ids"], 6)
+
+    l0 = _settled(local)
+    r3 = stream_generate(grpc, first, 6, model="decode_0", temperature=0.0, ignore_eos=True)
+    assert r3.error is None and r3.token_ids == r1.token_ids == hf_greedy(hf_model, tokenizer(first)["input_ids"], 6)
+    assert _settled(local) == l0 + 1 and _settled(sent) == b2  # turn 1 again: nothing crossed the fabric
+    for m in (*prefills, "decode_0", "decode_1"):
+        wait_pool_free(url, m)

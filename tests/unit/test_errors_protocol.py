@@ -29,8 +29,8 @@ def test_error_kind_round_trip():
 def test_messages_round_trip():
     for msg in (
         Hello(PROTOCOL_VERSION, "d0", {"layout": {}}, "ab" * 32),
-        PrefillRequest("r1", 2, None, [1, 2, 3], [7]),
-        PrefillRequest("r2", 0, 5, [1], [0]),
+        PrefillRequest("r1", 2, None, [1, 2, 3], [7], 0),
+        PrefillRequest("r2", 0, 5, [1], [0], 0),
         Cancel("r1"),
         PrefillFailed("r1", ErrorKind.OUT_OF_SERVICE, "rank 1 exited"),
     ):
@@ -46,15 +46,39 @@ def test_messages_round_trip():
         ({"type": "cancel", "req_id": "r", "owner": "x"}, r"unknown field\(s\) \['owner'\]"),
         ({"type": "cancel", "req_id": ""}, "req_id must be"),
         (
-            {"type": "prefill", "req_id": "r", "generation": "1", "slot": None, "tokens": [1], "dst_pages": [0]},
+            {
+                "type": "prefill",
+                "req_id": "r",
+                "generation": "1",
+                "slot": None,
+                "tokens": [1],
+                "dst_pages": [0],
+                "first_page": 0,
+            },
             "generation must be a non-negative integer",
         ),
         (
-            {"type": "prefill", "req_id": "r", "generation": 1, "slot": None, "tokens": [1, -2], "dst_pages": [0]},
+            {
+                "type": "prefill",
+                "req_id": "r",
+                "generation": 1,
+                "slot": None,
+                "tokens": [1, -2],
+                "dst_pages": [0],
+                "first_page": 0,
+            },
             "tokens must be a list of non-negative integers",
         ),
         (
-            {"type": "prefill", "req_id": "r", "generation": 1, "slot": True, "tokens": [1], "dst_pages": [0]},
+            {
+                "type": "prefill",
+                "req_id": "r",
+                "generation": 1,
+                "slot": True,
+                "tokens": [1],
+                "dst_pages": [0],
+                "first_page": 0,
+            },
             "slot must be a non-negative integer",
         ),
         ({"type": "prefill_failed", "req_id": "r", "kind": "bad_luck", "message": "x"}, "unknown error kind"),
