@@ -74,6 +74,9 @@ def running_server(repo, log_file, timeout_s: float = 400, **kw):
         print(f"tritonserver log: {log_file}")
 
 
+REMOTE_PREFILL = {"local_prefill_max_tokens": "0"}
+
+
 @contextlib.contextmanager
 def deployment_server(tmp_path_factory, name: str, timeout_s: float = 400, **render_kwargs):
     """Render a deployment (``render_deployment`` arguments) into a fresh temporary folder and
@@ -81,6 +84,9 @@ def deployment_server(tmp_path_factory, name: str, timeout_s: float = 400, **ren
     from backend.launch.deployment import render_deployment
 
     tmp = tmp_path_factory.mktemp(name)
+    # every prefill crosses the fabric unless a test asks otherwise (test_conditional_disagg.py):
+    # the tests of the disaggregated path must not be answered by a local prefill
+    render_kwargs["overrides"] = {**REMOTE_PREFILL, **(render_kwargs.get("overrides") or {})}
     repo = render_deployment(tmp / "repo", **render_kwargs)
     with running_server(repo, tmp / "tritonserver.log", timeout_s=timeout_s) as server:
         yield server

@@ -14,6 +14,8 @@ from backend.engine.config import EngineConfig, field_types, parse_section, pars
 from backend.engine.sampling_params import DRAFT_METHODS, MAX_DRAFT_TOKENS
 
 ROLES = ("aggregated", "prefill", "decode")
+# measured on the development machine (perf/REPORT.md, "Conditional disaggregation")
+LOCAL_PREFILL_MAX_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,11 @@ class ServingConfig:
     refused; grammars compile on a worker thread, off the request path, and a request whose
     grammar takes longer than ``max_grammar_compile_s`` fails alone; compiled grammars are
     cached up to ``grammar_cache_bytes``. A prompt (``text_input``) longer than
-    ``max_input_bytes`` is refused before it is decoded or tokenized."""
+    ``max_input_bytes`` is refused before it is decoded or tokenized. Decode role, conditional
+    disaggregation: a request whose prompt part not in this instance's prefix cache is at most
+    ``local_prefill_max_tokens`` tokens is prefilled here (chunked, between decode steps)
+    instead of by a prefill instance; so is any request while every prefill instance has at
+    least ``local_prefill_queue_bound`` requests outstanding (0: never by queue length)."""
 
     max_queue_size: int = 256
     speculative_k: int = 0
@@ -39,6 +45,8 @@ class ServingConfig:
     max_grammar_compile_s: float = 10.0
     grammar_cache_bytes: int = 64 << 20
     max_input_bytes: int = 1 << 20
+    local_prefill_max_tokens: int = LOCAL_PREFILL_MAX_TOKENS
+    local_prefill_queue_bound: int = 0
 
     def __post_init__(self) -> None:
         if self.max_queue_size < 1:
@@ -52,6 +60,9 @@ class ServingConfig:
         for name in ("page_wait_timeout_s", "max_grammar_compile_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("local_prefill_max_tokens", "local_prefill_queue_bound"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("max_grammar_bytes", "grammar_cache_bytes", "max_input_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -125,6 +125,18 @@ class DecodeWorker:
                 kv_ready_tokens=n_remote,
             )
             return True
+        if self._prefill_here(n_remote - cached):
+            # the engine admits it like an aggregated request: it attaches the cached prefix
+            # again and computes the rest in its chunked prefill, between decode steps
+            self.loop.cancel_reservation(session.req_id)
+            self.counters["prefill_local_total"] += 1
+            self.loop.submit(
+                session.req_id,
+                session.prompt_ids,
+                sampling_params(session, self.config.serving),
+                lambda out: deliver(session, out),
+            )
+            return True
         endpoint = self._pick_endpoint()
         if endpoint is None:
             self.loop.cancel_reservation(session.req_id)
@@ -156,6 +168,15 @@ class DecodeWorker:
         except ConnectionError as e:
             self.receiver.cancel(session.req_id, f"sending to prefill instance {endpoint.address} failed: {e}")
         return True
+
+    def _prefill_here(self, uncached_tokens: int) -> bool:
+        """Conditional disaggregation (see ``ServingConfig``): short enough, or every prefill
+        instance is busy past the bound."""
+        serving = self.config.serving
+        if uncached_tokens <= serving.local_prefill_max_tokens:
+            return True
+        bound = serving.local_prefill_queue_bound
+        return bool(bound) and all(len(e.outstanding) >= bound for e in self.endpoints)
 
     def _pick_endpoint(self) -> PrefillEndpoint | None:
         live = [e for e in self.endpoints if e.ensure_connected()]

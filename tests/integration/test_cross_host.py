@@ -60,6 +60,7 @@ def split_servers(two_hosts, model_dir, tmp_path_factory):
         "max_num_batched_tokens": "64",
         "num_threads": "1",
         "kv_transfer_timeout_s": "20",
+        "local_prefill_max_tokens": "0",  # every prefill crosses the namespaces
     }
     prefill_repo = render_deployment(
         tmp / "prefill", mode="prefill", model_path=str(model_dir), overrides=common, messenger_host=ip_ns

@@ -48,6 +48,7 @@ def tp_server(model_dir, tmp_path_factory):
             "kv_transfer_timeout_s": "60",
             "kv_quarantine_s": "4",
             "kv_xfer_timeout_s": "10",
+            "local_prefill_max_tokens": "0",  # every prefill crosses the fabric (TP 1 <-> 3)
         },
         per_model={
             "prefill_0": {"messenger_port": p0},
