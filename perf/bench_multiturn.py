@@ -1,0 +1,153 @@
+"""Benchmark: multi-turn conversations with a shared system prompt, prefix caching off vs on,
+aggregated and disaggregated, side by side in one run (each deployment started here with
+``perf/servers.py``; ``enable_prefix_caching`` false / true).
+
+Workload (the KV-reuse issue's, scaled by the options): ``--conversations`` conversations run
+concurrently, each ``--turns`` turns; every prompt starts with the same ~``--system-tokens``
+system prompt; each turn adds ~``--user-tokens`` user tokens to the whole history (the
+assistant's previous answers included) and asks for ``--output-tokens`` tokens; a think time
+of ``--think-s`` seconds between turns. Reports TTFT p50 of turn 1 and of turns 2.., completed
+requests/s, and (disaggregated) KV bytes sent per request.
+
+    python -m perf.bench_multiturn [--conversations 8] [--turns 6] [--output-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import requests
+
+from backend.client import stream_generate
+from perf import servers
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _words(tokenizer, n_tokens: int, rng: random.Random) -> str:
+    vocab = ["river", "mountain", "policy", "engine", "garden", "signal", "market", "theory", "orbit", "canvas"]
+    text = ""
+    while len(tokenizer.encode(text, add_special_tokens=False)) < n_tokens:
+        text += " " + " ".join(rng.choice(vocab) + str(rng.randint(0, 99)) for _ in range(8))
+    return text.strip()
+
+
+def _counter(metrics_url: str, name: str) -> float:
+    total = 0.0
+    for line in requests.get(metrics_url, timeout=5).text.splitlines():
+        m = re.match(rf"^triton_disagg_{name}\{{(.*)\}}\s+(\S+)$", line)
+        if m:
+            total += float(m.group(2))
+    return total
+
+
+def run(mode: str, caching: bool, args, tokenizer) -> dict:
+    server = servers.start(
+        mode,
+        overrides={"enable_prefix_caching": str(caching).lower(), "local_prefill_max_tokens": "0"},
+        log_dir=RESULTS / f"multiturn-{mode}-{caching}",
+    )
+    try:
+        rng = random.Random(7)
+        system = "System: " + _words(tokenizer, args.system_tokens, rng)
+        users = [
+            [_words(tokenizer, args.user_tokens, rng) for _ in range(args.turns)] for _ in range(args.conversations)
+        ]
+        records, errors = [], []
+        stream_generate(server.grpc_url, "warm up", 4, ignore_eos=True)
+        bytes0 = _counter(server.metrics_url, "kv_transfer_bytes_total") if mode == "disagg" else 0.0
+
+        def conversation(c: int) -> None:
+            history = system
+            time.sleep(c * args.think_s / max(1, args.conversations))  # staggered starts
+            for t in range(args.turns):
+                history += f"\nUser: {users[c][t]}\nAssistant:"
+                res = stream_generate(
+                    server.grpc_url, history, args.output_tokens, ignore_eos=True, temperature=0.0, timeout_s=600
+                )
+                if res.error:
+                    errors.append(res.error)
+                    return
+                records.append((t, res.ttft, len(tokenizer.encode(history, add_special_tokens=False))))
+                history += res.text
+                time.sleep(args.think_s)
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=conversation, args=(c,)) for c in range(args.conversations)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        wall = time.perf_counter() - t0
+        time.sleep(0.6)  # metrics refresh
+        sent = (_counter(server.metrics_url, "kv_transfer_bytes_total") - bytes0) if mode == "disagg" else 0.0
+        hits = _counter(server.metrics_url, "prefix_cache_hit_tokens_total")
+        # a disaggregated deployment counts bytes on both sides (sent and received): halve it
+        n = len(records)
+        return {
+            "requests": n,
+            "errors": errors[:3],
+            "ttft_turn1_p50_s": statistics.median([r[1] for r in records if r[0] == 0]),
+            "ttft_later_p50_s": statistics.median([r[1] for r in records if r[0] > 0]),
+            "prompt_tokens_mean": statistics.mean(r[2] for r in records),
+            "requests_per_s": n / wall,
+            "kv_bytes_per_request": sent / 2 / n if n and mode == "disagg" else None,
+            "prefix_hit_tokens": hits,
+        }
+    finally:
+        server.stop()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", default="aggregated,disagg")
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--system-tokens", type=int, default=800)
+    p.add_argument("--user-tokens", type=int, default=60)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--think-s", type=float, default=1.0)
+    args = p.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from build_scripts.prepare_model import ensure_model
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_model(None)))
+    results = {}
+    for mode in args.modes.split(","):
+        for caching in (False, True):
+            results[f"{mode}, caching {'on' if caching else 'off'}"] = run(mode, caching, args, tokenizer)
+    rows = [
+        "| deployment | TTFT p50 turn 1 (ms) | TTFT p50 turns 2+ (ms) | requests/s | KV bytes/request | hit tokens |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        kv = f"{r['kv_bytes_per_request'] / 2**20:.1f} MiB" if r["kv_bytes_per_request"] is not None else "-"
+        rows.append(
+            f"| {name} | {1e3 * r['ttft_turn1_p50_s']:.0f} | {1e3 * r['ttft_later_p50_s']:.0f} "
+            f"| {r['requests_per_s']:.3f} | {kv} | {r['prefix_hit_tokens']:.0f} |"
+        )
+    for mode in args.modes.split(","):
+        off, on = results[f"{mode}, caching off"], results[f"{mode}, caching on"]
+        line = f"{mode}: TTFT turns 2+ on/off {on['ttft_later_p50_s'] / off['ttft_later_p50_s']:.2f}x, "
+        line += f"requests/s on/off {on['requests_per_s'] / off['requests_per_s']:.2f}x"
+        if on["kv_bytes_per_request"]:
+            line += f", KV bytes/request on/off {on['kv_bytes_per_request'] / off['kv_bytes_per_request']:.2f}x"
+        rows.append("\n" + line)
+    settings = {k: v for k, v in vars(args).items()}
+    md = f"settings {settings}\n\n" + "\n".join(rows) + "\n"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "multiturn.json").write_text(json.dumps({"settings": settings, "results": results}, indent=2))
+    (RESULTS / "multiturn.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
