@@ -58,7 +58,8 @@ class DecodeWorker:
         self._lock = threading.RLock()  # fabric callbacks may re-enter from cancel()
         self.waiting_kv: dict[str, KVWait] = {}
         self.waiting_pages: deque[tuple[GenerationSession, float]] = deque()
-        # prefills run here (the prefix cache held the whole prompt but its last token) / remotely
+        # prefills run here (all cached but the last token, or short / prefill busy: see
+        # ServingConfig.local_prefill_*) / by a prefill instance
         self.counters = {"prefill_local_total": 0, "prefill_remote_total": 0}
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name=f"{name}-kv-watch", daemon=True)
