@@ -129,6 +129,15 @@ def test_killed_decode_instance_fails_its_requests_and_comes_back(server):
     old = server.instance_pids()["decode_0_0_0"]
     os.kill(old, signal.SIGKILL)
     t_kill = time.monotonic()
+    # readiness watched from the kill on: the reload may be over before the streams below end
+    watched, stop_watch = [], threading.Event()
+
+    def watch():
+        while not stop_watch.wait(0.25):
+            watched.append(ready(server))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     during = [generate(server) for _ in range(4)]  # routed around the dead instance
     assert all(r.error is None and r.token_ids for r in during), [r.error for r in during]
     [t.join(120) for t in threads]
@@ -138,6 +147,9 @@ def test_killed_decode_instance_fails_its_requests_and_comes_back(server):
     survivor = [r for r in results.values() if not r.error]
     assert len(survivor) == 1 and len(survivor[0].token_ids) > 0
     seen = wait_reloaded(server, "decode_0", old)
+    stop_watch.set()
+    watcher.join(5)
+    seen = watched + seen
     assert any(s != 200 for s in seen), f"readiness stayed 200 through the reload: {seen}"
     deadline = time.monotonic() + 30
     while metric_values(url, "triton_disagg_decode_target_up", model="llm", target="decode_0") != [1.0]:
