@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import time
@@ -29,17 +28,6 @@ def _prompt(tokenizer, n: int, seed: int) -> str:
     text = " ".join(words)
     ids = tokenizer.encode(text, add_special_tokens=False)[:n]
     return tokenizer.decode(ids)
-
-
-def read_counter(metrics_url: str, name: str, model: str) -> float:
-    import requests
-
-    total = 0.0
-    for line in requests.get(metrics_url, timeout=5).text.splitlines():
-        m = re.match(rf"^triton_disagg_{name}\{{(.*)\}}\s+(\S+)$", line)
-        if m and f'model="{model}"' in m.group(1):
-            total += float(m.group(2))
-    return total
 
 
 def run(local_max: int, lengths: list[int], reps: int, tokenizer, tag: str) -> dict:
@@ -60,8 +48,8 @@ def run(local_max: int, lengths: list[int], reps: int, tokenizer, tag: str) -> d
                 ttfts.append(res.ttft)
             out[n] = {"ttft_p50_s": statistics.median(ttfts), "ttft_all_s": ttfts}
         time.sleep(0.6)  # metrics refresh
-        out["prefill_local_total"] = read_counter(server.metrics_url, "prefill_local_total", "decode_0")
-        out["prefill_remote_total"] = read_counter(server.metrics_url, "prefill_remote_total", "decode_0")
+        out["prefill_local_total"] = servers.metric_sum(server.metrics_url, "prefill_local_total", model="decode_0")
+        out["prefill_remote_total"] = servers.metric_sum(server.metrics_url, "prefill_remote_total", model="decode_0")
         return out
     finally:
         server.stop()

@@ -17,14 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 import statistics
 import sys
 import threading
 import time
 from pathlib import Path
-
-import requests
 
 from backend.client import stream_generate
 from perf import servers
@@ -38,15 +35,6 @@ def _words(tokenizer, n_tokens: int, rng: random.Random) -> str:
     while len(tokenizer.encode(text, add_special_tokens=False)) < n_tokens:
         text += " " + " ".join(rng.choice(vocab) + str(rng.randint(0, 99)) for _ in range(8))
     return text.strip()
-
-
-def _counter(metrics_url: str, name: str) -> float:
-    total = 0.0
-    for line in requests.get(metrics_url, timeout=5).text.splitlines():
-        m = re.match(rf"^triton_disagg_{name}\{{(.*)\}}\s+(\S+)$", line)
-        if m:
-            total += float(m.group(2))
-    return total
 
 
 def run(mode: str, caching: bool, args, tokenizer) -> dict:
@@ -63,7 +51,7 @@ def run(mode: str, caching: bool, args, tokenizer) -> dict:
         ]
         records, errors = [], []
         stream_generate(server.grpc_url, "warm up", 4, ignore_eos=True)
-        bytes0 = _counter(server.metrics_url, "kv_transfer_bytes_total") if mode == "disagg" else 0.0
+        bytes0 = servers.metric_sum(server.metrics_url, "kv_transfer_bytes_total") if mode == "disagg" else 0.0
 
         def conversation(c: int) -> None:
             history = system
@@ -86,8 +74,8 @@ def run(mode: str, caching: bool, args, tokenizer) -> dict:
         [t.join() for t in threads]
         wall = time.perf_counter() - t0
         time.sleep(0.6)  # metrics refresh
-        sent = (_counter(server.metrics_url, "kv_transfer_bytes_total") - bytes0) if mode == "disagg" else 0.0
-        hits = _counter(server.metrics_url, "prefix_cache_hit_tokens_total")
+        sent = (servers.metric_sum(server.metrics_url, "kv_transfer_bytes_total") - bytes0) if mode == "disagg" else 0.0
+        hits = servers.metric_sum(server.metrics_url, "prefix_cache_hit_tokens_total")
         # a disaggregated deployment counts bytes on both sides (sent and received): halve it
         n = len(records)
         return {

@@ -8,8 +8,11 @@ with as many torch threads as cores, so the two processes don't fight over the s
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from pathlib import Path
+
+import requests
 
 from backend.launch.deployment import render_deployment
 from backend.launch.server import TritonServer
@@ -48,3 +51,14 @@ def start(
         log_dir / f"repo-{mode}", mode=mode, model_path=str(model_dir), overrides=overrides, per_model=per_model
     )
     return TritonServer(repo, log_file=log_dir / f"tritonserver-{mode}.log").start(timeout_s=400)
+
+
+def metric_sum(metrics_url: str, name: str, **labels) -> float:
+    """Sum of ``triton_disagg_<name>`` over the series whose labels include ``labels``."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    total = 0.0
+    for line in requests.get(metrics_url, timeout=5).text.splitlines():
+        m = re.match(rf"^triton_disagg_{name}\{{(.*)\}}\s+(\S+)$", line)
+        if m and all(w in m.group(1) for w in want):
+            total += float(m.group(2))
+    return total

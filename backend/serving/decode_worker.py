@@ -81,12 +81,7 @@ class DecodeWorker:
             return
         if self.receiver.num_external_tokens(len(session.prompt_ids)) == 0:
             # nothing to prefill: the first decode step is the prompt
-            self.loop.submit(
-                session.req_id,
-                session.prompt_ids,
-                sampling_params(session, self.config.serving),
-                lambda out: deliver(session, out),
-            )
+            self._run_here(session)
             return
         serving = self.config.serving
         with self._lock:
@@ -100,6 +95,17 @@ class DecodeWorker:
                 f"decode KV pool is full and {serving.max_waiting_for_pages} requests are already waiting for pages",
                 ErrorKind.OVERLOADED,
             )
+
+    def _run_here(self, session: GenerationSession, kv_ready_tokens: int = 0, prefill_state=None) -> None:
+        """Hand the request to this instance's engine (its KV ready up to ``kv_ready_tokens``)."""
+        self.loop.submit(
+            session.req_id,
+            session.prompt_ids,
+            sampling_params(session, self.config.serving),
+            lambda out: deliver(session, out),
+            kv_ready_tokens=kv_ready_tokens,
+            prefill_state=prefill_state,
+        )
 
     def _try_start(self, session: GenerationSession) -> bool:
         """Reserve pages (its cached prefix first) and send the prefill request for the pages
@@ -118,25 +124,14 @@ class DecodeWorker:
         cached = self.loop.cached_tokens(session.req_id)
         if cached >= n_remote:  # the whole prefix is cached here: no prefill instance needed
             self.counters["prefill_local_total"] += 1
-            self.loop.submit(
-                session.req_id,
-                session.prompt_ids,
-                sampling_params(session, self.config.serving),
-                lambda out: deliver(session, out),
-                kv_ready_tokens=n_remote,
-            )
+            self._run_here(session, kv_ready_tokens=n_remote)
             return True
         if self._prefill_here(n_remote - cached):
             # the engine admits it like an aggregated request: it attaches the cached prefix
             # again and computes the rest in its chunked prefill, between decode steps
             self.loop.cancel_reservation(session.req_id)
             self.counters["prefill_local_total"] += 1
-            self.loop.submit(
-                session.req_id,
-                session.prompt_ids,
-                sampling_params(session, self.config.serving),
-                lambda out: deliver(session, out),
-            )
+            self._run_here(session)
             return True
         endpoint = self._pick_endpoint()
         if endpoint is None:
@@ -206,14 +201,7 @@ class DecodeWorker:
                     ErrorKind.KV_TRANSFER_FAILED,
                 )
             return
-        self.loop.submit(
-            req_id,
-            session.prompt_ids,
-            sampling_params(session, self.config.serving),
-            lambda out: deliver(session, out),
-            kv_ready_tokens=self.receiver.num_external_tokens(len(session.prompt_ids)),
-            prefill_state=prefill_state,
-        )
+        self._run_here(session, self.receiver.num_external_tokens(len(session.prompt_ids)), prefill_state)
 
     def _on_release(self, req_id: str) -> None:
         """A failed request's pages can take no more writes: give them back."""
