@@ -10,6 +10,10 @@ of ``--think-s`` seconds between turns. Reports TTFT p50 of turn 1 and of turns 
 requests/s, and (disaggregated) KV bytes sent per request.
 
     python -m perf.bench_multiturn [--conversations 8] [--turns 6] [--output-tokens 64]
+
+With ``--routing``: KV-aware routing against least-loaded routing instead (disaggregated, 1
+prefill + 2 decode instances, caching on; ``kv_routing_weight`` 1 vs 0 on the front and the
+decode instances), with the decode instances' own prefix-cache hits.
 """
 
 from __future__ import annotations
@@ -37,12 +41,17 @@ def _words(tokenizer, n_tokens: int, rng: random.Random) -> str:
     return text.strip()
 
 
-def run(mode: str, caching: bool, args, tokenizer) -> dict:
-    server = servers.start(
-        mode,
-        overrides={"enable_prefix_caching": str(caching).lower(), "local_prefill_max_tokens": "0"},
-        log_dir=RESULTS / f"multiturn-{mode}-{caching}",
-    )
+def run(mode: str, caching: bool, args, tokenizer, routing_weight: float | None = None) -> dict:
+    """One deployment under the workload. ``routing_weight`` (disaggregated, 2 decode instances):
+    the front's and the decode instances' ``kv_routing_weight`` (0: least loaded)."""
+    overrides = {"enable_prefix_caching": str(caching).lower(), "local_prefill_max_tokens": "0"}
+    render: dict = {}
+    tag = f"{mode}-{caching}"
+    if routing_weight is not None:
+        overrides["kv_routing_weight"] = str(routing_weight)
+        render = {"decode_instances": 2, "per_model": {"front": {"kv_routing_weight": str(routing_weight)}}}
+        tag += f"-routing{routing_weight}"
+    server = servers.start(mode, overrides=overrides, log_dir=RESULTS / f"multiturn-{tag}", **render)
     try:
         rng = random.Random(7)
         system = "System: " + _words(tokenizer, args.system_tokens, rng)
@@ -76,6 +85,10 @@ def run(mode: str, caching: bool, args, tokenizer) -> dict:
         time.sleep(0.6)  # metrics refresh
         sent = (servers.metric_sum(server.metrics_url, "kv_transfer_bytes_total") - bytes0) if mode == "disagg" else 0.0
         hits = servers.metric_sum(server.metrics_url, "prefix_cache_hit_tokens_total")
+        decode_hits = sum(
+            servers.metric_sum(server.metrics_url, "prefix_cache_hit_tokens_total", model=f"decode_{i}")
+            for i in range(2)
+        )
         # a disaggregated deployment counts bytes on both sides (sent and received): halve it
         n = len(records)
         return {
@@ -87,6 +100,7 @@ def run(mode: str, caching: bool, args, tokenizer) -> dict:
             "requests_per_s": n / wall,
             "kv_bytes_per_request": sent / 2 / n if n and mode == "disagg" else None,
             "prefix_hit_tokens": hits,
+            "decode_hit_tokens": decode_hits if mode == "disagg" else None,
         }
     finally:
         server.stop()
@@ -101,12 +115,19 @@ def main(argv=None) -> int:
     p.add_argument("--user-tokens", type=int, default=60)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--think-s", type=float, default=1.0)
+    p.add_argument(
+        "--routing",
+        action="store_true",
+        help="instead: KV-aware routing vs least loaded (disaggregated, 1 prefill + 2 decode instances, caching on)",
+    )
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
 
     from build_scripts.prepare_model import ensure_model
 
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_model(None)))
+    if args.routing:
+        return _routing(args, tokenizer)
     results = {}
     for mode in args.modes.split(","):
         for caching in (False, True):
@@ -128,11 +149,40 @@ def main(argv=None) -> int:
         if on["kv_bytes_per_request"]:
             line += f", KV bytes/request on/off {on['kv_bytes_per_request'] / off['kv_bytes_per_request']:.2f}x"
         rows.append("\n" + line)
+    return _write("multiturn", args, results, rows)
+
+
+def _routing(args, tokenizer) -> int:
+    results = {
+        "least loaded (weight 0)": run("disagg", True, args, tokenizer, routing_weight=0.0),
+        "KV-aware (weight 1)": run("disagg", True, args, tokenizer, routing_weight=1.0),
+    }
+    rows = [
+        "| routing | TTFT p50 turn 1 (ms) | TTFT p50 turns 2+ (ms) | requests/s | KV bytes/request | decode hit tokens "
+        "| all hit tokens |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        rows.append(
+            f"| {name} | {1e3 * r['ttft_turn1_p50_s']:.0f} | {1e3 * r['ttft_later_p50_s']:.0f} "
+            f"| {r['requests_per_s']:.3f} | {r['kv_bytes_per_request'] / 2**20:.1f} MiB | {r['decode_hit_tokens']:.0f} "
+            f"| {r['prefix_hit_tokens']:.0f} |"
+        )
+    ll, kv = results.values()
+    rows.append(
+        f"\nKV-aware / least loaded: TTFT turns 2+ {kv['ttft_later_p50_s'] / ll['ttft_later_p50_s']:.2f}x, "
+        f"KV bytes/request {kv['kv_bytes_per_request'] / ll['kv_bytes_per_request']:.2f}x, "
+        f"requests/s {kv['requests_per_s'] / ll['requests_per_s']:.2f}x"
+    )
+    return _write("multiturn-routing", args, results, rows)
+
+
+def _write(name: str, args, results: dict, rows: list[str]) -> int:
     settings = {k: v for k, v in vars(args).items()}
     md = f"settings {settings}\n\n" + "\n".join(rows) + "\n"
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "multiturn.json").write_text(json.dumps({"settings": settings, "results": results}, indent=2))
-    (RESULTS / "multiturn.md").write_text(md)
+    (RESULTS / f"{name}.json").write_text(json.dumps({"settings": settings, "results": results}, indent=2))
+    (RESULTS / f"{name}.md").write_text(md)
     print(md)
     return 0
 

@@ -33,8 +33,10 @@ def start(
     overrides: dict | None = None,
     per_model: dict | None = None,
     log_dir: Path | None = None,
+    decode_instances: int = 1,
 ) -> TritonServer:
-    """``mode``: ``aggregated`` or ``disagg`` (1 prefill + 1 decode, cores split)."""
+    """``mode``: ``aggregated`` or ``disagg`` (1 prefill + ``decode_instances`` decode instances,
+    cores split between the roles)."""
     model_dir = ensure_model(model)
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="triton-disagg-perf-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -48,7 +50,12 @@ def start(
         per_model["prefill"] = {"cpu_affinity": pre, "num_threads": str(n_pre), **per_model.get("prefill", {})}
         per_model["decode"] = {"cpu_affinity": dec, "num_threads": str(n_dec), **per_model.get("decode", {})}
     repo = render_deployment(
-        log_dir / f"repo-{mode}", mode=mode, model_path=str(model_dir), overrides=overrides, per_model=per_model
+        log_dir / f"repo-{mode}",
+        mode=mode,
+        model_path=str(model_dir),
+        overrides=overrides,
+        per_model=per_model,
+        decode_instances=decode_instances,
     )
     return TritonServer(repo, log_file=log_dir / f"tritonserver-{mode}.log").start(timeout_s=400)
 

@@ -28,7 +28,11 @@ class ConnectorConfig:
     network device(s) NIXL's UCX transport may listen and send on (``UCX_NET_DEVICES``, e.g.
     ``eth0`` or ``mlx5_0:1``); ``auto``: loopback (``lo``) when every messenger address of this
     instance is a loopback address, else UCX's default (every device) unless the environment
-    sets ``UCX_NET_DEVICES``; ``all``: UCX's default."""
+    sets ``UCX_NET_DEVICES``; ``all``: UCX's default. ``cache_report_interval_s`` (prefill
+    role): how often it reports its prefix cache and load to the connected decode instances.
+    ``kv_routing_weight`` (decode role): picking a prefill instance, the weight of each prompt
+    page not in its cache against each page of this instance's prefills queued there
+    (``backend/serving/kv_router.py``; 0: least loaded)."""
 
     fabric_backend: str = "UCX"
     meta_slots: int = 64
@@ -44,6 +48,8 @@ class ConnectorConfig:
     messenger_max_connections: int = 64
     messenger_handshake_timeout_s: float = 10.0
     fabric_device: str = "auto"
+    cache_report_interval_s: float = 0.5
+    kv_routing_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.meta_slots < 1:
@@ -56,9 +62,12 @@ class ConnectorConfig:
             "kv_transfer_timeout_s",
             "prefill_queue_timeout_s",
             "messenger_handshake_timeout_s",
+            "cache_report_interval_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.kv_routing_weight < 0:
+            raise ValueError(f"kv_routing_weight must be >= 0, got {self.kv_routing_weight}")
         if not 0 <= self.messenger_port < 65536:
             raise ValueError(f"messenger_port must be in [0, 65535], got {self.messenger_port}")
         if self.prefill_endpoints:

@@ -297,6 +297,23 @@ class MessengerServer:
                 raise auth.AuthError(f"a decode instance named {name!r} is already connected")
         return self.agent.add_peer(hello.fabric)
 
+    def broadcast(self, msg: Message) -> int:
+        """Send ``msg`` to every connected decode instance; returns how many it reached."""
+        with self._lock:
+            conns = [c for c in self._conns.values() if not c.closed]
+        sent = 0
+        for c in conns:
+            try:
+                c.send(msg)
+                sent += 1
+            except ConnectionError:
+                pass  # its reader reports the loss
+        return sent
+
+    def connections(self) -> int:
+        with self._lock:
+            return sum(not c.closed for c in self._conns.values())
+
     def close(self) -> None:
         try:
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept(); close() alone leaves it listening

@@ -13,13 +13,15 @@ The KV bytes never travel here: they go over NIXL.
   prefill -> decode   PrefillStarted(req_id, generation)   its first chunk is scheduled
   decode -> prefill   Cancel(req_id)
   prefill -> decode   PrefillFailed(req_id, kind, message)   the prefill will not complete
+  prefill -> decode   CacheReport(summary)   its prefix cache and load, every cache_report_interval_s
 
 Version history: 1 = the first typed, versioned protocol; 2 = peers authenticate (HMAC
 challenge-response) before the hello; 3 = the prefill instance reports when it starts a request
 (PrefillStarted), so the decode side's transfer deadline does not count its queueing there;
 4 = a prefill request names the first page it asks for (``first_page``): the decode instance
 holds the pages before it already (its prefix cache), ``dst_pages`` are for the pages from there
-on, and the prefill instance sends only those.
+on, and the prefill instance sends only those; 5 = the prefill instance reports its prefix cache
+and load (CacheReport, ``backend/engine/cache_summary.py``), so decode instances route by it.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ import dataclasses
 import typing
 from dataclasses import dataclass
 
+from backend.engine.cache_summary import CacheSummary
 from backend.engine.outputs import ErrorKind
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_FRAME_BYTES = 4 << 20  # a prefill request of 100k tokens is about 1 MiB of JSON
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_REQ_ID_LEN = 256
@@ -89,7 +92,12 @@ class PrefillFailed:
     message: str
 
 
-Message = AuthChallenge | AuthResponse | Hello | PrefillRequest | PrefillStarted | Cancel | PrefillFailed
+@dataclass(frozen=True)
+class CacheReport:
+    summary: CacheSummary
+
+
+Message = AuthChallenge | AuthResponse | Hello | PrefillRequest | PrefillStarted | Cancel | PrefillFailed | CacheReport
 TYPES: dict[str, type] = {
     "auth_challenge": AuthChallenge,
     "auth_response": AuthResponse,
@@ -98,11 +106,14 @@ TYPES: dict[str, type] = {
     "prefill_started": PrefillStarted,
     "cancel": Cancel,
     "prefill_failed": PrefillFailed,
+    "cache_report": CacheReport,
 }
 _NAMES = {cls: name for name, cls in TYPES.items()}
 
 
 def encode(msg: Message) -> dict:
+    if isinstance(msg, CacheReport):
+        return {"type": _NAMES[CacheReport], "summary": msg.summary.to_json()}
     return {"type": _NAMES[type(msg)], **dataclasses.asdict(msg)}
 
 
@@ -140,6 +151,11 @@ def decode(obj) -> Message:
 
 def _check(msg_name: str, field: str, value, typ):
     where = f"{msg_name}.{field}"
+    if typ is CacheSummary:
+        try:
+            return CacheSummary.from_json(value)
+        except ValueError as e:
+            raise ProtocolError(f"{where}: {e}") from None
     if typ is ErrorKind:
         try:
             return ErrorKind(value)

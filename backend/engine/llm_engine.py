@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 
+from backend.engine.cache_summary import CacheSummary
 from backend.engine.config import EngineConfig
 from backend.engine.model_runner import ModelRunner
 from backend.engine.outputs import EngineOutput, ErrorKind, FinishReason
@@ -164,6 +165,22 @@ class LLMEngine:
 
     def pool_stats(self) -> dict:
         return self.allocator.stats()
+
+    def cache_summary(self) -> CacheSummary:
+        """The prefix cache's page keys and this engine's load, for routers (``cache_summary.py``)."""
+        version, keys = self.allocator.cached_keys()
+        stats = self.allocator.stats()
+        waiting, running = self.queue_lengths()
+        return CacheSummary(
+            self.allocator.salt.hex(),
+            self.allocator.page_size,
+            version,
+            keys,
+            stats["total"],
+            stats["free"],
+            waiting + running,
+            0,
+        )
 
     def reserve(self, req_id: str, n_tokens: int, token_ids: list[int] | None = None) -> list[int]:
         """Decode role: pin pages for ``n_tokens`` tokens of KV written from outside; with

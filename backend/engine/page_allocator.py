@@ -28,6 +28,8 @@ from collections import OrderedDict, deque
 
 import numpy as np
 
+from backend.engine.cache_summary import page_key
+
 
 class PoolFullError(RuntimeError):
     """The pool cannot hold (or commit) the pages asked for right now."""
@@ -64,6 +66,7 @@ class PageAllocator:
         self._hashed: dict[str, tuple[int, bytes | None]] = {}  # req -> (pages hashed, last hash)
         self._cached_tokens: dict[str, int] = {}
         self.counters = {"query_tokens": 0, "hit_tokens": 0, "evictions": 0}
+        self._version = 0  # bumped whenever the set of cached pages changes
         self._lock = threading.Lock()
 
     def pages_for(self, n_tokens: int) -> int:
@@ -133,6 +136,7 @@ class PageAllocator:
                 if h not in self._page_of and page not in self._hash_of:
                     self._page_of[h] = page
                     self._hash_of[page] = h
+                    self._version += 1
                 prev = h
             self._hashed[req_id] = (n_full, prev)
 
@@ -198,6 +202,12 @@ class PageAllocator:
         with self._lock:
             return list(self._table(req_id))
 
+    def cached_keys(self) -> tuple[int, frozenset[int]]:
+        """(version, the 64-bit keys of every cached page's hash): what a router matches against
+        (``cache_summary.py``). The version changes whenever the set does."""
+        with self._lock:
+            return self._version, frozenset(page_key(h) for h in self._page_of)
+
     def stats(self) -> dict:
         with self._lock:
             free = len(self._free) + len(self._lru)  # evictable cached pages count as free
@@ -222,6 +232,7 @@ class PageAllocator:
             page, _ = self._lru.popitem(last=False)  # the least recently used cached page
             del self._page_of[self._hash_of.pop(page)]
             self.counters["evictions"] += 1
+            self._version += 1
         else:  # commitments make this unreachable
             raise PoolFullError("no free page left")
         self._ref[page] = 1

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from backend.engine.cache_summary import CacheSummary
 from backend.engine.outputs import EngineOutput
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import StepBatch
@@ -102,6 +103,8 @@ class Engine(Protocol):
     def release(self, req_id: str) -> int: ...
     def page_table(self, req_id: str) -> list[int]: ...
     def pool_stats(self) -> dict: ...
+    def cache_summary(self) -> CacheSummary:
+        """Which pages the prefix cache holds (64-bit keys of their hashes) and the load, for routers."""
 
     # the model, the KV cache, health
     def dims(self) -> ModelDims: ...

@@ -98,7 +98,11 @@ def render_deployment(
         models["llm"] = {
             "source": "front",
             "count": 1,
-            "params": {"decode_models": ",".join(decodes), **per_model.get("front", {})},
+            "params": {
+                "decode_models": ",".join(decodes),
+                "model_path": model_path,  # its tokenizer: KV-aware routing
+                **per_model.get("front", {}),
+            },
         }
         if with_aggregated:
             models["llm_aggregated"] = agg

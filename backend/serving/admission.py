@@ -18,7 +18,7 @@ from backend.engine.outputs import ErrorKind
 from backend.engine.sampling.grammar import GrammarCompiler, GrammarError
 from backend.serving.config import InstanceConfig
 from backend.serving.detokenizer import IncrementalDetokenizer
-from backend.serving.request import Getter, RequestError, parse_request
+from backend.serving.request import Getter, RequestError, parse_request, prompt_token_ids
 from backend.serving.session import GenerationSession, ResponseSink
 from backend.serving.worker import Worker
 
@@ -182,13 +182,7 @@ class Admission:
             return len(self.sessions)
 
     def _tokenize(self, req) -> list[int]:
-        if req.apply_chat_template:
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": req.text}], add_generation_prompt=True, tokenize=False
-            )
-        else:
-            text = req.text
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = prompt_token_ids(self.tokenizer, req.text, req.apply_chat_template)
         if not ids:
             raise RequestError("'text_input' tokenizes to nothing")
         max_model_len = self.worker.max_model_len

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from backend.engine.cache_summary import CacheSummary
 from backend.engine.engine_loop import EngineLoop
 from backend.serving.config import InstanceConfig
 from backend.serving.session import GenerationSession
@@ -43,6 +44,9 @@ class AggregatedWorker:
 
     def health(self) -> str | None:
         return self.engine.health()
+
+    def cache_summary(self) -> CacheSummary:
+        return self.engine.cache_summary()
 
     def shutdown(self) -> None:
         self.loop.shutdown()

@@ -149,12 +149,18 @@ class FrontConfig:
     probed every ``health_probe_interval_s``; a probe unanswered within ``health_probe_timeout_s``
     or answered "not serving" counts as failed, and ``health_probe_failures`` failures in a row
     take the decode model out of routing (and fail the requests in flight on it) until a probe
-    succeeds again."""
+    succeeds again. Routing (``backend/serving/kv_router.py``): each probe's answer carries the
+    decode model's cache summary; a request goes to the serving decode model with the lowest
+    ``kv_routing_weight`` x (prompt pages not cached there) + (pages of the front's requests in
+    flight there); 0: least loaded. ``model_path``: the tokenizer that makes the prompt's token
+    ids (the decode models' own); empty: routed by load alone."""
 
     decode_models: str = "decode"
     health_probe_interval_s: float = 1.0
     health_probe_timeout_s: float = 5.0
     health_probe_failures: int = 2
+    kv_routing_weight: float = 1.0
+    model_path: str = ""
 
     def __post_init__(self) -> None:
         if not self.targets():
@@ -162,6 +168,8 @@ class FrontConfig:
         for name in ("health_probe_interval_s", "health_probe_timeout_s", "health_probe_failures"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.kv_routing_weight < 0:
+            raise ValueError(f"kv_routing_weight must be >= 0, got {self.kv_routing_weight}")
 
     def targets(self) -> list[str]:
         return [m.strip() for m in self.decode_models.split(",") if m.strip()]

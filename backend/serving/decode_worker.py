@@ -1,7 +1,9 @@
 """Decode worker: allocates pages first, asks a prefill instance for the KV, then decodes.
 
 For each request: reserve un-evictable pages (waiting in a bounded queue while the pool is
-full), pick a prefill instance (least outstanding requests), tell the KV receiver what to
+full), pick a prefill instance (by the KV it holds of the prompt and the prefills already queued
+there, from the cache reports prefill instances send: ``backend/serving/kv_router.py``), tell the
+KV receiver what to
 expect (``backend/disagg/nixl_connector.py``) and send the prompt minus its last token with the
 destination pages over the KV messenger. The request stays out of the decode batch until the
 receiver has seen every write and the metadata; then the engine runs the last prompt token as
@@ -12,7 +14,7 @@ write can land in them.
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
 import logging
 import threading
 import time
@@ -22,11 +24,13 @@ from dataclasses import dataclass
 from backend.disagg import auth
 from backend.disagg.messenger import PrefillEndpoint
 from backend.disagg.nixl_connector import NixlKVReceiver
-from backend.disagg.protocol import Cancel, Message, PrefillFailed, PrefillRequest, PrefillStarted
+from backend.disagg.protocol import CacheReport, Cancel, Message, PrefillFailed, PrefillRequest, PrefillStarted
+from backend.engine.cache_summary import CacheSummary
 from backend.engine.engine_loop import EngineLoop
 from backend.engine.outputs import ErrorKind, FinishReason
 from backend.engine.page_allocator import PoolFullError
 from backend.serving.config import InstanceConfig
+from backend.serving.kv_router import KVRouter
 from backend.serving.session import GenerationSession
 from backend.serving.worker import deliver, pool_gauges, sampling_params, start_engine
 
@@ -54,7 +58,7 @@ class DecodeWorker:
         self.endpoints = [
             PrefillEndpoint(h, p, self.receiver, name, secret, self._on_message, self._on_lost) for h, p in endpoints
         ]
-        self._rr = itertools.count()
+        self.router = KVRouter(config.connector.kv_routing_weight)
         self._lock = threading.RLock()  # fabric callbacks may re-enter from cancel()
         self.waiting_kv: dict[str, KVWait] = {}
         self.waiting_pages: deque[tuple[GenerationSession, float]] = deque()
@@ -133,7 +137,7 @@ class DecodeWorker:
             self.counters["prefill_local_total"] += 1
             self._run_here(session)
             return True
-        endpoint = self._pick_endpoint()
+        endpoint = self._pick_endpoint(session, n_remote - cached)
         if endpoint is None:
             self.loop.cancel_reservation(session.req_id)
             session.fail(f"no prefill instance reachable ({self._endpoint_errors()})", ErrorKind.PREFILL_UNAVAILABLE)
@@ -174,15 +178,19 @@ class DecodeWorker:
         bound = serving.local_prefill_queue_bound
         return bool(bound) and all(len(e.outstanding) >= bound for e in self.endpoints)
 
-    def _pick_endpoint(self) -> PrefillEndpoint | None:
+    def _pick_endpoint(self, session: GenerationSession, n_tokens: int) -> PrefillEndpoint | None:
+        """The connected prefill instance with the lowest routing cost for this prompt; its
+        ``n_tokens`` (the part to send) count as queued there until the KV has arrived."""
         live = [e for e in self.endpoints if e.ensure_connected()]
         if not live:
             live = [e for e in self.endpoints if e.ensure_connected(force=True)]
         if not live:
             return None
-        start = next(self._rr)
-        order = live[start % len(live) :] + live[: start % len(live)]
-        return min(order, key=lambda e: len(e.outstanding))
+        by_address = {e.address: e for e in live}
+        n_remote = self.receiver.num_external_tokens(len(session.prompt_ids))
+        pages = -(-n_tokens // self.config.engine.page_size)
+        best = self.router.pick(session.req_id, session.prompt_ids[:n_remote], list(by_address), pages)
+        return by_address[best]
 
     # ------------------------------------------------------------ KV arrival (fabric thread)
     def _on_kv_ready(self, req_id: str, ok: bool, err: str | None, prefill_state) -> None:
@@ -191,6 +199,7 @@ class DecodeWorker:
         if wait is None:
             return
         wait.endpoint.outstanding.discard(req_id)
+        self.router.done(wait.endpoint.address, req_id)
         session = wait.session
         if not ok:
             if session.is_cancelled():
@@ -219,10 +228,13 @@ class DecodeWorker:
         elif isinstance(msg, PrefillFailed):
             if msg.req_id in endpoint.outstanding:
                 self.receiver.cancel(msg.req_id, f"prefill instance {endpoint.address}: {msg.message}")
+        elif isinstance(msg, CacheReport):
+            self.router.update(endpoint.address, msg.summary)
         else:
             log.warning("unexpected %s from prefill instance %s", type(msg).__name__, endpoint.address)
 
     def _on_lost(self, endpoint: PrefillEndpoint, reason: str) -> None:
+        self.router.forget(endpoint.address)  # it may come back empty
         for req_id in list(endpoint.outstanding):
             self.receiver.cancel(req_id, f"prefill instance {endpoint.address} lost ({reason})")
 
@@ -283,6 +295,11 @@ class DecodeWorker:
         if not any(e.connected for e in self.endpoints):
             return f"decode instance {self.name}: no prefill instance connected ({self._endpoint_errors()})"
         return None
+
+    def cache_summary(self) -> CacheSummary:
+        with self._lock:
+            waiting = len(self.waiting_kv) + len(self.waiting_pages)
+        return dataclasses.replace(self.engine.cache_summary(), waiting=waiting)
 
     def _endpoint_errors(self) -> str:
         return "; ".join(f"{e.address}: {e.last_error}" for e in self.endpoints)

@@ -6,11 +6,16 @@ ignored). The worker admits each into the KV sender (``backend/disagg/nixl_conne
 which streams the pages layer by layer while the engine runs the request as a prefill-only
 request in its continuous batches; when the sender says the pages may be freed, they are.
 A tensor-parallel instance that loses a rank fails every request and stops listening, so
-decode instances route elsewhere.
+decode instances route elsewhere. Every ``cache_report_interval_s`` the worker reports its prefix
+cache and load to every connected decode instance (``CacheReport``) when they changed, or when a
+decode instance connected since the last report, and at least every ``REPORT_REFRESH_S``; the
+decode instances route by it (``backend/serving/kv_router.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -19,7 +24,7 @@ from backend.disagg import auth
 from backend.disagg.connector import SendRequest
 from backend.disagg.messenger import Connection, MessengerServer
 from backend.disagg.nixl_connector import NixlKVSender
-from backend.disagg.protocol import Cancel, Message, PrefillFailed, PrefillRequest, PrefillStarted
+from backend.disagg.protocol import CacheReport, Cancel, Message, PrefillFailed, PrefillRequest, PrefillStarted
 from backend.engine.engine_loop import EngineLoop
 from backend.engine.outputs import EngineOutput, ErrorKind, FinishReason
 from backend.engine.sampling_params import SamplingParams
@@ -27,6 +32,8 @@ from backend.serving.config import InstanceConfig
 from backend.serving.worker import pool_gauges, start_engine
 
 log = logging.getLogger("triton_disagg.prefill")
+REPORT_REFRESH_S = 5.0
+MAX_REPORT_KEYS = 262144  # 2 MiB of keys, 2.7 MiB of base64: within a messenger frame
 
 
 class PrefillWorker:
@@ -55,6 +62,9 @@ class PrefillWorker:
             handshake_timeout_s=c.messenger_handshake_timeout_s,
         )
         self.engine.on_out_of_service(self._out_of_service)
+        self._stop = threading.Event()
+        self._reporter = threading.Thread(target=self._report_loop, name=f"{name}-cache-report", daemon=True)
+        self._reporter.start()
 
     def describe(self) -> str:
         c = self.config.engine
@@ -165,6 +175,27 @@ class PrefillWorker:
             time.sleep(0.5)
         self.server.close()
 
+    # ------------------------------------------------------------ cache reports (own thread)
+    def _report_loop(self) -> None:
+        last, last_at, last_conns = None, 0.0, 0
+        while not self._stop.wait(self.config.connector.cache_report_interval_s):
+            try:
+                conns = self.server.connections()
+                summary = self.engine.cache_summary()
+                with self._lock:
+                    summary = dataclasses.replace(summary, waiting=len(self._owners))
+                if len(summary.keys) > MAX_REPORT_KEYS:
+                    summary = dataclasses.replace(
+                        summary, keys=frozenset(itertools.islice(summary.keys, MAX_REPORT_KEYS))
+                    )
+                now = time.monotonic()
+                if summary != last or conns > last_conns or now - last_at >= REPORT_REFRESH_S:
+                    self.server.broadcast(CacheReport(summary))
+                    last, last_at = summary, now
+                last_conns = conns
+            except Exception:
+                log.exception("cache report failed")
+
     # ------------------------------------------------------------ serving-layer interface
     def observations(self) -> dict[str, list[float]]:
         return {}  # the decode instances measure queue and transfer times per request
@@ -173,6 +204,7 @@ class PrefillWorker:
         return {**pool_gauges(self.engine.pool_stats()), **self.sender.stats()}
 
     def shutdown(self) -> None:
+        self._stop.set()
         self.server.close()
         self.loop.shutdown()
         self.sender.close()

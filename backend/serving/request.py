@@ -141,6 +141,16 @@ def parse_request(get: Getter, *, max_tokens_limit: int, max_input_bytes: int = 
     return req
 
 
+def prompt_token_ids(tokenizer, text: str, apply_chat_template: bool) -> list[int]:
+    """The prompt's token ids: the text as one user turn in the model's chat template, or as is.
+    (The front model tokenizes the same way to route by the KV each instance holds.)"""
+    if apply_chat_template:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 def _check_sampling(req: ClientRequest) -> None:
     """The sampling values are checked by the one definition of them (``SamplingParams``), here
     at admission, so a bad value (a negative or NaN temperature, ...) never reaches a worker."""

@@ -69,6 +69,10 @@ OUTPUTS = (
     TensorSpec("finish_reason", "TYPE_STRING", optional=False, dims="1"),
 )
 
+# Answered by a decode model to the front's health probe when asked for: its prefix cache and
+# load as a JSON object (``backend/engine/cache_summary.py``), for KV-aware routing.
+STATE_OUTPUT = TensorSpec("instance_state", "TYPE_STRING", optional=False, dims="1")
+
 INPUTS_BY_NAME = {t.name: t for t in INPUTS + CONTROL_INPUTS}
 
 

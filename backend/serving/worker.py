@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from backend.engine.cache_summary import CacheSummary
 from backend.engine.outputs import EngineOutput
 from backend.engine.protocol import Engine
 from backend.engine.sampling_params import SamplingParams
@@ -17,7 +18,8 @@ from backend.serving.session import GenerationSession
 class Worker(Protocol):
     """``submit`` a session (answered through the session), ``cancel`` one; ``stats`` feeds the
     metrics; ``observations`` hands over (and forgets) the latencies measured since the last
-    call, by histogram name; ``health`` says why the worker cannot serve now (None: it can)."""
+    call, by histogram name; ``health`` says why the worker cannot serve now (None: it can);
+    ``cache_summary`` what it caches and how loaded it is."""
 
     max_model_len: int
     vocab_size: int
@@ -28,6 +30,9 @@ class Worker(Protocol):
     def stats(self) -> dict: ...
     def observations(self) -> dict[str, list[float]]: ...
     def health(self) -> str | None: ...
+    def cache_summary(self) -> CacheSummary:
+        """Its prefix cache and load, for the front's KV-aware routing."""
+
     def shutdown(self) -> None: ...
 
 

@@ -9,11 +9,15 @@ lost tensor-parallel rank answers "out of service") or stays unanswered for
 while the server starts, it is presumed serving), ``health_probe_failures`` in a row mark it
 DOWN: it gets no new requests, and the requests in flight on it fail at once with
 "unavailable" (a dead instance would never answer them). One successful probe marks it UP.
-Routing: the UP model with the fewest requests in flight.
+Routing: a probe's answer carries the decode model's cache summary (``instance_state``); the
+:class:`KVRouter` picks among the UP models by the prompt pages each holds and the pages of the
+requests in flight on each (``backend/serving/kv_router.py``, which also says what can go stale).
+A model that goes DOWN is forgotten by the router: it may come back with an empty cache.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -22,7 +26,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from backend.engine.cache_summary import CacheSummary
 from backend.serving.config import FrontConfig
+from backend.serving.kv_router import KVRouter
+from backend.serving.tensors import STATE_OUTPUT
 
 log = logging.getLogger("triton_disagg.front")
 
@@ -45,24 +52,27 @@ class DecodeTargets:
     def __init__(self, pb_utils, config: FrontConfig, on_down: Callable[[str, str, list], None]):
         self.pb, self.config, self._on_down = pb_utils, config, on_down
         self.states = {t: TargetState(t) for t in config.targets()}
+        self.router = KVRouter(config.kv_routing_weight)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._probe_loop, name="front-probes", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------ routing
-    def pick(self, request, exclude: str | None = None) -> str | None:
+    def pick(self, request, token_ids: list[int], request_pages: int, exclude: str | None = None) -> str | None:
+        """The UP model (not ``exclude``) the router prefers for the prompt ``token_ids`` (empty:
+        by load alone); ``request_pages``: the pages it will hold there."""
         with self._lock:
-            up = [s for s in self.states.values() if s.up and s.name != exclude]
-            if not up:
-                return None
-            target = min(up, key=lambda s: len(s.inflight))
-            target.inflight.add(request)
-            return target.name
+            up = [s.name for s in self.states.values() if s.up and s.name != exclude]
+            target = self.router.pick(request, token_ids, up, request_pages)
+            if target is not None:
+                self.states[target].inflight.add(request)
+            return target
 
     def done(self, target: str, request) -> None:
         with self._lock:
             self.states[target].inflight.discard(request)
+        self.router.done(target, request)
 
     def is_up(self, target: str) -> bool:
         with self._lock:
@@ -96,11 +106,13 @@ class DecodeTargets:
         error = None
         try:
             probe = pb.Tensor("health_probe", np.array([True], dtype=bool))
-            for resp in pb.InferenceRequest(model_name=target, inputs=[probe], requested_output_names=[]).exec(
-                decoupled=True
-            ):
+            for resp in pb.InferenceRequest(
+                model_name=target, inputs=[probe], requested_output_names=[STATE_OUTPUT.name]
+            ).exec(decoupled=True):
                 if resp.has_error():
                     error = resp.error().message()
+                else:
+                    self._read_state(target, pb.get_output_tensor_by_name(resp, STATE_OUTPUT.name))
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
         with self._lock:
@@ -109,6 +121,15 @@ class DecodeTargets:
             self._succeeded(target)
         else:
             self.mark_failed(target, error)
+
+    def _read_state(self, target: str, tensor) -> None:
+        if tensor is None:
+            return  # the final (empty) response, or a decode model that does not report
+        try:
+            raw = tensor.as_numpy().reshape(-1)[0]
+            self.router.update(target, CacheSummary.from_json(json.loads(raw)))
+        except ValueError as e:
+            log.warning("decode model %s: unreadable instance_state (%s); routing by load there", target, e)
 
     def _succeeded(self, target: str) -> None:
         with self._lock:
@@ -128,6 +149,7 @@ class DecodeTargets:
             if went_down:
                 state.up = False
                 lost, state.inflight = list(state.inflight), set()
+                self.router.forget(target)
         if went_down:
             log.error(
                 "decode model %s is down (%s); routing around it, failing its %d request(s)", target, reason, len(lost)

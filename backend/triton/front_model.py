@@ -1,9 +1,10 @@
 """Triton Python-backend front model of the disaggregated deployment.
 
-Clients call it with the same tensors as the aggregated ``llm`` model. It sends each request
-to one decode model (the serving one with the fewest requests in flight, by the health state
-of ``backend/triton/decode_targets.py``; the decode models are listed in the ``decode_models``
-parameter) with a decoupled BLS call and streams the responses back as they arrive. A
+Clients call it with the same tensors as the aggregated ``llm`` model. It tokenizes the prompt
+as the decode models do and sends each request to one decode model (among the serving ones, by
+the health state of ``backend/triton/decode_targets.py``, the one with the lowest KV-aware
+routing cost: prompt pages it does not cache, and load; the decode models are listed in the
+``decode_models`` parameter) with a decoupled BLS call and streams the responses back as they arrive. A
 response whose ``finish_reason`` is set is the last one. A client that cancels gets its
 request cancelled on the decode model by a control request (``cancel_request_id``), so the
 decode instance (and the prefill instance working for it) stop and free their pages. When a
@@ -23,6 +24,7 @@ import numpy as np
 from backend.engine.outputs import ErrorKind
 from backend.serving.config import FrontConfig
 from backend.serving.errors import parse_error
+from backend.serving.request import parse_request, prompt_token_ids
 from backend.serving.tensors import OUTPUTS
 from backend.triton.decode_targets import DecodeTargets
 from backend.triton.lifecycle import DRAIN_MESSAGE, DrainWatch
@@ -40,6 +42,13 @@ class TritonPythonModel:
         self.outputs = [o.name for o in OUTPUTS]
         self.draining = False
         self.targets = DecodeTargets(self.pb, config, self._fail_lost)
+        self.tokenizer = None
+        if config.model_path.strip():
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        else:
+            log.warning("front model %s: no model_path, so no tokenizer: routing by load alone", cfg["name"])
         self.metrics = FrontMetrics(self.pb, cfg["name"], self.targets)
         self.drain = DrainWatch(args["model_repository"], self._drain)
         log.info("front model %s: routing to %s", cfg["name"], config.targets())
@@ -48,14 +57,28 @@ class TritonPythonModel:
         pb = self.pb
         for request in requests:
             sender = GuardedSender(pb, request.get_response_sender())
-            fwd = Forwarding(sender, [pb.Tensor(t.name(), t.as_numpy()) for t in request.inputs()])
-            target = None if self.draining else self.targets.pick(fwd)
+            arrays = {t.name(): t.as_numpy() for t in request.inputs()}
+            fwd = Forwarding(sender, [pb.Tensor(name, arr) for name, arr in arrays.items()])
+            fwd.token_ids, fwd.pages = self._route_key(arrays)
+            target = None if self.draining else self.targets.pick(fwd, fwd.token_ids, fwd.pages)
             if target is None:
                 why = DRAIN_MESSAGE if self.draining else f"no decode model is serving ({self.targets.down_reasons()})"
                 _send_error(pb, sender, ErrorKind.OUT_OF_SERVICE, why)
                 continue
             self._start(fwd, target)
         return None
+
+    def _route_key(self, arrays: dict) -> tuple[list[int], int]:
+        """The prompt's token ids (empty when there is no tokenizer, or the request is malformed
+        or over the default input limit: the decode model refuses it with the reason, or gets it
+        routed by load) and the pages it will hold."""
+        try:
+            req = parse_request(arrays.get, max_tokens_limit=1 << 30)
+            ids = [] if self.tokenizer is None else prompt_token_ids(self.tokenizer, req.text, req.apply_chat_template)
+        except Exception as e:  # RequestError, or a text the tokenizer rejects: the decode model says why
+            log.debug("routing a request by load alone: %s", e)
+            return [], 1
+        return ids, -(-(len(ids) + req.max_tokens) // self.targets.router.page_size())
 
     def _start(self, fwd: "Forwarding", target: str) -> None:
         with fwd.lock:
@@ -68,7 +91,7 @@ class TritonPythonModel:
         serving decode model (once), else fail it."""
         retry = None
         if not self.draining and fwd.attempt < MAX_ATTEMPTS:
-            retry = self.targets.pick(fwd, exclude=target)
+            retry = self.targets.pick(fwd, fwd.token_ids, fwd.pages, exclude=target)
         if retry is None:
             _send_error(self.pb, fwd.sender, ErrorKind.OUT_OF_SERVICE, f"decode model {target}: {reason}")
             return
@@ -183,6 +206,8 @@ class Forwarding:
 
     sender: GuardedSender
     inputs: list
+    token_ids: list = field(default_factory=list)  # the prompt, for routing
+    pages: int = 1  # the pages it will hold on a decode model
     attempt: int = 0
     relayed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -199,7 +224,9 @@ def _send_error(pb, sender: GuardedSender, kind: ErrorKind, message: str) -> Non
 
 class FrontMetrics:
     """``triton_disagg_decode_target_up{model, target}``: 1 while the front routes to that decode
-    model; ``triton_disagg_requests_active{model}``: requests the front is relaying."""
+    model; ``triton_disagg_requests_active{model}``: requests the front is relaying;
+    ``triton_disagg_router_query_tokens_total`` / ``_router_predicted_hit_tokens_total``: prompt
+    tokens routed, and how many of them the chosen decode model was judged to cache."""
 
     def __init__(self, pb, model: str, targets: DecodeTargets, period_s: float = 0.25):
         self._targets = targets
@@ -215,6 +242,18 @@ class FrontMetrics:
         )
         self._up = {t: self._up_family.Metric(labels={"model": model, "target": t}) for t in targets.states}
         self._active = self._active_family.Metric(labels={"model": model, "instance": model})
+        self._router_families = [
+            pb.MetricFamily(name=f"triton_disagg_router_{name}_total", description=text, kind=pb.MetricFamily.COUNTER)
+            for name, text in (
+                ("query_tokens", "prompt tokens the KV-aware router routed"),
+                ("predicted_hit_tokens", "prompt tokens routed to a decode model judged to cache them"),
+            )
+        ]  # referenced: a family must outlive its metrics
+        self._router = {
+            name: fam.Metric(labels={"model": model})
+            for name, fam in zip(("query_tokens", "predicted_hit_tokens"), self._router_families)
+        }
+        self._router_seen = dict.fromkeys(self._router, 0)
         self._stop = threading.Event()
         threading.Thread(target=self._refresh, args=(period_s,), name="front-metrics", daemon=True).start()
 
@@ -223,6 +262,10 @@ class FrontMetrics:
             for name, up in self._targets.gauges().items():
                 self._up[name].set(up)
             self._active.set(float(len(self._targets.all_inflight())))
+            counters = dict(self._targets.router.counters)
+            for name, metric in self._router.items():
+                metric.increment(counters[name] - self._router_seen[name])
+                self._router_seen[name] = counters[name]
 
     def close(self) -> None:
         self._stop.set()

@@ -6,19 +6,24 @@ enqueue); the engine loop thread streams responses through each request's respon
 prefill + decode) or ``decode`` (KV from prefill instances, ``backend/serving/decode_worker.py``).
 Control requests of the front model: ``cancel_request_id`` cancels the request with that
 Triton request id; ``health_probe`` is answered with an empty final response while the worker
-can serve, else with an out-of-service error saying why. When the deployment stops
+can serve (carrying its cache summary in ``instance_state`` when the probe asks for it: the
+front routes by it), else with an out-of-service error saying why. When the deployment stops
 (``backend/triton/lifecycle.py``) new requests are refused and those in flight end.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+
+import numpy as np
 
 from backend.engine.outputs import ErrorKind
 from backend.serving.admission import Admission
 from backend.serving.config import InstanceConfig
 from backend.serving.roles import make_worker
 from backend.serving.session import GenerationSession
+from backend.serving.tensors import STATE_OUTPUT
 from backend.triton.lifecycle import DRAIN_MESSAGE, DrainWatch
 from backend.triton.metrics import InstanceMetrics
 from backend.triton.model_args import init_model
@@ -70,16 +75,22 @@ class TritonPythonModel:
                 sink.sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
             if get("health_probe") is not None:  # a control request: can this instance serve?
-                down = self.worker.health()
-                response = (
-                    None
-                    if down is None
-                    else pb.InferenceResponse(error=triton_error(pb, ErrorKind.OUT_OF_SERVICE, down))
-                )
-                sink.sender.send(response, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                sink.sender.send(self._probe_answer(request), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
             self.admission.admit(get, sink, request.request_id())
         return None
+
+    def _probe_answer(self, request):
+        """None (an empty final response) while the worker serves, else its out-of-service error;
+        with ``instance_state`` requested, a response carrying its cache summary (JSON)."""
+        pb = self.pb
+        down = self.worker.health()
+        if down is not None:
+            return pb.InferenceResponse(error=triton_error(pb, ErrorKind.OUT_OF_SERVICE, down))
+        if STATE_OUTPUT.name not in request.requested_output_names():
+            return None
+        state = json.dumps(self.worker.cache_summary().to_json()).encode()
+        return pb.InferenceResponse(output_tensors=[pb.Tensor(STATE_OUTPUT.name, np.array([state], dtype=object))])
 
     def _on_done(self, session: GenerationSession, reason: str) -> None:
         self.metrics.add("requests_total", 1)

@@ -4,6 +4,7 @@ disaggregated deployment, and greedy output still equals transformers'."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -134,4 +135,47 @@ def test_decode_asks_only_for_the_pages_it_lacks(disagg_server, tokenizer, hf_mo
     assert r3.error is None and r3.token_ids == r1.token_ids == hf_greedy(hf_model, tokenizer(first)["input_ids"], 6)
     assert _settled(local) == l0 + 1 and _settled(sent) == b2  # turn 1 again: nothing crossed the fabric
     for m in (*prefills, "decode_0", "decode_1"):
+        wait_pool_free(url, m)
+
+
+def test_cancel_mid_transfer_of_a_shared_prefix(disagg_server, tokenizer, hf_model):
+    """Two requests share a cached prefix on decode_0 and a prefill instance; one is cancelled
+    by its client while its prefill streams KV. The other completes, every pool returns to free,
+    and later requests on that prefix still give transformers' output (no page of the shared
+    prefix was freed under a holder or left half-written in the cache)."""
+    url, grpc = disagg_server.metrics_url, disagg_server.grpc_url
+    shared = "You are a careful reader. " + " ".join(f"Clause {i}: keep every promise." for i in range(16))
+    warm = shared + " Question: what is clause 3? Answer:"
+    long_tail = shared + " Now restate each of these: " + " ".join(f"item {i}" for i in range(400))
+    short = shared + " Question: what is clause 5? Answer:"
+    assert stream_generate(grpc, warm, 4, model="decode_0", temperature=0.0, ignore_eos=True).error is None
+
+    results = {}
+
+    def run(name, prompt, **kw):
+        results[name] = stream_generate(grpc, prompt, 8, model="decode_0", temperature=0.0, ignore_eos=True, **kw)
+
+    threads = [
+        threading.Thread(target=run, args=("cancelled", long_tail), kwargs={"cancel_after_s": 0.5}),
+        threading.Thread(target=run, args=("kept", short)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not results["cancelled"].token_ids, "the prefill should still have been running at the cancel"
+    assert results["kept"].error is None, results["kept"].error
+    assert results["kept"].token_ids == hf_greedy(hf_model, tokenizer(short)["input_ids"], 8)
+    for m in ("prefill_0", "prefill_1", "decode_0"):
+        wait_pool_free(url, m, timeout_s=30)
+
+    h0 = _hits(url, "decode_0")
+    again = stream_generate(grpc, short, 8, model="decode_0", temperature=0.0, ignore_eos=True)
+    medium = shared + " Now restate each of these: " + " ".join(f"item {i}" for i in range(30))
+    other = stream_generate(grpc, medium, 8, model="decode_0", temperature=0.0, ignore_eos=True)
+    assert again.error is None and other.error is None
+    assert again.token_ids == results["kept"].token_ids
+    assert other.token_ids == hf_greedy(hf_model, tokenizer(medium)["input_ids"], 8)
+    assert _wait_hits(url, "decode_0", h0) > h0  # the shared prefix is still cached and reused
+    for m in ("prefill_0", "prefill_1", "decode_0"):
         wait_pool_free(url, m)

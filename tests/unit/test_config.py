@@ -56,6 +56,8 @@ def test_front_config():
     assert FrontConfig.from_parameters({"decode_models": "decode_0, decode_1"}).targets() == ["decode_0", "decode_1"]
     with pytest.raises(ValueError, match="lists no decode model"):
         FrontConfig.from_parameters({"decode_models": " , "})
+    with pytest.raises(ValueError, match="kv_routing_weight"):
+        FrontConfig.from_parameters({"kv_routing_weight": "-1"})
 
 
 def test_rendered_repository_lists_tensors_and_every_parameter(tmp_path):
@@ -73,8 +75,9 @@ def test_rendered_repository_lists_tensors_and_every_parameter(tmp_path):
     assert set(params) == set(parameter_defaults("decode"))
     assert params["page_size"] == "32" and params["role"] == "decode" and params["prefill_endpoints"]
     assert read_parameters(prefill)["role"] == "prefill"
-    assert read_parameters(llm) == {**parameter_defaults("front"), "decode_models": "decode_0"}
+    assert read_parameters(llm) == {**parameter_defaults("front"), "decode_models": "decode_0", "model_path": "/m"}
     assert 'name: "health_probe", data_type: TYPE_BOOL' in decode
+    assert 'name: "instance_state", data_type: TYPE_STRING' in decode and "instance_state" not in llm
 
 
 def test_render_refuses_unknown_parameter(tmp_path):

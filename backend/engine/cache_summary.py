@@ -1,0 +1,78 @@
+"""Cache summary: what an instance publishes about its prefix cache and its load, for routers.
+
+``keys`` are the first 8 bytes (little-endian) of the chained page hashes of every page in the
+prefix cache (``page_allocator.page_hashes``): a compact summary, 8 bytes a cached page, that a
+router matches against a prompt's own page hashes (computed with the published ``salt`` and
+``page_size``) without asking the instance. ``version`` changes whenever the set of cached pages
+does. A collision of two 64-bit keys can only misroute a request, never corrupt one: the
+instance's own allocator, with the full hashes, decides what a request reuses.
+
+On the wire (a Triton output tensor, a messenger message) it is a JSON object; ``keys`` travel
+as base64 of the little-endian uint64 array.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_SUMMARY_KEYS = 1 << 22  # 32 MiB of keys: far beyond any pool this engine allocates
+
+
+def page_key(page_hash: bytes) -> int:
+    """The 64-bit key of a page hash, as summaries carry it."""
+    return int.from_bytes(page_hash[:8], "little")
+
+
+@dataclass(frozen=True)
+class CacheSummary:
+    salt: str  # hex of the page-hash salt: model, dtype, TP layout, page size
+    page_size: int
+    version: int
+    keys: frozenset[int]
+    total_pages: int
+    free_pages: int  # free and evictable cached pages: what a new request can get
+    running: int  # requests in the engine (running and waiting)
+    waiting: int  # requests the instance holds that the engine has not taken yet (queues)
+
+    def to_json(self) -> dict:
+        keys = np.fromiter(self.keys, dtype="<u8", count=len(self.keys))
+        return {
+            "salt": self.salt,
+            "page_size": self.page_size,
+            "version": self.version,
+            "keys": base64.b64encode(keys.tobytes()).decode(),
+            "total_pages": self.total_pages,
+            "free_pages": self.free_pages,
+            "running": self.running,
+            "waiting": self.waiting,
+        }
+
+    @classmethod
+    def from_json(cls, obj) -> "CacheSummary":
+        """A validated summary; ValueError says what is wrong."""
+        if not isinstance(obj, dict):
+            raise ValueError("a cache summary must be an object")
+        fields = ("salt", "page_size", "version", "keys", "total_pages", "free_pages", "running", "waiting")
+        extra, missing = sorted(set(obj) - set(fields)), [f for f in fields if f not in obj]
+        if extra or missing:
+            raise ValueError(f"cache summary: unknown fields {extra}, missing fields {missing}")
+        for name in fields[1:3] + fields[4:]:
+            v = obj[name]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"cache summary: {name} must be a non-negative integer, got {v!r}")
+        if obj["page_size"] < 1:
+            raise ValueError("cache summary: page_size must be >= 1")
+        if not isinstance(obj["salt"], str) or not isinstance(obj["keys"], str):
+            raise ValueError("cache summary: salt and keys must be strings")
+        try:
+            bytes.fromhex(obj["salt"])
+            raw = base64.b64decode(obj["keys"], validate=True)
+        except ValueError as e:
+            raise ValueError(f"cache summary: bad salt or keys encoding: {e}") from None
+        if len(raw) % 8 or len(raw) // 8 > MAX_SUMMARY_KEYS:
+            raise ValueError(f"cache summary: keys are {len(raw)} bytes, not a multiple of 8 up to {MAX_SUMMARY_KEYS}")
+        keys = frozenset(int(k) for k in np.frombuffer(raw, dtype="<u8"))
+        return cls(obj["salt"], obj["page_size"], obj["version"], keys, *(obj[f] for f in fields[4:]))
