@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# int8: dynamic-activation int8 linear layers (fbgemm, CPU), everything else in float32
+WEIGHT_FORMATS = (*DTYPES, "int8")
 
 
 @dataclass
@@ -25,6 +27,11 @@ class EngineConfig:
     ``num_pages`` defaults to ``ceil(kv_cache_tokens / page_size)``. ``max_model_len`` is capped by
     the model's ``max_position_embeddings`` once the checkpoint's config is read
     (:meth:`resolve_max_model_len`).
+
+    Formats: ``dtype`` is the default of both ``weights_dtype`` (the weights and the activations
+    computed with them; ``int8``: the linear layers' weights in int8 with activations quantized
+    per step, fbgemm on the CPU, the rest in float32) and ``kv_dtype`` (the KV pool; empty: as
+    ``dtype``). They are independent: a float32 model may keep a bfloat16 KV cache.
     """
 
     model_path: str
@@ -40,6 +47,8 @@ class EngineConfig:
     max_tokens_limit: int = 1024
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
+    weights_dtype: str = ""
+    kv_dtype: str = ""
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -48,6 +57,14 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.weights_format not in WEIGHT_FORMATS:
+            raise ValueError(
+                f"EngineConfig.weights_dtype must be one of {list(WEIGHT_FORMATS)}, got {self.weights_dtype!r}"
+            )
+        if self.kv_format not in DTYPES:
+            raise ValueError(f"EngineConfig.kv_dtype must be one of {sorted(DTYPES)}, got {self.kv_dtype!r}")
+        if self.weights_format == "int8" and self.tensor_parallel_size != 1:
+            raise ValueError("EngineConfig.weights_dtype int8 is not supported with tensor_parallel_size > 1")
         for name in (
             "page_size",
             "kv_cache_tokens",
@@ -70,6 +87,8 @@ class EngineConfig:
             )
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("EngineConfig.device is 'cuda' but torch sees no GPU")
+        if self.weights_format == "int8" and self.torch_device.type != "cpu":
+            raise ValueError("EngineConfig.weights_dtype int8 runs on the CPU only (fbgemm dynamic quantization)")
 
     @property
     def torch_device(self) -> torch.device:
@@ -78,8 +97,21 @@ class EngineConfig:
         return torch.device(self.device)
 
     @property
+    def weights_format(self) -> str:
+        return self.weights_dtype or self.dtype
+
+    @property
+    def kv_format(self) -> str:
+        return self.kv_dtype or self.dtype
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        """The activations' dtype (and the float weights'): float32 under int8 weights."""
+        return DTYPES.get(self.weights_format, torch.float32)
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.kv_format]
 
     def resolve_max_model_len(self) -> int:
         """min(configured cap, the checkpoint's max_position_embeddings)."""

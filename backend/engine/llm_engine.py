@@ -72,7 +72,8 @@ class LLMEngine:
         """What makes two instances' pages for the same tokens hold the same KV."""
         c = self.config
         return (
-            f"{os.path.basename(os.path.normpath(c.model_path))}|{c.dtype}|tp{c.tensor_parallel_size}|ps{c.page_size}"
+            f"{os.path.basename(os.path.normpath(c.model_path))}|w{c.weights_format}|kv{c.kv_format}"
+            f"|tp{c.tensor_parallel_size}|ps{c.page_size}"
         ).encode()
 
     def set_kv_listener(self, listener: KVStepListener | None, layer_events: bool = True) -> None:
@@ -92,7 +93,8 @@ class LLMEngine:
     def kv_cache(self) -> KVCacheSpec:
         pool, shards = self.pool, tuple(self.runner.shard_pools())
         return KVCacheSpec(
-            model=os.path.basename(os.path.normpath(self.config.model_path)),
+            # the weights format is part of what the KV means: peers with other weights refuse it
+            model=f"{os.path.basename(os.path.normpath(self.config.model_path))}+{self.config.weights_format}",
             num_layers=pool.num_layers,
             num_pages=pool.num_pages,
             page_size=pool.page_size,

@@ -27,6 +27,19 @@ class StepResult:
     position_hidden: list[torch.Tensor] | None = None
 
 
+def quantize_linear_int8(model: torch.nn.Module) -> torch.nn.Module:
+    """Every linear layer (the LM head included) with int8 weights, per output channel, and
+    activations quantized on the fly (``torch.ao`` dynamic quantization over fbgemm; the
+    fastest int8 path measured on this CPU: ``perf/bench_int8_kernels.py``, ``perf/REPORT.md``)."""
+    import warnings
+
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    with warnings.catch_warnings():  # torch marks torch.ao.quantization deprecated (for torchao)
+        warnings.simplefilter("ignore")
+        return quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
+
+
 class ModelRunner:
     """Owns the model and the KV pool. ``on_layer_kv_written(layer_idx, hook_arg)`` fires inside
     each layer right after that layer's K/V write for the step is queued; the hook set with
@@ -42,6 +55,8 @@ class ModelRunner:
         model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=self.dtype)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model.to(self.device).eval()
+        if config.weights_format == "int8":
+            self.model = quantize_linear_int8(self.model)
         hf_config = model.config
         self.hf_config = hf_config
         self.vocab_size = hf_config.vocab_size
@@ -50,13 +65,13 @@ class ModelRunner:
         self.on_layer_kv_written: Callable[[int, object], None] | None = None
         self.progress = progress if progress is not None else make_progress(self.device)
         log.info(
-            "engine model=%s type=%s layers=%d device=%s dtype=%s; KV pool %d pages x %d tokens "
+            "engine model=%s type=%s layers=%d device=%s weights=%s; KV pool %d pages x %d tokens "
             "= %d tokens, %.1f MiB (%s)",
             config.model_path,
             hf_config.model_type,
             hf_config.num_hidden_layers,
             self.device,
-            config.dtype,
+            config.weights_format,
             config.num_pages,
             config.page_size,
             config.num_pages * config.page_size,
@@ -73,7 +88,7 @@ class ModelRunner:
             num_kv_heads=hf_config.num_key_value_heads,
             page_size=config.page_size,
             head_dim=head_dim,
-            dtype=self.dtype,
+            dtype=config.kv_torch_dtype,
             device=self.device,
         )
 

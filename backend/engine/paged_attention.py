@@ -137,7 +137,7 @@ def paged_attention(
     layer_pool = batch.pool.layer(module.layer_idx)
     layer_pool[batch.write_pages, :, :, batch.write_offsets] = torch.stack(
         (key[0].transpose(0, 1), value[0].transpose(0, 1)), dim=1
-    )
+    ).to(layer_pool.dtype)
     if batch.on_layer_kv_written is not None:
         batch.on_layer_kv_written(module.layer_idx, batch.hook_arg)
 
@@ -154,7 +154,7 @@ def paged_attention(
                 q_chunk, k_chunk, v_chunk, is_causal=True, scale=scaling, enable_gqa=True
             )
         else:
-            kv = _gather_kv(layer_pool, chunk.page_ids)[:, None, :, : chunk.context_len]
+            kv = _as(_gather_kv(layer_pool, chunk.page_ids)[:, None, :, : chunk.context_len], q)
             out = F.scaled_dot_product_attention(
                 q_chunk, kv[0], kv[1], attn_mask=chunk.mask, scale=scaling, enable_gqa=True
             )
@@ -172,10 +172,15 @@ def _gather_kv(layer_pool: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor
     return gathered.view(2, heads, page_ids.numel() * page_size, head_dim)
 
 
+def _as(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The pool's KV in the activations' dtype (``kv_dtype`` may differ from it)."""
+    return kv if kv.dtype == q.dtype else kv.to(q.dtype)
+
+
 def _decode_attention(q: torch.Tensor, layer_pool: torch.Tensor, batch: PagedBatch, scaling):
     """q [H, B, D] (one token per sequence) -> [B, H, D]."""
     num_seqs = batch.num_decode
-    kv = _gather_kv(layer_pool, batch.decode_pages)
+    kv = _as(_gather_kv(layer_pool, batch.decode_pages), q)
     kv = kv.view(2, kv.shape[1], num_seqs, -1, kv.shape[-1]).transpose(1, 2)  # [2, B, Hkv, L, D]
     if batch.decode_mask is None:
         kv = kv[:, :, :, : batch.decode_context]

@@ -55,7 +55,7 @@ class TPLeadRunner(TPModelRunner):
         check_shardable(hf, world)
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         shape = (hf.num_hidden_layers, config.num_pages, 2, hf.num_key_value_heads // world, config.page_size, head_dim)
-        shards = SharedShards(shape, config.torch_dtype, [rank_device(config, r) for r in range(world)])
+        shards = SharedShards(shape, config.kv_torch_dtype, [rank_device(config, r) for r in range(world)])
         self._shard_tensors = list(shards.tensors)
         self._on_failure: list[Callable[[str], None]] = []
         self.failed: str | None = None

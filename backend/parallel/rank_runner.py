@@ -39,7 +39,7 @@ class TPModelRunner(ModelRunner):
             num_kv_heads=hf.num_key_value_heads // self.tp_size,
             page_size=config.page_size,
             head_dim=head_dim,
-            dtype=self.dtype,
+            dtype=config.kv_torch_dtype,
             device=self.device,
             tensor=self._shard,
         )

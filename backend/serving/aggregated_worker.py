@@ -20,7 +20,8 @@ class AggregatedWorker:
     def describe(self) -> str:
         c, kv = self.config.engine, self.engine.kv_cache()
         return (
-            f"device {c.torch_device}, dtype {c.dtype}, KV pool {c.num_pages} pages x {c.page_size} tokens "
+            f"device {c.torch_device}, weights {c.weights_format}, KV pool {c.num_pages} pages x {c.page_size} tokens "
+            f"of {c.kv_format} "
             f"({kv.total_bytes / 2**20:.0f} MiB, HND), "
             f"max_model_len {self.max_model_len}, token budget {c.max_num_batched_tokens}/step"
         )

@@ -1,0 +1,202 @@
+"""Benchmark: the engine's weight formats (``weights_dtype`` float32 / bfloat16 / int8, the KV
+cache float32 for all) side by side in one run, on the real model.
+
+In one process, per format: prefill tokens/s (a 512-token prompt, best of 3), decode tokens/s
+at batch 1 and batch 16 (from the median step time), and quality against float32: the share
+of greedy tokens identical to float32's over the first 64 tokens of 8 prompts (each run alone),
+and the mean |logit difference| at one prompt's last position. Then, with ``--server``, one
+stream of 128 tokens through a real ``tritonserver`` (aggregated) per format and engine thread
+count (``--server-threads``; one thread leaves a core to Triton and the client): tokens/s after
+the first token. Prints a markdown table; writes JSON to perf/results/.
+
+    python -m perf.bench_formats [--formats float32,bfloat16,int8] [--threads 2] [--server]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from backend.engine.config import EngineConfig  # noqa: E402
+from backend.engine.llm_engine import LLMEngine  # noqa: E402
+from backend.engine.sampling_params import SamplingParams  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PROMPTS = [
+    "The history of the printing press begins",
+    "Write a short poem about the sea.",
+    "Explain how a refrigerator works.",
+    "def quicksort(items):",
+    "List five countries in Africa and their capitals.",
+    "Once upon a time, a robot",
+    "What is the difference between weather and climate?",
+    "Summarize the rules of chess in three sentences.",
+]
+
+
+def _engine(model_dir: str, fmt: str, threads: int) -> LLMEngine:
+    config = EngineConfig(
+        model_path=model_dir,
+        weights_dtype=fmt,
+        kv_dtype="float32",
+        num_threads=threads,
+        kv_cache_tokens=16384,
+        max_num_seqs=32,
+        max_num_batched_tokens=512,
+        enable_prefix_caching=False,  # every prefill and greedy run computes its whole prompt
+    )
+    return LLMEngine(config)
+
+
+def _drain(engine: LLMEngine) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    while engine.has_work():
+        for out in engine.step():
+            tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+    return tokens
+
+
+def _greedy(engine: LLMEngine, ids: list[int], n: int) -> list[int]:
+    engine.add_request("q", ids, SamplingParams(max_tokens=n, ignore_eos=True))
+    return _drain(engine)["q"]
+
+
+def _decode_rate(engine: LLMEngine, batch: int, ids: list[int], steps: int = 24) -> float:
+    """Decode tokens/s at ``batch`` sequences: batch / median step time once all are decoding."""
+    for i in range(batch):
+        engine.add_request(f"d{i}", ids, SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+    times = []
+    while engine.has_work():
+        decoding = all(s.num_uncomputed <= 1 for s in engine.scheduler.running) and not engine.scheduler.waiting
+        t0 = time.perf_counter()
+        engine.step()
+        if decoding and len(engine.scheduler.running) == batch:
+            times.append(time.perf_counter() - t0)
+    return batch / statistics.median(times[2:] or times)
+
+
+def _prefill_rate(engine: LLMEngine, ids: list[int]) -> float:
+    best = float("inf")
+    for r in range(3):
+        engine.add_request(f"p{r}", ids, SamplingParams(max_tokens=1), prefill_only=True)
+        t0 = time.perf_counter()
+        _drain(engine)
+        best = min(best, time.perf_counter() - t0)
+        engine.release(f"p{r}")
+    return len(ids) / best
+
+
+def _last_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
+    engine.add_request("l", ids, SamplingParams(max_tokens=1), prefill_only=True)
+    out = None
+    while engine.has_work():
+        for o in engine.step():
+            if o.finished:
+                out = o
+    engine.release("l")
+    return out.logits.float()
+
+
+def engine_figures(model_dir: str, formats: list[str], threads: int, tokenizer) -> dict:
+    prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    long_prompt = (tokenizer.encode(" ".join(PROMPTS), add_special_tokens=False) * 20)[:512]
+    context = long_prompt[:256]
+    results, reference = {}, None
+    for fmt in formats:
+        engine = _engine(model_dir, fmt, threads)
+        greedy = [_greedy(engine, ids, 64) for ids in prompts]
+        logits = _last_logits(engine, prompts[0])
+        r = {
+            "prefill_tok_s": _prefill_rate(engine, long_prompt),
+            "decode_b1_tok_s": _decode_rate(engine, 1, context),
+            "decode_b16_tok_s": _decode_rate(engine, 16, context),
+        }
+        if reference is None:
+            reference = (greedy, logits)
+        same = sum(sum(a == b for a, b in zip(g, ref)) for g, ref in zip(greedy, reference[0]))
+        r["identical_greedy_share"] = same / sum(len(g) for g in reference[0])
+        r["mean_abs_logit_diff"] = float((logits - reference[1]).abs().mean())
+        results[fmt] = r
+        engine.close()
+        print(fmt, {k: round(v, 3) for k, v in r.items()}, flush=True)
+    return results
+
+
+def server_figures(formats: list[str], threads: list[int], tokens: int = 128) -> dict:
+    """Per format and engine thread count: the best of 2 streams' tokens/s after the first token."""
+    from backend.client import stream_generate
+    from perf import servers
+
+    out: dict = {}
+    for fmt in formats:
+        for n in threads:
+            server = servers.start(
+                "aggregated",
+                overrides={"weights_dtype": fmt},
+                per_model={"llm": {"num_threads": str(n)}},
+                log_dir=RESULTS / f"formats-{fmt}-{n}",
+            )
+            try:
+                stream_generate(server.grpc_url, "warm up", 8, ignore_eos=True)
+                rates = []
+                for _ in range(2):
+                    res = stream_generate(server.grpc_url, PROMPTS[2], tokens, ignore_eos=True, temperature=0.0)
+                    assert res.error is None, res.error
+                    rates.append((len(res.token_ids) - 1) / (res.times[-1] - res.times[0]))
+                out.setdefault(fmt, {})[f"server_stream_tok_s_{n}_threads"] = max(rates)
+            finally:
+                server.stop()
+            print(fmt, n, out[fmt], flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--formats", default="float32,bfloat16,int8")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--model", default=None)
+    p.add_argument("--server", action="store_true", help="also one stream through a real server per format")
+    p.add_argument("--server-threads", default="2,1", help="engine threads (num_threads) of the server runs")
+    args = p.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from build_scripts.prepare_model import ensure_model
+
+    model_dir = str(ensure_model(args.model))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    formats = args.formats.split(",")
+    results = engine_figures(model_dir, formats, args.threads, tokenizer)
+    if args.server:
+        threads = [int(t) for t in args.server_threads.split(",")]
+        for fmt, r in server_figures(formats, threads).items():
+            results[fmt].update(r)
+    rows = [
+        "| weights | prefill tok/s (512) | decode tok/s b1 | decode tok/s b16 | identical greedy tokens "
+        "| mean abs logit diff | server stream tok/s (by engine threads) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for fmt, r in results.items():
+        runs = {k.split("_")[4]: v for k, v in r.items() if k.startswith("server_stream_tok_s_")}
+        server = ", ".join(f"{v:.1f} ({n} thr)" for n, v in runs.items()) or "-"
+        rows.append(
+            f"| {fmt} | {r['prefill_tok_s']:.0f} | {r['decode_b1_tok_s']:.1f} | {r['decode_b16_tok_s']:.1f} "
+            f"| {100 * r['identical_greedy_share']:.1f}% | {r['mean_abs_logit_diff']:.3f} | {server} |"
+        )
+    md = f"settings {vars(args)}\n\n" + "\n".join(rows) + "\n"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "formats.json").write_text(json.dumps({"settings": vars(args), "results": results}, indent=2))
+    (RESULTS / "formats.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
