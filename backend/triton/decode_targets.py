@@ -74,6 +74,14 @@ class DecodeTargets:
             self.states[target].inflight.discard(request)
         self.router.done(target, request)
 
+    def page_size(self) -> int:
+        """The decode models' KV page size, as they report it."""
+        return self.router.page_size()
+
+    def router_counters(self) -> dict[str, int]:
+        """Prompt tokens routed, and how many the chosen models were judged to cache."""
+        return dict(self.router.counters)
+
     def is_up(self, target: str) -> bool:
         with self._lock:
             return self.states[target].up

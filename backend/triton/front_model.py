@@ -78,7 +78,7 @@ class TritonPythonModel:
         except Exception as e:  # RequestError, or a text the tokenizer rejects: the decode model says why
             log.debug("routing a request by load alone: %s", e)
             return [], 1
-        return ids, -(-(len(ids) + req.max_tokens) // self.targets.router.page_size())
+        return ids, -(-(len(ids) + req.max_tokens) // self.targets.page_size())
 
     def _start(self, fwd: "Forwarding", target: str) -> None:
         with fwd.lock:
@@ -262,7 +262,7 @@ class FrontMetrics:
             for name, up in self._targets.gauges().items():
                 self._up[name].set(up)
             self._active.set(float(len(self._targets.all_inflight())))
-            counters = dict(self._targets.router.counters)
+            counters = self._targets.router_counters()
             for name, metric in self._router.items():
                 metric.increment(counters[name] - self._router_seen[name])
                 self._router_seen[name] = counters[name]
