@@ -165,6 +165,7 @@ def run_mode(mode: str, tokenizer, w: loadgen.Workload, args) -> tuple[list, flo
             "max_num_batched_tokens": str(args.token_budget),
             "max_tokens_limit": "256",
             "max_num_seqs": "32",
+            "weights_dtype": args.weights_dtype,
         },
     )
     try:
@@ -192,6 +193,9 @@ def main(argv=None) -> int:
     p.add_argument("--output-tokens", type=int, nargs=2, default=(64, 128))
     p.add_argument("--token-budget", type=int, default=256, help="per-step token budget (chunked prefill)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--weights-dtype", default="float32", help="weights_dtype of every instance (float32, bfloat16, int8)"
+    )
     args = p.parse_args(argv)
     tok = AutoTokenizer.from_pretrained(str(ensure_model()))
     stamp = time.strftime("%Y%m%d_%H%M%S")

@@ -107,7 +107,9 @@ def test_authenticated_peer_bad_requests_fail_alone(disagg_server, model_dir):
     from fabric_bridge.agent import FabricAgent
     from fabric_bridge.layout import KVLayout
 
-    layout = KVLayout("SmolLM2-135M-Instruct", 30, 16, 3, 64, "float32")
+    layout = KVLayout(
+        "SmolLM2-135M-Instruct+float32", 30, 16, 3, 64, "float32"
+    )  # the model name carries the weights format
     agent = FabricAgent("attacker", layout, make_pools(layout, 4), meta_slots=1, meta_slot_floats=576 + 49152)
     got, lost = [], []
     secret = disagg_server.messenger_secret.encode()
