@@ -67,6 +67,7 @@ class PageAllocator:
         self._cached_tokens: dict[str, int] = {}
         self.counters = {"query_tokens": 0, "hit_tokens": 0, "evictions": 0}
         self._version = 0  # bumped whenever the set of cached pages changes
+        self._keys: tuple[int, frozenset[int]] = (0, frozenset())  # cached_keys() of that version
         self._lock = threading.Lock()
 
     def pages_for(self, n_tokens: int) -> int:
@@ -204,9 +205,12 @@ class PageAllocator:
 
     def cached_keys(self) -> tuple[int, frozenset[int]]:
         """(version, the 64-bit keys of every cached page's hash): what a router matches against
-        (``cache_summary.py``). The version changes whenever the set does."""
+        (``cache_summary.py``). The version changes whenever the set does; the set is built once
+        per version."""
         with self._lock:
-            return self._version, frozenset(page_key(h) for h in self._page_of)
+            if self._keys[0] != self._version:
+                self._keys = (self._version, frozenset(page_key(h) for h in self._page_of))
+            return self._keys
 
     def stats(self) -> dict:
         with self._lock:

@@ -137,7 +137,7 @@ class DecodeWorker:
             self.counters["prefill_local_total"] += 1
             self._run_here(session)
             return True
-        endpoint = self._pick_endpoint(session, n_remote - cached)
+        endpoint = self._pick_endpoint(session.req_id, session.prompt_ids[:n_remote], n_remote - cached)
         if endpoint is None:
             self.loop.cancel_reservation(session.req_id)
             session.fail(f"no prefill instance reachable ({self._endpoint_errors()})", ErrorKind.PREFILL_UNAVAILABLE)
@@ -178,19 +178,18 @@ class DecodeWorker:
         bound = serving.local_prefill_queue_bound
         return bool(bound) and all(len(e.outstanding) >= bound for e in self.endpoints)
 
-    def _pick_endpoint(self, session: GenerationSession, n_tokens: int) -> PrefillEndpoint | None:
-        """The connected prefill instance with the lowest routing cost for this prompt; its
-        ``n_tokens`` (the part to send) count as queued there until the KV has arrived."""
+    def _pick_endpoint(self, req_id: str, tokens: list[int], n_send: int) -> PrefillEndpoint | None:
+        """The connected prefill instance with the lowest routing cost for the prefill of
+        ``tokens``; its ``n_send`` tokens (the part to send) count as queued there until the KV
+        has arrived."""
         live = [e for e in self.endpoints if e.ensure_connected()]
         if not live:
             live = [e for e in self.endpoints if e.ensure_connected(force=True)]
         if not live:
             return None
         by_address = {e.address: e for e in live}
-        n_remote = self.receiver.num_external_tokens(len(session.prompt_ids))
-        pages = -(-n_tokens // self.config.engine.page_size)
-        best = self.router.pick(session.req_id, session.prompt_ids[:n_remote], list(by_address), pages)
-        return by_address[best]
+        pages = -(-n_send // self.config.engine.page_size)
+        return by_address[self.router.pick(req_id, tokens, list(by_address), pages)]
 
     # ------------------------------------------------------------ KV arrival (fabric thread)
     def _on_kv_ready(self, req_id: str, ok: bool, err: str | None, prefill_state) -> None:

@@ -177,7 +177,7 @@ class PrefillWorker:
 
     # ------------------------------------------------------------ cache reports (own thread)
     def _report_loop(self) -> None:
-        last, last_at, last_conns = None, 0.0, 0
+        last, last_at, last_conns = None, 0.0, 0  # last: what the last report said (keys by version)
         while not self._stop.wait(self.config.connector.cache_report_interval_s):
             try:
                 conns = self.server.connections()
@@ -189,9 +189,10 @@ class PrefillWorker:
                         summary, keys=frozenset(itertools.islice(summary.keys, MAX_REPORT_KEYS))
                     )
                 now = time.monotonic()
-                if summary != last or conns > last_conns or now - last_at >= REPORT_REFRESH_S:
+                state = (summary.version, summary.free_pages, summary.running, summary.waiting)
+                if state != last or conns > last_conns or now - last_at >= REPORT_REFRESH_S:
                     self.server.broadcast(CacheReport(summary))
-                    last, last_at = summary, now
+                    last, last_at = state, now
                 last_conns = conns
             except Exception:
                 log.exception("cache report failed")
