@@ -5,6 +5,7 @@ triton-disagg serve [--mode aggregated|disagg] [--host H] [--http-port P] ...   
 triton-disagg demo                 serve, answer a sample prompt through Triton, stop
 triton-disagg generate "prompt"    stream an answer from a running server
 triton-disagg openai --triton-url HOST:PORT   the OpenAI-compatible API in front of a running deployment
+triton-disagg plan [--profile FILE] [--cores N | --nodes N]   recommend a deployment for an SLO
 """
 
 from __future__ import annotations
@@ -53,6 +54,14 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override a model parameter for every model (e.g. kv_cache_tokens=32768)",
     )
+    for role in ("prefill", "decode"):
+        p.add_argument(
+            f"--{role}-set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help=f"override a parameter of the {role} models only (e.g. num_threads=1, cpu_affinity=0)",
+        )
     p.add_argument(
         "--messenger-secret-file",
         default=None,
@@ -102,6 +111,9 @@ def start_server(args):
         )
     if args.openai_port and args.mode == "prefill":
         raise SystemExit("--openai-port: a prefill-only server has no model that answers requests")
+    per_model = {role: _overrides(getattr(args, f"{role}_set")) for role in ("prefill", "decode")}
+    if any(per_model.values()) and args.mode == "aggregated":
+        raise SystemExit("--prefill-set/--decode-set: an aggregated deployment has no prefill or decode models")
     model_dir = ensure_model(args.model)
     repo = render_deployment(
         Path(tempfile.mkdtemp(prefix="triton-disagg-repo-")),
@@ -113,6 +125,7 @@ def start_server(args):
         messenger_host=args.messenger_host,
         prefill_endpoints=args.prefill_endpoints.split(",") if args.prefill_endpoints else None,
         with_aggregated=args.with_aggregated,
+        per_model={k: v for k, v in per_model.items() if v},
     )
     server = TritonServer(
         repo,
@@ -220,6 +233,106 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def cmd_plan(args) -> int:
+    from backend.planner.planner import evaluate, machine_candidates, node_candidates, table
+    from backend.planner.profile import EngineProfile
+    from backend.planner.slo import SLO
+    from backend.planner.workload import load_trace, poisson, scaled
+
+    profile_path = Path(args.profile)
+    if profile_path.is_file():
+        profile = EngineProfile.load(profile_path)
+        print(f"profile: {profile_path} ({profile.model}, {profile.weights_dtype}, threads {sorted(profile.threads)})")
+    else:
+        from backend.planner.profiler import profile_engine
+        from build_scripts.prepare_model import ensure_model
+
+        threads = (
+            _ints(args.profile_threads)
+            if args.profile_threads
+            else sorted({1, args.node_threads} if args.nodes else set(range(1, args.cores + 1)))
+        )
+        print(f"profiling the engine ({args.weights_dtype}, threads {threads}) into {profile_path} ...", flush=True)
+        profile = profile_engine(str(ensure_model(args.model)), threads, args.weights_dtype)
+        profile.save(profile_path)
+    for k, v in profile.summary().items():
+        print(f"  {k}: {v}")
+    if args.speedup != 1.0:
+        profile = profile.scaled(args.speedup)
+        print(f"  every step time divided by --speedup {args.speedup:g}")
+    budgets = _ints(args.budgets)
+    if args.nodes:
+        candidates = node_candidates(args.nodes, args.node_threads, budgets, args.kv_cache_tokens, args.max_num_seqs)
+    else:
+        candidates = machine_candidates(
+            args.cores, budgets, sorted(profile.threads), args.kv_cache_tokens, args.max_num_seqs
+        )
+    if not candidates:
+        raise SystemExit(f"no candidate deployment: the profile has threads {sorted(profile.threads)}")
+    if args.trace:
+        base = load_trace(Path(args.trace))
+
+        def trace_at(rate: float):
+            return scaled(base, rate)
+
+        start = len(base) / max(base[-1].arrival_s, 1e-9)
+    else:
+
+        def trace_at(rate: float):
+            return poisson(rate, args.requests, tuple(args.prompt_tokens), tuple(args.output_tokens), args.seed)
+
+        start = 0.1
+    slo = SLO(args.ttft_slo, args.itl_slo)
+    print(
+        f"SLO: TTFT <= {slo.ttft_s:g} s and ITL p90 <= {slo.itl_p90_s * 1e3:g} ms for >= 90% of requests; "
+        f"{len(candidates)} candidates",
+        flush=True,
+    )
+    results = evaluate(candidates, profile, slo, trace_at, start)
+    print(table(results))
+    best = results[0]
+    if best.goodput <= 0:
+        print("no candidate meets the SLO at any rate: loosen it or add capacity")
+        return 1
+    print(f"\nrecommended: {best.candidate.deployment.name}, goodput {best.goodput:.3f} req/s (simulated)")
+    print(best.candidate.serve_command)
+    return 0
+
+
+def _add_plan_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument(
+        "--profile",
+        default="triton-disagg-profile.json",
+        help="engine profile (JSON); measured on the real engine and saved there if the file is missing",
+    )
+    sp.add_argument("--model", default=None, help="checkpoint to profile (default: SmolLM2-135M-Instruct)")
+    sp.add_argument("--weights-dtype", default="float32", help="weights format to profile")
+    sp.add_argument("--profile-threads", default="", help="thread counts to profile, e.g. 1,2")
+    where = sp.add_mutually_exclusive_group()
+    where.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)), help="one machine of N cores")
+    where.add_argument("--nodes", type=int, default=0, help="N separate nodes of --node-threads threads each")
+    sp.add_argument("--node-threads", type=int, default=2)
+    sp.add_argument(
+        "--speedup", type=float, default=1.0, help="the target hardware is this many times faster than the profiled"
+    )
+    sp.add_argument("--budgets", default="64,128,256,512", help="per-step token budgets to consider")
+    sp.add_argument("--kv-cache-tokens", type=int, default=16384)
+    sp.add_argument("--max-num-seqs", type=int, default=32)
+    sp.add_argument("--ttft-slo", type=float, required=True, help="seconds")
+    sp.add_argument("--itl-slo", type=float, required=True, help="seconds, bound on each request's p90 inter-token gap")
+    sp.add_argument(
+        "--trace", default=None, help="JSON-lines trace (arrival_s, prompt_tokens, output_tokens), rescaled per rate"
+    )
+    sp.add_argument("--prompt-tokens", type=int, nargs=2, default=(256, 512))
+    sp.add_argument("--output-tokens", type=int, nargs=2, default=(32, 64))
+    sp.add_argument("--requests", type=int, default=300, help="simulated Poisson requests per rate")
+    sp.add_argument("--seed", type=int, default=0)
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     p = argparse.ArgumentParser(
@@ -251,6 +364,9 @@ def main(argv=None) -> int:
 
     add_args(sp)
     sp.set_defaults(fn=run)
+    sp = sub.add_parser("plan", help="recommend a deployment for an SLO from an engine profile and a simulation")
+    _add_plan_args(sp)
+    sp.set_defaults(fn=cmd_plan)
     args = p.parse_args(argv)
     return args.fn(args)
 

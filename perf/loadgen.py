@@ -2,7 +2,7 @@
 
 Each request gets a distinct prompt of a length drawn from ``prompt_tokens`` and asks for a
 number of tokens drawn from ``output_tokens`` with ``ignore_eos`` so runs are comparable.
-Arrivals stop after ``duration_s``; in-flight requests are awaited (bounded by
+Arrivals stop after ``duration_s`` (or after ``n_requests``); in-flight requests are awaited (bounded by
 ``drain_timeout_s``). Per request it records submit time, time to first token, the arrival
 time of every token, end-to-end latency and token counts.
 """
@@ -25,6 +25,7 @@ class Workload:
     output_tokens: tuple[int, int] = (64, 128)
     seed: int = 0
     drain_timeout_s: float = 300.0
+    n_requests: int = 0  # > 0: exactly this many arrivals (duration_s is then ignored)
 
 
 @dataclass
@@ -33,6 +34,7 @@ class RequestRecord:
     prompt_tokens: int
     max_tokens: int
     t_submit: float
+    offset: float = 0.0  # planned arrival, seconds after the run's start
     token_times: list[float] = field(default_factory=list)
     n_tokens: int = 0
     error: str | None = None
@@ -71,7 +73,7 @@ def plan_requests(tokenizer, w: Workload) -> list[tuple[float, str, int, int]]:
     """(arrival offset, prompt, prompt tokens, max_tokens) for the whole run, from the seed."""
     rng = random.Random(w.seed)
     out, t = [], rng.expovariate(w.rate)
-    while t < w.duration_s:
+    while (len(out) < w.n_requests) if w.n_requests > 0 else (t < w.duration_s):
         n_in = rng.randint(*w.prompt_tokens)
         prompt = make_prompt(tokenizer, n_in, rng)
         out.append((t, prompt, len(tokenizer.encode(prompt, add_special_tokens=False)), rng.randint(*w.output_tokens)))
@@ -97,7 +99,7 @@ def run(url: str, tokenizer, w: Workload, model: str = "llm") -> tuple[list[Requ
         delay = t0 + offset - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        rec = RequestRecord(i, n_in, n_out, time.perf_counter())
+        rec = RequestRecord(i, n_in, n_out, time.perf_counter(), offset)
         records.append(rec)
         th = threading.Thread(target=one, args=(rec, prompt), daemon=True)
         th.start()

@@ -1,0 +1,199 @@
+"""The engine profile: how long one scheduler step takes, as a function of what it runs, per
+torch thread count; stored as JSON and re-used by every plan.
+
+A step runs chunks, each ``(new tokens, tokens already in the KV cache)``. Its time is modelled
+as ``a + b * sequences + c * new tokens + d * attention`` where attention counts the
+query-key pairs of the step in thousands (``new * (context + (new + 1) / 2) / 1000`` per chunk).
+The coefficients are fitted, non-negative and by relative error, to measured steps: decode
+batches of several sizes and contexts, prefill chunks of several sizes, and mixes. The samples
+are kept in the file, so a profile can be refitted or checked.
+
+Measured next to the steps:
+- ``corun_slowdown``: the factor a step's time grows by while another instance computes on the
+  other cores of the same machine (they share the memory bus); 1.0 when unmeasured.
+- ``handoff_s``: disaggregated only, the time from a prefill's last chunk to the decode instance
+  having the request ready (KV transfer tail and the messenger's notices).
+- ``step_overhead_s``: time a served instance spends per step outside the engine (the response
+  path); 0 for the bare engine.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROFILE_VERSION = 1
+FEATURES = ("step", "sequence", "token", "attention_kpairs")
+
+Chunk = tuple[int, int]  # (new tokens, context tokens before them)
+
+
+def features(chunks: list[Chunk]) -> list[float]:
+    new = sum(n for n, _ in chunks)
+    attn = sum(n * (ctx + (n + 1) / 2) for n, ctx in chunks) / 1000.0
+    return [1.0, float(len(chunks)), float(new), attn]
+
+
+@dataclass
+class StepSample:
+    chunks: list[Chunk]
+    seconds: float
+
+
+@dataclass
+class StepCost:
+    """Fitted step-time coefficients (seconds per feature, see :data:`FEATURES`)."""
+
+    coef: list[float]
+
+    def step_time(self, chunks: list[Chunk]) -> float:
+        return sum(c * f for c, f in zip(self.coef, features(chunks)))
+
+    @classmethod
+    def fit(cls, samples: list[StepSample]) -> "StepCost":
+        """Least squares on relative error with every coefficient >= 0 (a negative one is
+        dropped and the rest refitted)."""
+        import numpy as np
+
+        if not samples:
+            raise ValueError("cannot fit a step cost to no samples")
+        x = np.array([features(s.chunks) for s in samples])
+        y = np.array([s.seconds for s in samples])
+        w = 1.0 / y
+        active = list(range(len(FEATURES)))
+        while True:
+            sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+            if (sol >= 0).all() or len(active) == 1:
+                coef = [0.0] * len(FEATURES)
+                for i, v in zip(active, sol):
+                    coef[i] = max(0.0, float(v))
+                return cls(coef)
+            active.pop(int(np.argmin(sol)))
+
+    def relative_errors(self, samples: list[StepSample]) -> list[float]:
+        return [abs(self.step_time(s.chunks) - s.seconds) / s.seconds for s in samples]
+
+
+@dataclass
+class ThreadProfile:
+    """One thread count's measured steps and the model fitted to them."""
+
+    threads: int
+    samples: list[StepSample]
+    cost: StepCost = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cost = StepCost.fit(self.samples)
+
+
+@dataclass
+class EngineProfile:
+    model: str
+    weights_dtype: str
+    page_size: int
+    threads: dict[int, ThreadProfile]
+    corun_slowdown: float = 1.0
+    handoff_s: float = 0.0
+    step_overhead_s: float = 0.0
+    version: int = PROFILE_VERSION
+
+    def cost(self, threads: int) -> StepCost:
+        if threads not in self.threads:
+            raise KeyError(f"the profile has no {threads}-thread measurements (it has {sorted(self.threads)})")
+        return self.threads[threads].cost
+
+    def step_time(self, threads: int, chunks: list[Chunk]) -> float:
+        return self.cost(threads).step_time(chunks) + self.step_overhead_s
+
+    def scaled(self, speedup: float) -> "EngineProfile":
+        """This profile on hardware ``speedup`` times as fast: every measured step divided by it."""
+        if speedup <= 0:
+            raise ValueError(f"speedup must be > 0, got {speedup}")
+        threads = {
+            t: ThreadProfile(t, [StepSample(s.chunks, s.seconds / speedup) for s in p.samples])
+            for t, p in self.threads.items()
+        }
+        return EngineProfile(
+            self.model,
+            self.weights_dtype,
+            self.page_size,
+            threads,
+            self.corun_slowdown,
+            self.handoff_s,
+            self.step_overhead_s / speedup,
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "version": self.version,
+                "model": self.model,
+                "weights_dtype": self.weights_dtype,
+                "page_size": self.page_size,
+                "corun_slowdown": self.corun_slowdown,
+                "handoff_s": self.handoff_s,
+                "step_overhead_s": self.step_overhead_s,
+                "features": list(FEATURES),
+                "threads": {
+                    str(t): {
+                        "coef": p.cost.coef,
+                        "samples": [{"chunks": [list(c) for c in s.chunks], "seconds": s.seconds} for s in p.samples],
+                    }
+                    for t, p in sorted(self.threads.items())
+                },
+            },
+            indent=1,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "EngineProfile":
+        obj = json.loads(text)
+        if obj.get("version") != PROFILE_VERSION:
+            raise ValueError(f"profile version {obj.get('version')!r} is not {PROFILE_VERSION}: profile again")
+        known = {f for f in cls.__dataclass_fields__} | {"features"}
+        unknown = sorted(set(obj) - known)
+        if unknown:
+            raise ValueError(f"unknown profile fields: {unknown}")
+        if obj.get("features") != list(FEATURES):
+            raise ValueError(f"profile features {obj.get('features')} are not {list(FEATURES)}: profile again")
+        threads = {
+            int(t): ThreadProfile(
+                int(t),
+                [StepSample([(int(n), int(c)) for n, c in s["chunks"]], float(s["seconds"])) for s in p["samples"]],
+            )
+            for t, p in obj["threads"].items()
+        }
+        return cls(
+            model=obj["model"],
+            weights_dtype=obj["weights_dtype"],
+            page_size=int(obj["page_size"]),
+            threads=threads,
+            corun_slowdown=float(obj.get("corun_slowdown", 1.0)),
+            handoff_s=float(obj.get("handoff_s", 0.0)),
+            step_overhead_s=float(obj.get("step_overhead_s", 0.0)),
+        )
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: Path) -> "EngineProfile":
+        return cls.from_json(Path(path).read_text())
+
+    def summary(self) -> dict:
+        return {
+            t: {
+                "coef_ms": [round(c * 1e3, 4) for c in p.cost.coef],
+                "fit_error_mean": _mean(p.cost.relative_errors(p.samples)),
+            }
+            for t, p in sorted(self.threads.items())
+        } | {
+            "corun_slowdown": self.corun_slowdown,
+            "handoff_s": self.handoff_s,
+            "step_overhead_s": self.step_overhead_s,
+        }
+
+
+def _mean(v: list[float]) -> float:
+    return sum(v) / len(v) if v else float("nan")

@@ -1,0 +1,96 @@
+"""SLO attainment and goodput: the share of requests that complete with TTFT <= T and the p90
+of their inter-token gaps <= I, and the highest request rate at which that share is at least
+the goal (90% by default)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from backend.planner.simulator import RequestResult
+from backend.planner.workload import TraceRequest
+
+ATTAINMENT_GOAL = 0.9
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default); 0 for no values."""
+    if not values:
+        return 0.0
+    v = sorted(values)
+    pos = (len(v) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_s: float
+    itl_p90_s: float
+
+    def met(self, res: RequestResult) -> bool:
+        return res.completed and res.ttft <= self.ttft_s and percentile(res.gaps, 90) <= self.itl_p90_s
+
+
+def attainment(results: list[RequestResult], slo: SLO) -> float:
+    return sum(slo.met(r) for r in results) / len(results) if results else math.nan
+
+
+def summary(results: list[RequestResult]) -> dict:
+    """TTFT p50 and p90 of all requests, and p50/p90 of all their inter-token gaps pooled."""
+    ttft = [r.ttft for r in results if r.token_times]
+    gaps = [g for r in results for g in r.gaps]
+    return {
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p90": percentile(ttft, 90),
+        "itl_p50": percentile(gaps, 50),
+        "itl_p90": percentile(gaps, 90),
+        "completed": sum(r.completed for r in results),
+        "requests": len(results),
+    }
+
+
+def goodput(
+    attained_at: Callable[[float], float],
+    start_rate: float,
+    goal: float = ATTAINMENT_GOAL,
+    max_rate: float = 1e4,
+    rel_precision: float = 0.02,
+) -> float:
+    """Highest rate with ``attained_at(rate) >= goal``, assuming attainment falls as the rate
+    rises: doubling from ``start_rate`` (halving if it already misses) brackets it, bisection
+    narrows it. 0 if even ``start_rate / 1024`` misses."""
+    lo, hi = None, None
+    rate = start_rate
+    if attained_at(rate) >= goal:
+        lo = rate
+        while hi is None:
+            rate *= 2
+            if rate > max_rate:
+                return lo
+            if attained_at(rate) >= goal:
+                lo = rate
+            else:
+                hi = rate
+    else:
+        hi = rate
+        while lo is None:
+            rate /= 2
+            if rate < start_rate / 1024:
+                return 0.0
+            if attained_at(rate) >= goal:
+                lo = rate
+            else:
+                hi = rate
+    while (hi - lo) / lo > rel_precision:
+        mid = (lo + hi) / 2
+        if attained_at(mid) >= goal:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+TraceAt = Callable[[float], list[TraceRequest]]
