@@ -3,6 +3,9 @@ replayed in the simulator with the same requests (arrival, prompt and output len
 same deployment, and the predicted TTFT p50, inter-token latency p90 (all gaps pooled) and SLO
 attainment are set beside the measured ones.
 
+Give it the profile calibrated by ``perf.served_profile`` (its served terms come from other
+requests than the ones compared here).
+
     python -m perf.plan_check --goodput perf/results/goodput_<stamp>.json --profile PROFILE.json
 """
 

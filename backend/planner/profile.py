@@ -2,19 +2,29 @@
 torch thread count; stored as JSON and re-used by every plan.
 
 A step runs chunks, each ``(new tokens, tokens already in the KV cache)``. Its time is modelled
-as ``a + b * sequences + c * new tokens + d * attention`` where attention counts the
-query-key pairs of the step in thousands (``new * (context + (new + 1) / 2) / 1000`` per chunk).
+as ``a + b * sequences + c * new tokens + d * attention + e * batched`` where attention counts
+the query-key pairs of the step in thousands (``new * (context + (new + 1) / 2) / 1000`` per
+chunk) and batched is 1 when the step runs more than one token: the linear layers then use
+matrix-matrix kernels, which on this CPU cost about twice the matrix-vector ones of a single
+decode token (measured: a batch of 2 decode tokens takes ~1.5x the step time of 1).
 The coefficients are fitted, non-negative and by relative error, to measured steps: decode
 batches of several sizes and contexts, prefill chunks of several sizes, and mixes. The samples
-are kept in the file, so a profile can be refitted or checked.
+are kept in the file, so a profile can be refitted or checked; how much the measured steps
+scatter around the model (``spread``, the standard deviation of the relative residuals) is
+what the simulator draws each step's variation from.
 
 Measured next to the steps:
 - ``corun_slowdown``: the factor a step's time grows by while another instance computes on the
   other cores of the same machine (they share the memory bus); 1.0 when unmeasured.
 - ``handoff_s``: disaggregated only, the time from a prefill's last chunk to the decode instance
   having the request ready (KV transfer tail and the messenger's notices).
-- ``step_overhead_s``: time a served instance spends per step outside the engine (the response
-  path); 0 for the bare engine.
+- ``served_overhead_s``: per thread count, what a served instance's step takes beyond the
+  engine's own (the response path, and Triton's threads competing with torch's for the cores):
+  ``[single-token step, batched step]``; empty for the bare engine.
+- ``request_overhead_s``: time from a request's arrival at the server to its arrival at the
+  engine (the front, the client path); 0 for the bare engine.
+The last three are calibrated from single requests through a real server
+(``perf.served_profile``); a bare engine profile leaves them at their defaults.
 """
 
 from __future__ import annotations
@@ -23,8 +33,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PROFILE_VERSION = 1
-FEATURES = ("step", "sequence", "token", "attention_kpairs")
+PROFILE_VERSION = 2
+FEATURES = ("step", "sequence", "token", "attention_kpairs", "batched")
 
 Chunk = tuple[int, int]  # (new tokens, context tokens before them)
 
@@ -32,7 +42,7 @@ Chunk = tuple[int, int]  # (new tokens, context tokens before them)
 def features(chunks: list[Chunk]) -> list[float]:
     new = sum(n for n, _ in chunks)
     attn = sum(n * (ctx + (n + 1) / 2) for n, ctx in chunks) / 1000.0
-    return [1.0, float(len(chunks)), float(new), attn]
+    return [1.0, float(len(chunks)), float(new), attn, 1.0 if new > 1 else 0.0]
 
 
 @dataclass
@@ -82,9 +92,13 @@ class ThreadProfile:
     threads: int
     samples: list[StepSample]
     cost: StepCost = field(init=False)
+    spread: float = field(init=False)  # std of the relative residuals: how much steps vary
 
     def __post_init__(self) -> None:
         self.cost = StepCost.fit(self.samples)
+        errs = [(s.seconds - self.cost.step_time(s.chunks)) / s.seconds for s in self.samples]
+        mean = sum(errs) / len(errs)
+        self.spread = (sum((e - mean) ** 2 for e in errs) / len(errs)) ** 0.5
 
 
 @dataclass
@@ -95,7 +109,8 @@ class EngineProfile:
     threads: dict[int, ThreadProfile]
     corun_slowdown: float = 1.0
     handoff_s: float = 0.0
-    step_overhead_s: float = 0.0
+    served_overhead_s: dict[int, list[float]] = field(default_factory=dict)
+    request_overhead_s: float = 0.0
     version: int = PROFILE_VERSION
 
     def cost(self, threads: int) -> StepCost:
@@ -104,7 +119,14 @@ class EngineProfile:
         return self.threads[threads].cost
 
     def step_time(self, threads: int, chunks: list[Chunk]) -> float:
-        return self.cost(threads).step_time(chunks) + self.step_overhead_s
+        return self.cost(threads).step_time(chunks) + self.overhead(threads, chunks)
+
+    def overhead(self, threads: int, chunks: list[Chunk]) -> float:
+        """The served-instance overhead of a step (0 where uncalibrated)."""
+        oh = self.served_overhead_s.get(threads)
+        if not oh:
+            return 0.0
+        return oh[1] if sum(n for n, _ in chunks) > 1 else oh[0]
 
     def scaled(self, speedup: float) -> "EngineProfile":
         """This profile on hardware ``speedup`` times as fast: every measured step divided by it."""
@@ -121,7 +143,8 @@ class EngineProfile:
             threads,
             self.corun_slowdown,
             self.handoff_s,
-            self.step_overhead_s / speedup,
+            {t: [v / speedup for v in oh] for t, oh in self.served_overhead_s.items()},
+            self.request_overhead_s,
         )
 
     def to_json(self) -> str:
@@ -133,7 +156,8 @@ class EngineProfile:
                 "page_size": self.page_size,
                 "corun_slowdown": self.corun_slowdown,
                 "handoff_s": self.handoff_s,
-                "step_overhead_s": self.step_overhead_s,
+                "served_overhead_s": {str(t): list(v) for t, v in sorted(self.served_overhead_s.items())},
+                "request_overhead_s": self.request_overhead_s,
                 "features": list(FEATURES),
                 "threads": {
                     str(t): {
@@ -171,7 +195,8 @@ class EngineProfile:
             threads=threads,
             corun_slowdown=float(obj.get("corun_slowdown", 1.0)),
             handoff_s=float(obj.get("handoff_s", 0.0)),
-            step_overhead_s=float(obj.get("step_overhead_s", 0.0)),
+            served_overhead_s={int(t): [float(x) for x in v] for t, v in obj.get("served_overhead_s", {}).items()},
+            request_overhead_s=float(obj.get("request_overhead_s", 0.0)),
         )
 
     def save(self, path: Path) -> None:
@@ -191,7 +216,7 @@ class EngineProfile:
         } | {
             "corun_slowdown": self.corun_slowdown,
             "handoff_s": self.handoff_s,
-            "step_overhead_s": self.step_overhead_s,
+            "served_overhead_s": self.served_overhead_s,
         }
 
 

@@ -15,7 +15,11 @@ Deployments:
   ``handoff_s`` the decode instance has the request ready: its first step computes the last
   prompt token and emits the first output token. A prompt of at most
   ``local_prefill_max_tokens`` tokens is prefilled on the decode instance.
-Instances on the same ``machine`` share its memory bus: a step that starts while another of
+A request reaches its first instance ``request_overhead_s`` after it arrives; every step lasts
+the engine's time plus the served overhead of its thread count (the profile's served terms).
+Each step's time is drawn around the model with the profile's measured ``spread`` (lognormal,
+seeded; none for a profile that fits its samples exactly). Instances on the same ``machine``
+share its memory bus: a step that starts while another of
 them is computing lasts ``corun_slowdown`` times longer.
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -122,8 +127,9 @@ class _Instance:
 
 
 class _Simulation:
-    def __init__(self, deployment: Deployment, profile: EngineProfile):
+    def __init__(self, deployment: Deployment, profile: EngineProfile, seed: int = 0):
         self.d, self.profile, self.page_size = deployment, profile, profile.page_size
+        self.rng = random.Random(seed)
         self.events: list = []
         self.order = 0
         self.now = 0.0
@@ -147,7 +153,7 @@ class _Simulation:
     def run(self, trace: list[TraceRequest]) -> list[RequestResult]:
         results = [RequestResult(r) for r in trace]
         for res in results:
-            self.at(res.request.arrival_s, self.arrive, res)
+            self.at(res.request.arrival_s + self.profile.request_overhead_s, self.arrive, res)
         while self.events:
             t, _, fn, args = heapq.heappop(self.events)
             self.now = t
@@ -199,6 +205,9 @@ class _Simulation:
         if not chunks:
             return
         t = self.profile.step_time(inst.spec.threads, [(n, s.computed) for s, n in chunks])
+        sigma = self.profile.threads[inst.spec.threads].spread
+        if sigma > 0:
+            t *= math.exp(self.rng.gauss(-sigma * sigma / 2, sigma))
         if any(
             o is not inst and o.spec.machine == inst.spec.machine and o.busy_until > self.now for o in self.instances
         ):
@@ -237,7 +246,9 @@ class _Simulation:
             self.reserve(inst)
 
 
-def simulate(deployment: Deployment, profile: EngineProfile, trace: list[TraceRequest]) -> list[RequestResult]:
+def simulate(
+    deployment: Deployment, profile: EngineProfile, trace: list[TraceRequest], seed: int = 0
+) -> list[RequestResult]:
     """Every request's token times when ``deployment`` serves ``trace``. A request whose pages
     can never fit stays with no tokens (it counts as failing any SLO)."""
-    return _Simulation(deployment, profile).run(sorted(trace, key=lambda r: r.arrival_s))
+    return _Simulation(deployment, profile, seed).run(sorted(trace, key=lambda r: r.arrival_s))

@@ -13,8 +13,8 @@ from backend.planner.simulator import Deployment, InstanceSpec, simulate
 from backend.planner.slo import SLO, attainment, goodput, percentile
 from backend.planner.workload import TraceRequest, load_trace, poisson, save_trace, scaled
 
-# a step costs 10 ms + 2 ms per sequence + 1 ms per new token (no attention term)
-COEF = [0.010, 0.002, 0.001, 0.0]
+# a step costs 10 ms + 2 ms per sequence + 1 ms per new token (no attention or batched term)
+COEF = [0.010, 0.002, 0.001, 0.0, 0.0]
 GRID = [[(1, 64)] * b for b in (1, 2, 4, 8)] + [[(n, 0)] for n in (16, 64, 256)] + [[(1, 128)] * 2 + [(64, 0)]]
 
 
@@ -49,6 +49,7 @@ def test_fit_recovers_the_coefficients_and_drops_a_negative_one():
     cost = StepCost.fit(exact_samples())
     assert cost.coef == pytest.approx(COEF, abs=1e-9)
     assert max(cost.relative_errors(exact_samples())) < 1e-9
+    assert ThreadProfile(1, exact_samples()).spread < 1e-9
     # data that a negative attention coefficient would fit best: the fit keeps every one >= 0
     noisy = [
         StepSample(s.chunks, s.seconds * (0.8 if len(s.chunks) == 1 and s.chunks[0][0] > 100 else 1.0))
@@ -59,12 +60,16 @@ def test_fit_recovers_the_coefficients_and_drops_a_negative_one():
 
 def test_profile_file_round_trip_and_errors(tmp_path):
     prof = tiny_profile(corun=1.3)
+    prof.served_overhead_s = {2: [0.001, 0.003]}
     path = tmp_path / "p.json"
     prof.save(path)
     back = EngineProfile.load(path)
     assert back.threads.keys() == prof.threads.keys()
     assert back.cost(2).coef == pytest.approx(COEF, abs=1e-9)
     assert (back.corun_slowdown, back.handoff_s, back.page_size) == (1.3, 0.005, 16)
+    assert back.served_overhead_s == {2: [0.001, 0.003]}
+    assert back.step_time(2, [(1, 5)]) == pytest.approx(0.013 + 0.001)
+    assert back.scaled(2.0).served_overhead_s == {2: [0.0005, 0.0015]}
     assert back.scaled(2.0).cost(1).coef == pytest.approx([c / 2 for c in COEF], abs=1e-9)
     with pytest.raises(KeyError, match="no 4-thread"):
         back.cost(4)
@@ -81,6 +86,14 @@ def test_one_request_aggregated():
     assert res.token_times == pytest.approx([first, first + step(1, 1), first + 2 * step(1, 1)])
     assert res.ttft == pytest.approx(0.112)
     assert res.gaps == pytest.approx([0.013, 0.013])
+
+
+def test_served_overheads_delay_the_first_token_and_stretch_every_step():
+    prof = tiny_profile()
+    prof.request_overhead_s, prof.served_overhead_s = 0.05, {1: [0.002, 0.004]}
+    (res,) = simulate(agg(), prof, [TraceRequest(0.0, 100, 2)])
+    # the prefill step is batched (+4 ms), the decode step is a single token (+2 ms)
+    assert res.token_times == pytest.approx([0.05 + 0.116, 0.05 + 0.116 + 0.015])
 
 
 def test_one_request_chunked_prefill():
@@ -130,6 +143,18 @@ def test_corun_slowdown_on_a_shared_machine():
     apart = Deployment("apart", prefill=(InstanceSpec(1, 512, machine=0),), decode=(InstanceSpec(1, 512, machine=1),))
     a2, _ = simulate(apart, prof, [TraceRequest(0.0, 100, 3), TraceRequest(0.05, 100, 1)])
     assert a2.token_times == pytest.approx([ready + 0.013, ready + 0.026, ready + 0.039])
+
+
+def test_step_variation_follows_the_profiles_spread():
+    scattered = [StepSample(s.chunks, s.seconds * f) for s in exact_samples() for f in (0.8, 1.2)]
+    prof = EngineProfile("tiny", "float32", 16, {1: ThreadProfile(1, scattered)})
+    assert 0.15 < prof.threads[1].spread < 0.25
+    trace = [TraceRequest(float(i), 100, 20) for i in range(5)]
+    gaps = [g for r in simulate(agg(), prof, trace) for g in r.gaps]
+    assert min(gaps) < 0.9 * max(gaps)  # steps vary
+    assert [r.token_times for r in simulate(agg(), prof, trace, seed=3)] == [
+        r.token_times for r in simulate(agg(), prof, trace, seed=3)
+    ]  # and the same seed gives the same run
 
 
 def test_goodput_search_and_percentile():
