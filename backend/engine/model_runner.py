@@ -14,6 +14,7 @@ from backend.engine.device_progress import DeviceProgress, make_progress
 from backend.engine.kv_pool import KVPool
 from backend.engine.paged_attention import ATTN_IMPLEMENTATION, BatchEntry, build_paged_batch
 from backend.engine.protocol import DeviceMark, ModelDims
+from backend.engine.small_batch_linear import use_small_batch_linears
 
 log = logging.getLogger("triton_disagg.engine")
 
@@ -57,6 +58,8 @@ class ModelRunner:
         self.model = model.to(self.device).eval()
         if config.weights_format == "int8":
             self.model = quantize_linear_int8(self.model)
+        elif self.device.type == "cpu":
+            use_small_batch_linears(self.model)
         hf_config = model.config
         self.hf_config = hf_config
         self.vocab_size = hf_config.vocab_size
