@@ -37,10 +37,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from backend.engine.page_allocator import PageAllocator
 from fabric_bridge import control
 from fabric_bridge.agent import FabricAgent
 from fabric_bridge.layout import KVLayout
-from backend.engine.page_allocator import PageAllocator
 from fabric_bridge.plan import build_plan, expected_writes
 
 RESULTS = Path(__file__).resolve().parent / "results"
