@@ -57,6 +57,7 @@ ErrorCallback = Callable[[str, int, str], None]
 ShardPools = Sequence[torch.Tensor | Sequence[torch.Tensor]]
 
 _REMEMBER_STOPPED = 4096  # stopped (req_id -> generation) kept to drop late posts
+_INDEX_CACHE = 64  # (plan, positions) whose descriptor indices are kept for the next layers' posts
 
 
 class TransportUnavailable(RuntimeError):
@@ -232,6 +233,7 @@ class FabricAgent:
         self._sends: dict[str, _Send] = {}
         self._stopped: OrderedDict[str, tuple[int, str]] = OrderedDict()
         self._inflight: list[_Xfer] = []
+        self._index_cache: OrderedDict[tuple, tuple] = OrderedDict()
         self._lock = threading.RLock()
         # Posting telemetry: time in make_prepped_xfer and in transfer() (where a transport
         # that copies synchronously, like UCX's cma, does its work), xfers and writes posted.
@@ -360,6 +362,7 @@ class FabricAgent:
 
     def _drop_peer(self, name: str) -> None:
         peer = self._peers.pop(name)
+        self._index_cache.clear()  # its indices point into the lists released here
         for dl in (peer.local_dl, peer.remote_dl, peer.meta_dl):
             if dl is not None:
                 dl.release()
@@ -419,11 +422,29 @@ class FabricAgent:
             raise ValueError("plan was built for other layouts than this agent and peer")
         if not 0 <= layer < self.layout.num_layers:
             raise IndexError(f"layer {layer} out of range")
+        idx = self._step_indices(p, plan, positions)
+        if idx is None:
+            return True
+        li0, lstride, ri0, rstride = idx
+        li = li0 + np.int32(layer) * lstride
+        ri = ri0 + np.int32(layer) * rstride
+        msg = f"W:{generation}:{len(li)}:{req_id}".encode()
+        return self._post(p, req_id, generation, p.local_dl, li, p.remote_dl, ri, msg, None)
+
+    def _step_indices(self, p: _Peer, plan: TransferPlan, positions: Sequence[int] | None):
+        """Layer-0 descriptor indices of the plan's pages at ``positions`` (local and remote) and
+        what one layer adds to each, or None for no pages. The layers of one step post the same
+        positions, so the last few results are kept: a layer's post is then two numpy adds."""
+        key = (id(plan), p.name, None if positions is None else tuple(positions))
+        with self._lock:
+            hit = self._index_cache.get(key)
+        if hit is not None and hit[0] is plan:
+            return hit[1]
         sel = slice(None) if positions is None else np.asarray(positions, dtype=np.int64)
         sp, dp = plan.src_pages[sel], plan.dst_pages[sel]
         if len(sp) == 0:
-            return True
-        local, remote = [], []
+            return None
+        local, remote, lstride, rstride = [], [], [], []
         for pair in plan.pairs:
             s, d = pair.src_shard, pair.dst_shard
             lid, rid = p.pair_ids[(s, d)]
@@ -432,16 +453,16 @@ class FabricAgent:
                     f"page id out of range (source shard {s}: {self._n_pages[s]} pages, "
                     f"destination shard {d}: {p.n_pages[d]} pages)"
                 )
-            local.append(
-                (p.local_start[s] + (layer * self._n_pages[s] + sp)[:, None] * p.local_nseg[s] + lid[None, :]).ravel()
-            )
-            remote.append(
-                (p.remote_start[d] + (layer * p.n_pages[d] + dp)[:, None] * p.remote_nseg[d] + rid[None, :]).ravel()
-            )
-        li = np.concatenate(local).astype(np.int32)
-        ri = np.concatenate(remote).astype(np.int32)
-        msg = f"W:{generation}:{len(li)}:{req_id}".encode()
-        return self._post(p, req_id, generation, p.local_dl, li, p.remote_dl, ri, msg, None)
+            local.append((p.local_start[s] + sp[:, None] * p.local_nseg[s] + lid[None, :]).ravel())
+            remote.append((p.remote_start[d] + dp[:, None] * p.remote_nseg[d] + rid[None, :]).ravel())
+            lstride.append(np.full(len(local[-1]), self._n_pages[s] * p.local_nseg[s]))
+            rstride.append(np.full(len(remote[-1]), p.n_pages[d] * p.remote_nseg[d]))
+        out = tuple(np.concatenate(a).astype(np.int32) for a in (local, lstride, remote, rstride))
+        with self._lock:
+            self._index_cache[key] = (plan, out)
+            while len(self._index_cache) > _INDEX_CACHE:
+                self._index_cache.popitem(last=False)
+        return out
 
     def post_meta(
         self, peer: str, req_id: str, generation: int, slot: int, hidden: torch.Tensor, logits: torch.Tensor

@@ -3,7 +3,10 @@
 Moves the KV of a 2048-token prompt in SmolLM2-135M's shape (30 layers, 3 KV heads,
 head_dim 64, 16-token pages, fp32: 128 pages per layer, 24 KiB per page) from this process to
 a receiver process, layer by layer through ``FabricAgent`` (one xfer per layer, one write per
-page, destination pages scattered over a 2x larger pool), and compares in the same run with
+page; NIXL merges writes adjacent on both sides into one descriptor). Page choices: destination
+pages scattered over a 2x larger pool; contiguous; and the pages the engine's allocator hands out
+on both sides, from fresh pools and after churn (random requests allocated and freed until the
+free lists are fragmented). It compares in the same run with
 
 * one raw NIXL write of the same bytes (one contiguous descriptor, separate plain agents),
 * a local memcpy of the same bytes.
@@ -34,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from backend.engine.page_allocator import PageAllocator
 from fabric_bridge import control
 from fabric_bridge.agent import FabricAgent
 from fabric_bridge.layout import KVLayout
@@ -121,6 +125,30 @@ def _page_rows(base: int, layers: int, pool_pages: int, page_ids, page_bytes: in
     return rows
 
 
+def allocator_pages(pool_pages: int, pages: int, churn: bool, seed: int) -> list[int]:
+    """The pages a fresh (or churned) engine allocator gives a request of ``pages`` pages."""
+    alloc = PageAllocator(pool_pages, 16)
+    if churn:
+        rng, live = random.Random(seed), []
+        for i in range(400):  # random requests come and go; about half the pool stays held
+            if live and (alloc.stats()["free"] < pool_pages // 2 or rng.random() < 0.5):
+                alloc.free(live.pop(rng.randrange(len(live))))
+            else:
+                n = rng.randint(1, max(1, pages // 8))
+                if n <= alloc.stats()["free"] - pages:
+                    alloc.allocate(f"c{i}", n * 16)
+                    live.append(f"c{i}")
+        while alloc.stats()["free"] - 1 < pages:
+            alloc.free(live.pop(rng.randrange(len(live))))
+    return alloc.allocate("request", pages * 16)
+
+
+def runs_of(src_pages, dst_pages) -> int:
+    """Descriptors per layer once writes adjacent on both sides are merged."""
+    s, d = np.asarray(src_pages), np.asarray(dst_pages)
+    return 1 + int(np.count_nonzero((np.diff(s) != 1) | (np.diff(d) != 1)))
+
+
 def run(reps: int, tokens: int, layers: int) -> dict:
     lay = smollm2_layout(layers)
     pages = tokens // lay.page_size
@@ -131,7 +159,7 @@ def run(reps: int, tokens: int, layers: int) -> dict:
     proc.start()
     try:
         port, raw_md, raw_addr, raw_len = conn.recv()
-        src_pool = torch.randn(layers, pages, *lay.page_shape())
+        src_pool = torch.randn(layers, 2 * pages, *lay.page_shape())
         agent = FabricAgent("bench_src", lay, [src_pool])
         peer = control.connect(agent, "127.0.0.1", port)
         raw = _raw_agent("bench_raw_src")
@@ -141,9 +169,9 @@ def run(reps: int, tokens: int, layers: int) -> dict:
         conn.send(raw.get_agent_metadata())
         n_writes = expected_writes(lay, lay, pages)
 
-        def page_level(req: str, dst_pages) -> dict:
+        def page_level(req: str, dst_pages, src_pages=range(pages)) -> dict:
             gen = _call(conn, "expect", req, n_writes)
-            plan = build_plan(lay, lay, range(pages), dst_pages)
+            plan = build_plan(lay, lay, src_pages, dst_pages)
             sent = threading.Event()
             before = dict(agent.stats)
             post_s = 0.0
@@ -161,6 +189,7 @@ def run(reps: int, tokens: int, layers: int) -> dict:
                 "post_s": post_s,
                 "transfer_call_s": in_transfer,
                 "python_post_s": post_s - in_transfer,
+                "descriptors_per_layer": runs_of(src_pages, dst_pages),
             }
 
         def raw_write(tag: bytes, local_rows: np.ndarray, remote_rows: np.ndarray) -> dict:
@@ -180,12 +209,23 @@ def run(reps: int, tokens: int, layers: int) -> dict:
 
         bulk_src = np.array([[raw_src.data_ptr(), total_bytes, 0]], dtype=np.uint64)
         bulk_dst = np.array([[raw_addr, total_bytes, 0]], dtype=np.uint64)
-        runs = {k: [] for k in ("page_scattered", "page_contiguous", "raw_pages_scattered", "raw_bulk")}
+        keys = ("page_scattered", "page_contiguous", "page_fresh_alloc", "page_churned_alloc")
+        runs = {k: [] for k in (*keys, "raw_pages_scattered", "raw_bulk")}
         for rep in range(reps + 1):  # the first repetition warms connections up, not reported
             scattered = random.Random(rep).sample(range(2 * pages), pages)
             res = {
                 "page_scattered": page_level(f"s{rep}", scattered),
                 "page_contiguous": page_level(f"c{rep}", range(pages)),
+                "page_fresh_alloc": page_level(
+                    f"f{rep}",
+                    allocator_pages(2 * pages, pages, False, rep),
+                    allocator_pages(2 * pages, pages, False, rep),
+                ),
+                "page_churned_alloc": page_level(
+                    f"a{rep}",
+                    allocator_pages(2 * pages, pages, True, 1000 + rep),
+                    allocator_pages(2 * pages, pages, True, rep),
+                ),
                 "raw_pages_scattered": raw_write(
                     f"p{rep}".encode(),
                     _page_rows(raw_src.data_ptr(), layers, pages, range(pages), lay.page_bytes),
@@ -278,6 +318,8 @@ def table(r: dict) -> str:
     rows = [
         ("fabric_bridge, layer by layer, scattered dst pages", "page_scattered", w),
         ("fabric_bridge, layer by layer, contiguous dst pages", "page_contiguous", w),
+        ("fabric_bridge, layer by layer, allocator pages, fresh pools", "page_fresh_alloc", w),
+        ("fabric_bridge, layer by layer, allocator pages, after churn", "page_churned_alloc", w),
         ("raw NIXL, same scattered pages, one xfer", "raw_pages_scattered", w),
         ("raw NIXL, one bulk write", "raw_bulk", 1),
         ("local memcpy", "memcpy", 1),
@@ -293,10 +335,10 @@ def table(r: dict) -> str:
             f"| {m[key]['bw_vs_raw_bulk']:.2f}x |"
         )
     out.append("")
-    for key in ("page_scattered", "page_contiguous"):
+    for key in ("page_scattered", "page_contiguous", "page_fresh_alloc", "page_churned_alloc"):
         k = m[key]
         out.append(
-            f"- {key}: post_layer total {k['post_s'] * 1e3:.1f} ms, of which inside NIXL transfer() "
+            f"- {key}: {k['descriptors_per_layer']:.0f} descriptors per layer after merging; post_layer total {k['post_s'] * 1e3:.1f} ms, of which inside NIXL transfer() "
             f"{k['transfer_call_s'] * 1e3:.1f} ms (the transport copies synchronously there); "
             f"Python-side posting {k['python_post_s'] * 1e3:.2f} ms for {r['xfers']} xfers = "
             f"**{k['python_post_fraction'] * 100:.1f}%** of the transfer time"

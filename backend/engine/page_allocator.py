@@ -18,13 +18,18 @@ pages a transfer is still writing, or that a failed transfer left half-written, 
 the cache; a held page is never evicted. Commitments count shared pages once per holder, which
 over-counts and so stays safe. ``stats()["free"]`` counts free and evictable cached pages (what
 a new request can get).
+
+The free list is a min-heap: a request gets the lowest-numbered free pages, so a fresh or
+lightly used pool hands out runs of adjacent pages, which a KV transfer moves as one
+descriptor per run (NIXL merges descriptors adjacent on both sides).
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict
 
 import numpy as np
 
@@ -54,7 +59,7 @@ class PageAllocator:
         self.page_size = page_size
         self.prefix_caching = prefix_caching
         self.salt = salt
-        self._free = deque(range(num_pages))
+        self._free = list(range(num_pages))  # a min-heap (sorted is one)
         self._ref = [0] * num_pages
         self._tables: dict[str, list[int]] = {}
         self._committed: dict[str, int] = {}
@@ -231,7 +236,7 @@ class PageAllocator:
     # ---------------------------------------------------------------- internals (lock held)
     def _take(self) -> int:
         if self._free:
-            page = self._free.popleft()
+            page = heapq.heappop(self._free)
         elif self._lru:
             page, _ = self._lru.popitem(last=False)  # the least recently used cached page
             del self._page_of[self._hash_of.pop(page)]
@@ -253,7 +258,7 @@ class PageAllocator:
             if page in self._hash_of:
                 self._lru[page] = None
             else:
-                self._free.append(page)
+                heapq.heappush(self._free, page)
 
     def _table(self, req_id: str) -> list[int]:
         table = self._tables.get(req_id)

@@ -109,6 +109,18 @@ def test_allocator_allocate_extend_free():
     assert {k: alloc.stats()[k] for k in stats} == stats
 
 
+def test_allocator_hands_out_the_lowest_free_pages_so_runs_stay_adjacent():
+    alloc = PageAllocator(num_pages=16, page_size=4)
+    assert alloc.allocate("a", 12) == [0, 1, 2]
+    assert alloc.allocate("b", 8) == [3, 4]
+    assert alloc.allocate("c", 16) == [5, 6, 7, 8]
+    alloc.free("a")
+    alloc.free("c")
+    # the freed pages come back lowest first: one run where the next request fits
+    assert alloc.allocate("d", 12) == [0, 1, 2]
+    assert alloc.allocate("e", 24) == [5, 6, 7, 8, 9, 10]
+
+
 def test_allocator_double_free_and_unknown_are_errors():
     alloc = PageAllocator(num_pages=4, page_size=4)
     alloc.allocate("a", 4)
