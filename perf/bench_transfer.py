@@ -338,7 +338,8 @@ def table(r: dict) -> str:
     for key in ("page_scattered", "page_contiguous", "page_fresh_alloc", "page_churned_alloc"):
         k = m[key]
         out.append(
-            f"- {key}: {k['descriptors_per_layer']:.0f} descriptors per layer after merging; post_layer total {k['post_s'] * 1e3:.1f} ms, of which inside NIXL transfer() "
+            f"- {key}: {k['descriptors_per_layer']:.0f} descriptors per layer after merging; "
+            f"post_layer total {k['post_s'] * 1e3:.1f} ms, of which inside NIXL transfer() "
             f"{k['transfer_call_s'] * 1e3:.1f} ms (the transport copies synchronously there); "
             f"Python-side posting {k['python_post_s'] * 1e3:.2f} ms for {r['xfers']} xfers = "
             f"**{k['python_post_fraction'] * 100:.1f}%** of the transfer time"
