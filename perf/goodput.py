@@ -199,6 +199,20 @@ def plot(results: dict, s: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def sensitivity(results: dict, s: dict, factors=(1.5, 2.0, 2.5, 3.0)) -> str:
+    """Goodput of every deployment as the ITL SLO widens (TTFT SLO fixed), from the same runs."""
+    names = list(results)
+    lines = ["| ITL p90 SLO | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for f in factors:
+        itl = f * s["base_itl"]
+        cells = []
+        for name in names:
+            pts = {float(r): attainment(p["records"], s["ttft"], itl) for r, p in results[name]["points"].items()}
+            cells.append(f"{goodput(pts):g}")
+        lines.append(f"| {f:g}x = {itl * 1e3:.0f} ms | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def report(results: dict, s: dict, args, plot_path: Path) -> str:
     lines = [
         f"Machine: {len(os.sched_getaffinity(0))} usable cores; weights {args.weights_dtype}; "
@@ -242,6 +256,7 @@ def report(results: dict, s: dict, args, plot_path: Path) -> str:
                 f"\n{label} SLO: disaggregated goodput {dis:g} req/s vs best aggregated "
                 f"({best_name}) {best:g}: {ratio}."
             )
+    lines += ["", sensitivity(results, s), ""]
     lines += [
         "",
         f"![attainment vs rate]({plot_path.name})",
@@ -274,7 +289,16 @@ def main(argv=None) -> int:
     p.add_argument("--drain", type=float, default=120.0, help="seconds to wait for stragglers after the last arrival")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--weights-dtype", default="float32")
+    p.add_argument("--from-json", default=None, help="report on a saved run instead of measuring")
     args = p.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        for k in ("prompt_tokens", "output_tokens", "requests", "seed", "weights_dtype", "rates"):
+            setattr(args, k, saved["args"][k])
+        plot_path = Path(args.from_json).with_suffix(".png")
+        plot(saved["results"], saved["slo"], plot_path)
+        print(report(saved["results"], saved["slo"], args, plot_path))
+        return 0
     args.rates = sorted(float(r) for r in args.rates.split(","))
     args.stamp = time.strftime("%Y%m%d_%H%M%S")
     names = [n.strip() for n in args.deployments.split(",") if n.strip()]

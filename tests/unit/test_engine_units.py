@@ -214,3 +214,22 @@ def test_sequence_stop_conditions():
     assert seq.check_stop(100) is None
     seq.token_ids.append(1)
     assert seq.check_stop(max_model_len=4) == "length"
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8, 16])
+def test_small_batch_linear_computes_what_linear_computes(rows):
+    from backend.engine.small_batch_linear import SmallBatchLinear, SmallBatchLMHead, use_small_batch_linears
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.body = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32, bias=False))
+    model.lm_head = torch.nn.Linear(32, 200, bias=False)
+    x = torch.randn(1, rows, 64)
+    ref = model.lm_head(model.body(x))
+    assert use_small_batch_linears(model) == 3
+    assert type(model.body[0]) is SmallBatchLinear and type(model.lm_head) is SmallBatchLMHead
+    out = model.lm_head(model.body(x))
+    assert out.shape == ref.shape == (1, rows, 200)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError):  # another dtype than the weights': the ordinary path, which refuses it
+        model.body[0](x.double())
