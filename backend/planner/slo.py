@@ -9,7 +9,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from backend.planner.simulator import RequestResult
-from backend.planner.workload import TraceRequest
 
 ATTAINMENT_GOAL = 0.9
 
@@ -91,6 +90,3 @@ def goodput(
         else:
             hi = mid
     return lo
-
-
-TraceAt = Callable[[float], list[TraceRequest]]
