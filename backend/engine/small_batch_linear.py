@@ -28,7 +28,8 @@ class SmallBatchLinear(torch.nn.Linear):
         rows = x.numel() // x.shape[-1]
         if rows > self.max_rows or x.dtype != self.weight.dtype:
             return super().forward(x)
-        out = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t()
+        # contiguous: callers (xgrammar's in-place token mask among them) expect row-major output
+        out = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.weight.shape[0])

@@ -229,7 +229,7 @@ def test_small_batch_linear_computes_what_linear_computes(rows):
     assert use_small_batch_linears(model) == 3
     assert type(model.body[0]) is SmallBatchLinear and type(model.lm_head) is SmallBatchLMHead
     out = model.lm_head(model.body(x))
-    assert out.shape == ref.shape == (1, rows, 200)
+    assert out.shape == ref.shape == (1, rows, 200) and out.is_contiguous()
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError):  # another dtype than the weights': the ordinary path, which refuses it
         model.body[0](x.double())
