@@ -56,6 +56,10 @@ class DecodeTargets:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._probe_loop, name="front-probes", daemon=True)
+
+    def start(self) -> None:
+        """Begin probing. Call it when the front model's ``initialize`` is done: a probe (a BLS
+        request) sent while the calling model still initializes took tritonserver down."""
         self._thread.start()
 
     # ------------------------------------------------------------ routing

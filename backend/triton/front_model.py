@@ -51,6 +51,7 @@ class TritonPythonModel:
             log.warning("front model %s: no model_path, so no tokenizer: routing by load alone", cfg["name"])
         self.metrics = FrontMetrics(self.pb, cfg["name"], self.targets)
         self.drain = DrainWatch(args["model_repository"], self._drain)
+        self.targets.start()
         log.info("front model %s: routing to %s", cfg["name"], config.targets())
 
     def execute(self, requests):
