@@ -169,11 +169,7 @@ def run_mode(mode: str, tokenizer, w: loadgen.Workload, args) -> tuple[list, flo
         },
     )
     try:
-        loadgen.run(
-            server.grpc_url,
-            tokenizer,
-            loadgen.Workload(rate=1.0, duration_s=1.5, prompt_tokens=(64, 64), output_tokens=(4, 4), seed=99),
-        )  # warm-up
+        loadgen.warm_up(server.grpc_url, tokenizer)
         return loadgen.run(server.grpc_url, tokenizer, w)
     finally:
         server.stop()

@@ -137,11 +137,7 @@ def sweep(name: str, tok, args, unloaded_by: dict, out: dict) -> None:
     }
     server = servers.start(mode, overrides=overrides)
     try:
-        loadgen.run(
-            server.grpc_url,
-            tok,
-            loadgen.Workload(rate=1.0, n_requests=2, prompt_tokens=(64, 64), output_tokens=(4, 4), seed=99),
-        )  # warm-up
+        loadgen.warm_up(server.grpc_url, tok)
         unloaded_by[name] = unloaded(server, tok, args)
         print(name, "unloaded", json.dumps(unloaded_by[name]), flush=True)
         s = slos(unloaded_by, args)

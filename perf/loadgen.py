@@ -110,5 +110,10 @@ def run(url: str, tokenizer, w: Workload, model: str = "llm") -> tuple[list[Requ
     return records, time.perf_counter() - t0
 
 
+def warm_up(url: str, tokenizer, model: str = "llm") -> None:
+    """Two short requests, so a measurement does not pay for first-call costs."""
+    run(url, tokenizer, Workload(rate=1.0, n_requests=2, prompt_tokens=(64, 64), output_tokens=(4, 4), seed=99), model)
+
+
 def records_to_json(records: list[RequestRecord]) -> list[dict]:
     return [asdict(r) for r in records]

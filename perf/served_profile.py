@@ -50,8 +50,7 @@ def measure(mode: str, tok, args, per_model: dict | None = None) -> dict:
         per_model=per_model,
     )
     try:
-        warm = loadgen.Workload(rate=1.0, n_requests=2, prompt_tokens=(64, 64), output_tokens=(4, 4), seed=99)
-        loadgen.run(server.grpc_url, tok, warm)
+        loadgen.warm_up(server.grpc_url, tok)
         itl = {}
         for b in BATCHES:
             w = loadgen.Workload(
