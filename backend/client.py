@@ -95,6 +95,7 @@ def stream_generate(
     from tritonclient.utils import InferenceServerException
 
     res = GenerationResult()
+    ended = False  # the final response (or an error) arrived: nothing left to cancel
     q: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     try:
@@ -113,6 +114,7 @@ def stream_generate(
                 break
             if error is not None:
                 res.error = error.message() if isinstance(error, InferenceServerException) else str(error)
+                ended = True
                 break
             resp = result.get_response()
             out = result.as_numpy("text_output")
@@ -132,8 +134,12 @@ def stream_generate(
                     break
             final = resp.parameters.get("triton_final_response")
             if final is not None and final.bool_param:
+                ended = True
                 break
     finally:
-        client.stop_stream(cancel_requests=True)
+        # Cancel only a request still running. Cancelling a stream whose final response is still
+        # being written leaves that response in Triton's gRPC handler: it holds the model, which
+        # then cannot unload (the server's stop runs into its exit timeout).
+        client.stop_stream(cancel_requests=not ended)
         client.close()
     return res

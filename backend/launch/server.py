@@ -217,7 +217,11 @@ class TritonServer:
         out = {}
         if self.proc is None:
             return out
-        for child in psutil.Process(self.proc.pid).children(recursive=True):
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:  # the server exited
+            return out
+        for child in children:
             try:
                 if child.status() == psutil.STATUS_ZOMBIE:  # a dead stub Triton has not reaped
                     continue

@@ -1,10 +1,13 @@
 """One generation against Triton over gRPC streaming (tritonclient's asyncio client): the
-request's tensors, and the responses as :class:`Delta` values. Closing the iterator (a client
-that went away, a finished request) cancels the gRPC call, which Triton passes to the model as
-a cancellation, so the request's KV pages go back to the pool."""
+request's tensors, and the responses as :class:`Delta` values. Closing the iterator before the
+request finished (a client that went away) cancels the gRPC call, which Triton passes to the
+model as a cancellation, so the request's KV pages go back to the pool. A finished request's call
+is left to end by itself: cancelling a call whose final response Triton is still writing leaves
+that response in Triton's gRPC handler, holding the model, which then cannot unload."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -106,9 +109,11 @@ class TritonStream:
             yield request
 
         call = self.client.stream_infer(one_request())
+        ended = False  # the final response or an error arrived: nothing left to cancel
         try:
             async for result, error in call:
                 if error is not None:
+                    ended = True
                     kind, message = parse_error(error.message())
                     raise GenerationError(kind, message)
                 delta = Delta(
@@ -117,15 +122,34 @@ class TritonStream:
                     num_output_tokens=int(_scalar(result, "num_output_tokens", 0)),
                     finish_reason=_scalar(result, "finish_reason", "") or None,
                 )
+                ended = delta.finish_reason is not None
                 yield delta
-                if delta.finish_reason is not None:
+                if ended:
                     return
+            ended = True
             raise GenerationError(ErrorKind.INTERNAL, "Triton closed the stream before the request finished")
         except (grpc.RpcError, InferenceServerException) as exc:
+            ended = True
             message = exc.details() if isinstance(exc, grpc.RpcError) else exc.message()
             raise GenerationError(ErrorKind.OUT_OF_SERVICE, f"Triton at {self.url} failed the call: {message}") from exc
         finally:
-            call.cancel()
+            if not ended or not await _ended_by_server(call):
+                call.cancel()
 
     async def close(self) -> None:
         await self.client.close()
+
+
+async def _ended_by_server(call, timeout_s: float = 5.0) -> bool:
+    """Wait for Triton to end a call whose request finished (its request stream is closed, so
+    the server ends the call once its last response is out). False if it did not in time."""
+
+    async def rest():
+        async for _ in call:
+            pass
+
+    try:
+        await asyncio.wait_for(rest(), timeout_s)
+        return True
+    except (TimeoutError, grpc.RpcError, InferenceServerException):
+        return False

@@ -129,7 +129,10 @@ class Admission:
                 return
             try:
                 req.grammar = future.result()
-                if not sink.is_cancelled():
+                if sink.is_cancelled():
+                    log.info("a guided request was cancelled while its grammar compiled")
+                    sink.close()  # its final flag: Triton lets go of the request's response factory
+                else:
                     self._start(req, sink, external_id)
             except GrammarError as e:
                 self._refuse(sink, RequestError(str(e)))
