@@ -15,6 +15,9 @@ import torch
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # int8: dynamic-activation int8 linear layers (fbgemm, CPU), everything else in float32
 WEIGHT_FORMATS = (*DTYPES, "int8")
+# auto: the lean layer loop (backend/engine/lean_decoder.py) where the checkpoint's layers fit it
+# and the model runs in one process; transformers: always transformers' own modules
+DECODERS = ("auto", "transformers")
 
 
 @dataclass
@@ -49,6 +52,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     weights_dtype: str = ""
     kv_dtype: str = ""
+    decoder: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -63,6 +67,8 @@ class EngineConfig:
             )
         if self.kv_format not in DTYPES:
             raise ValueError(f"EngineConfig.kv_dtype must be one of {sorted(DTYPES)}, got {self.kv_dtype!r}")
+        if self.decoder not in DECODERS:
+            raise ValueError(f"EngineConfig.decoder must be one of {list(DECODERS)}, got {self.decoder!r}")
         if self.weights_format == "int8" and self.tensor_parallel_size != 1:
             raise ValueError("EngineConfig.weights_dtype int8 is not supported with tensor_parallel_size > 1")
         for name in (

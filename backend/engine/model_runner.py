@@ -1,4 +1,5 @@
-"""Loads a transformers causal LM and runs packed steps with attention over our paged KV pool."""
+"""Loads a transformers causal LM and runs packed steps with attention over our paged KV pool
+(through the lean layer loop of ``lean_decoder.py`` where the checkpoint's layers fit it)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from backend.engine.config import EngineConfig
 from backend.engine.device_progress import DeviceProgress, make_progress
 from backend.engine.kv_pool import KVPool
+from backend.engine.lean_decoder import LeanDecoder, fuse_projections, unsupported_reason
 from backend.engine.paged_attention import ATTN_IMPLEMENTATION, BatchEntry, build_paged_batch
 from backend.engine.protocol import DeviceMark, ModelDims
 from backend.engine.small_batch_linear import use_small_batch_linears
@@ -46,7 +48,10 @@ class ModelRunner:
     each layer right after that layer's K/V write for the step is queued; the hook set with
     :meth:`set_layer_hook` gets a :class:`DeviceMark` with it. ``progress``: how the runner
     tells when the device has executed what it queued (default: by its device, see
-    ``device_progress.py``; a test passes a stand-in)."""
+    ``device_progress.py``; a test passes a stand-in). A subclass that changes the model's layers
+    after loading (tensor parallel shards) sets ``lean_layers = False``: transformers' modules run."""
+
+    lean_layers = True
 
     def __init__(self, config: EngineConfig, progress: DeviceProgress | None = None):
         self.device = config.torch_device
@@ -56,6 +61,9 @@ class ModelRunner:
         model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=self.dtype)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model.to(self.device).eval()
+        self.decoder = self._choose_decoder(config)
+        if self.decoder == "lean":
+            fuse_projections(self.model)  # before quantization, which then covers the fused layers
         if config.weights_format == "int8":
             self.model = quantize_linear_int8(self.model)
         elif self.device.type == "cpu":
@@ -67,20 +75,32 @@ class ModelRunner:
         self.pool = self._make_pool(config, head_dim)
         self.on_layer_kv_written: Callable[[int, object], None] | None = None
         self.progress = progress if progress is not None else make_progress(self.device)
+        self._lean = LeanDecoder(self.model) if self.decoder == "lean" else None
         log.info(
-            "engine model=%s type=%s layers=%d device=%s weights=%s; KV pool %d pages x %d tokens "
+            "engine model=%s type=%s layers=%d device=%s weights=%s decoder=%s; KV pool %d pages x %d tokens "
             "= %d tokens, %.1f MiB (%s)",
             config.model_path,
             hf_config.model_type,
             hf_config.num_hidden_layers,
             self.device,
             config.weights_format,
+            self.decoder,
             config.num_pages,
             config.page_size,
             config.num_pages * config.page_size,
             self.pool.total_bytes / 2**20,
             self.pool.layout(),
         )
+
+    def _choose_decoder(self, config: EngineConfig) -> str:
+        """``lean`` or ``transformers`` (see ``EngineConfig.decoder``)."""
+        if config.decoder == "transformers" or not self.lean_layers:
+            return "transformers"
+        reason = unsupported_reason(self.model)
+        if reason is not None:
+            log.info("decoder: transformers' modules (the lean layer loop does not fit: %s)", reason)
+            return "transformers"
+        return "lean"
 
     def _make_pool(self, config: EngineConfig, head_dim: int) -> KVPool:
         """The KV pool this runner attends over (a tensor-parallel rank overrides it with its shard)."""
@@ -154,16 +174,19 @@ class ModelRunner:
         batch = build_paged_batch(entries, self.pool, self.device)
         batch.on_layer_kv_written = self.on_layer_kv_written
         batch.hook_arg = hook_arg
-        out = self.model.model(
-            input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, paged_batch=batch
-        )
+        if self._lean is not None:
+            states = self._lean.forward(batch)
+        else:
+            states = self.model.model(
+                input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, paged_batch=batch
+            ).last_hidden_state[0]
         if num_logits is None:
-            hidden = out.last_hidden_state[0].index_select(0, batch.last_token_index)
+            hidden = states.index_select(0, batch.last_token_index)
             return StepResult(logits=self.model.lm_head(hidden), hidden=hidden)
         index = torch.cat(
             [torch.arange(last - n + 1, last + 1) for last, n in zip(batch.last_token_index.tolist(), num_logits)]
         ).to(self.device)
-        hidden = out.last_hidden_state[0].index_select(0, index)
+        hidden = states.index_select(0, index)
         logits = self.model.lm_head(hidden)
         ends = torch.tensor(num_logits, device=self.device).cumsum(0) - 1
         return StepResult(

@@ -22,6 +22,8 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
 class TPModelRunner(ModelRunner):
     """One rank's runner: the model with this rank's shards, attending over its shard pool."""
 
+    lean_layers = False  # the shards replace the layers' projections after loading
+
     def __init__(
         self, config: EngineConfig, rank: int, world: int, group, shard: torch.Tensor, signal: LayerSignal | None
     ):

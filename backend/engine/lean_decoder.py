@@ -1,0 +1,141 @@
+"""The decoder's forward as one lean layer loop over fused weights (Llama-family checkpoints).
+
+transformers' per-layer modules spend a decode step of this small model mostly between matrix
+products: ~90 tensor ops per layer (separate q/k/v and gate/up products, rotary embedding of q
+and k apart, norms in six ops), each a Python call and a dispatch. This loop runs the same
+computation in ~30 ops per layer: q/k/v as one product and gate/up as one (their weights
+concatenated), the rotary embedding of q and k in one pass over their joint slice, the norms
+through ``F.rms_norm``, attention through :func:`paged_attention` as before.
+
+Same weights, same operations on each element: with int8 weights the hidden states equal
+transformers' bit for bit (a fused product quantizes its one input once, as the separate ones
+did); with float weights a fused product may sum in another order (last bits). The fused modules
+replace the separate ones in the model (``qkv_proj``, ``gate_up_proj``), so the weights are held
+once; a model so changed runs through this loop only. Measured in ``perf/REPORT.md``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend.engine.paged_attention import PagedBatch, paged_attention
+
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """None when every layer of ``model`` (a transformers causal LM) has exactly the parts this
+    loop computes; else what differs."""
+    config = model.config
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        return f"{type(model).__name__} has no decoder layers with a rotary embedding"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"activation {getattr(config, 'hidden_act', None)!r} (the loop computes silu)"
+    for layer in inner.layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attn is None or mlp is None:
+            return "a layer without self_attn and mlp"
+        parts = {name for name in _weighted_children(attn)} | {f"mlp.{name}" for name in _weighted_children(mlp)}
+        expected = set(_ATTENTION) | {f"mlp.{name}" for name in _MLP}
+        if parts != expected:
+            return f"layer parts {sorted(parts ^ expected)} differ from a Llama layer"
+        if not all(type(getattr(attn, n)) is nn.Linear for n in _ATTENTION) or not all(
+            type(getattr(mlp, n)) is nn.Linear for n in _MLP
+        ):
+            return "a projection that is not a plain linear layer"
+        if set(_weighted_children(layer)) != {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}:
+            return "layer children differ from a Llama layer"
+    return None
+
+
+def _weighted_children(module: nn.Module) -> list[str]:
+    """Names of the children that hold weights (an activation module holds none)."""
+    return [name for name, child in module.named_children() if any(True for _ in child.parameters())]
+
+
+def _fused(parts: list[nn.Linear]) -> nn.Linear:
+    """One linear layer computing ``parts`` side by side (their outputs concatenated)."""
+    first = parts[0]
+    out = nn.Linear(
+        first.in_features,
+        sum(p.out_features for p in parts),
+        bias=first.bias is not None,
+        device=first.weight.device,
+        dtype=first.weight.dtype,
+    )
+    with torch.no_grad():
+        out.weight.copy_(torch.cat([p.weight for p in parts]))
+        if first.bias is not None:
+            out.bias.copy_(torch.cat([p.bias for p in parts]))
+    return out
+
+
+def fuse_projections(model: nn.Module) -> None:
+    """Replace each layer's q/k/v projections by ``self_attn.qkv_proj`` and its gate/up ones by
+    ``mlp.gate_up_proj`` (in place; run before any quantization, which then covers them)."""
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = _fused([attn.q_proj, attn.k_proj, attn.v_proj])
+        mlp.gate_up_proj = _fused([mlp.gate_proj, mlp.up_proj])
+        del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
+
+
+class _Layer:
+    """What the attention call needs of a layer (transformers passes the module itself)."""
+
+    def __init__(self, layer_idx: int):
+        self.layer_idx = layer_idx
+
+
+class LeanDecoder:
+    """``forward(batch) -> [T, hidden]``: the final hidden states (after the final norm) of a
+    model whose projections :func:`fuse_projections` fused."""
+
+    def __init__(self, model: nn.Module):
+        config = model.config
+        self.inner = model.model
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.eps = config.rms_norm_eps
+        self.scaling = self.head_dim**-0.5
+        self.layers = [
+            (
+                _Layer(i),
+                layer.input_layernorm.weight,
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.post_attention_layernorm.weight,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            )
+            for i, layer in enumerate(self.inner.layers)
+        ]
+
+    def forward(self, batch: PagedBatch) -> torch.Tensor:
+        h = self.inner.embed_tokens(batch.input_ids)  # [1, T, hidden]
+        cos, sin = self.inner.rotary_emb(h, batch.position_ids)  # [1, T, D]
+        cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, D]: broadcast over heads
+        h = h[0]
+        tokens, heads, kv_heads, dim = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        hidden = (h.shape[-1],)
+        qk_heads = heads + kv_heads
+        half = dim // 2
+        for ref, norm1, qkv_proj, o_proj, norm2, gate_up_proj, down_proj in self.layers:
+            x = F.rms_norm(h, hidden, norm1, self.eps)
+            qkv = qkv_proj(x).view(tokens, qk_heads + kv_heads, dim)
+            qk, v = qkv[:, :qk_heads], qkv[:, qk_heads:]
+            # rotary embedding of q and k together: x * cos + rotate_half(x) * sin
+            rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+            qk = qk * cos + rotated * sin
+            q = qk[:, :heads].transpose(0, 1)[None]  # [1, H, T, D]
+            k = qk[:, heads:].transpose(0, 1)[None]
+            attn, _ = paged_attention(ref, q, k, v.transpose(0, 1)[None], None, scaling=self.scaling, paged_batch=batch)
+            h = h + o_proj(attn.reshape(tokens, heads * dim))
+            gate, up = gate_up_proj(F.rms_norm(h, hidden, norm2, self.eps)).chunk(2, dim=-1)
+            h = h + down_proj(F.silu(gate) * up)
+        return F.rms_norm(h, hidden, self.inner.norm.weight, self.eps)
