@@ -7,9 +7,13 @@ of greedy tokens identical to float32's over the first 64 tokens of 8 prompts (e
 and the mean |logit difference| at one prompt's last position. Then, with ``--server``, one
 stream of 128 tokens through a real ``tritonserver`` (aggregated) per format and engine thread
 count (``--server-threads``; one thread leaves a core to Triton and the client): tokens/s after
-the first token. Prints a markdown table; writes JSON to perf/results/.
+the first token. Each format runs with each ``--decoders`` setting (``EngineConfig.decoder``:
+``transformers``, transformers' modules; ``auto``, the lean layer loop); quality is measured
+against the first variant (float32 through transformers' modules by default). Prints a markdown
+table; writes JSON to perf/results/.
 
-    python -m perf.bench_formats [--formats float32,bfloat16,int8] [--threads 2] [--server]
+    python -m perf.bench_formats [--formats float32,bfloat16,int8] [--decoders transformers,auto]
+                                 [--threads 2] [--server]
 """
 
 from __future__ import annotations
@@ -42,10 +46,11 @@ PROMPTS = [
 ]
 
 
-def _engine(model_dir: str, fmt: str, threads: int) -> LLMEngine:
+def _engine(model_dir: str, fmt: str, decoder: str, threads: int) -> LLMEngine:
     config = EngineConfig(
         model_path=model_dir,
         weights_dtype=fmt,
+        decoder=decoder,
         kv_dtype="float32",
         num_threads=threads,
         kv_cache_tokens=16384,
@@ -105,13 +110,17 @@ def _last_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     return out.logits.float()
 
 
-def engine_figures(model_dir: str, formats: list[str], threads: int, tokenizer) -> dict:
+def _label(fmt: str, decoder: str) -> str:
+    return f"{fmt}, {'lean loop' if decoder == 'auto' else decoder}"
+
+
+def engine_figures(model_dir: str, variants: list[tuple[str, str]], threads: int, tokenizer) -> dict:
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
     long_prompt = (tokenizer.encode(" ".join(PROMPTS), add_special_tokens=False) * 20)[:512]
     context = long_prompt[:256]
     results, reference = {}, None
-    for fmt in formats:
-        engine = _engine(model_dir, fmt, threads)
+    for fmt, decoder in variants:
+        engine = _engine(model_dir, fmt, decoder, threads)
         greedy = [_greedy(engine, ids, 64) for ids in prompts]
         logits = _last_logits(engine, prompts[0])
         r = {
@@ -124,25 +133,30 @@ def engine_figures(model_dir: str, formats: list[str], threads: int, tokenizer) 
         same = sum(sum(a == b for a, b in zip(g, ref)) for g, ref in zip(greedy, reference[0]))
         r["identical_greedy_share"] = same / sum(len(g) for g in reference[0])
         r["mean_abs_logit_diff"] = float((logits - reference[1]).abs().mean())
-        results[fmt] = r
+        results[_label(fmt, decoder)] = r
         engine.close()
-        print(fmt, {k: round(v, 3) for k, v in r.items()}, flush=True)
+        print(_label(fmt, decoder), {k: round(v, 3) for k, v in r.items()}, flush=True)
     return results
 
 
-def server_figures(formats: list[str], threads: list[int], tokens: int = 128) -> dict:
-    """Per format and engine thread count: the best of 2 streams' tokens/s after the first token."""
+def server_figures(
+    variants: list[tuple[str, str]], threads: list[int], envs: dict[str, dict], tokens: int = 128
+) -> dict:
+    """Per variant, engine thread count and server environment (``envs``: name -> variables):
+    the best of 2 streams' tokens/s after the first token."""
     from backend.client import stream_generate
     from perf import servers
 
     out: dict = {}
-    for fmt in formats:
-        for n in threads:
+    for fmt, decoder in variants:
+        label = _label(fmt, decoder)
+        for (env_name, env), n in ((e, n) for e in envs.items() for n in threads):
             server = servers.start(
                 "aggregated",
-                overrides={"weights_dtype": fmt},
+                overrides={"weights_dtype": fmt, "decoder": decoder},
                 per_model={"llm": {"num_threads": str(n)}},
-                log_dir=RESULTS / f"formats-{fmt}-{n}",
+                log_dir=RESULTS / f"formats-{fmt}-{decoder}-{n}",
+                extra_env=env,
             )
             try:
                 stream_generate(server.grpc_url, "warm up", 8, ignore_eos=True)
@@ -151,20 +165,28 @@ def server_figures(formats: list[str], threads: list[int], tokens: int = 128) ->
                     res = stream_generate(server.grpc_url, PROMPTS[2], tokens, ignore_eos=True, temperature=0.0)
                     assert res.error is None, res.error
                     rates.append((len(res.token_ids) - 1) / (res.times[-1] - res.times[0]))
-                out.setdefault(fmt, {})[f"server_stream_tok_s_{n}_threads"] = max(rates)
+                out.setdefault(label, {})[f"server_stream_tok_s_{n}_threads{env_name}"] = max(rates)
             finally:
                 server.stop()
-            print(fmt, n, out[fmt], flush=True)
+            print(label, n, env_name, out[label], flush=True)
     return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--formats", default="float32,bfloat16,int8")
+    p.add_argument("--decoders", default="transformers,auto", help="EngineConfig.decoder settings to compare")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--model", default=None)
     p.add_argument("--server", action="store_true", help="also one stream through a real server per format")
     p.add_argument("--server-threads", default="2,1", help="engine threads (num_threads) of the server runs")
+    p.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="also run each server with this variable set (e.g. OMP_WAIT_POLICY=PASSIVE)",
+    )
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -172,20 +194,24 @@ def main(argv=None) -> int:
 
     model_dir = str(ensure_model(args.model))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    formats = args.formats.split(",")
-    results = engine_figures(model_dir, formats, args.threads, tokenizer)
+    variants = [(fmt, dec) for fmt in args.formats.split(",") for dec in args.decoders.split(",")]
+    results = engine_figures(model_dir, variants, args.threads, tokenizer)
     if args.server:
         threads = [int(t) for t in args.server_threads.split(",")]
-        for fmt, r in server_figures(formats, threads).items():
-            results[fmt].update(r)
+        envs = {"": {}}
+        for item in args.server_env:
+            key, _, value = item.partition("=")
+            envs[f", {item}"] = {key: value}
+        for label, r in server_figures(variants, threads, envs).items():
+            results[label].update(r)
     rows = [
-        "| weights | prefill tok/s (512) | decode tok/s b1 | decode tok/s b16 | identical greedy tokens "
+        "| weights, decoder | prefill tok/s (512) | decode tok/s b1 | decode tok/s b16 | identical greedy tokens "
         "| mean abs logit diff | server stream tok/s (by engine threads) |",
         "|---|---|---|---|---|---|---|",
     ]
     for fmt, r in results.items():
-        runs = {k.split("_")[4]: v for k, v in r.items() if k.startswith("server_stream_tok_s_")}
-        server = ", ".join(f"{v:.1f} ({n} thr)" for n, v in runs.items()) or "-"
+        runs = {k.removeprefix("server_stream_tok_s_"): v for k, v in r.items() if k.startswith("server_stream_tok_s_")}
+        server = ", ".join(f"{v:.1f} ({n.replace('_threads', ' thr')})" for n, v in runs.items()) or "-"
         rows.append(
             f"| {fmt} | {r['prefill_tok_s']:.0f} | {r['decode_b1_tok_s']:.1f} | {r['decode_b16_tok_s']:.1f} "
             f"| {100 * r['identical_greedy_share']:.1f}% | {r['mean_abs_logit_diff']:.3f} | {server} |"

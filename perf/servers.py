@@ -34,9 +34,10 @@ def start(
     per_model: dict | None = None,
     log_dir: Path | None = None,
     decode_instances: int = 1,
+    extra_env: dict | None = None,
 ) -> TritonServer:
     """``mode``: ``aggregated`` or ``disagg`` (1 prefill + ``decode_instances`` decode instances,
-    cores split between the roles)."""
+    cores split between the roles). ``extra_env``: added to the server's environment."""
     model_dir = ensure_model(model)
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="triton-disagg-perf-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -57,7 +58,7 @@ def start(
         per_model=per_model,
         decode_instances=decode_instances,
     )
-    return TritonServer(repo, log_file=log_dir / f"tritonserver-{mode}.log").start(timeout_s=400)
+    return TritonServer(repo, log_file=log_dir / f"tritonserver-{mode}.log", extra_env=extra_env).start(timeout_s=400)
 
 
 def metric_sum(metrics_url: str, name: str, **labels) -> float:
