@@ -9,6 +9,8 @@ on both sides, from fresh pools and after churn (random requests allocated and f
 free lists are fragmented). It compares in the same run with
 
 * one raw NIXL write of the same bytes (one contiguous descriptor, separate plain agents),
+* raw NIXL xfers of the same bytes, one per layer with a notification each (what the per-layer
+  posting itself costs, whatever the descriptors),
 * a local memcpy of the same bytes.
 
 Times are to the receiver seeing completion (CLOCK_MONOTONIC is shared by processes on one
@@ -207,10 +209,40 @@ def run(reps: int, tokens: int, layers: int) -> dict:
             h.release()
             return {"transfer_s": t_recv - t0}
 
+        def raw_per_layer(tag: str) -> dict:
+            """One raw xfer per layer (its bytes contiguous on both sides), each with its own
+            notification, as the page-level path posts them: the cost of the xfers themselves."""
+            layer_bytes = total_bytes // layers
+            descs = [
+                (
+                    raw.get_xfer_descs(
+                        np.array([[raw_src.data_ptr() + i * layer_bytes, layer_bytes, 0]], np.uint64), "DRAM"
+                    ),
+                    raw.get_xfer_descs(np.array([[raw_addr + i * layer_bytes, layer_bytes, 0]], np.uint64), "DRAM"),
+                )
+                for i in range(layers)
+            ]
+            last = f"{tag}-{layers - 1}".encode()
+            _call(conn, "raw_arm", last)
+            t0 = time.monotonic()
+            handles = []
+            for i, (local, remote) in enumerate(descs):
+                h = raw.initialize_xfer("WRITE", local, remote, raw_peer, f"{tag}-{i}".encode())
+                assert raw.transfer(h) != "ERR"
+                handles.append(h)
+            for h in handles:
+                while (state := raw.check_xfer_state(h)) == "PROC":
+                    time.sleep(POLL_S)
+                assert state == "DONE", state
+            t_recv = _call(conn, "raw_wait", last)
+            for h in handles:
+                h.release()
+            return {"transfer_s": t_recv - t0}
+
         bulk_src = np.array([[raw_src.data_ptr(), total_bytes, 0]], dtype=np.uint64)
         bulk_dst = np.array([[raw_addr, total_bytes, 0]], dtype=np.uint64)
         keys = ("page_scattered", "page_contiguous", "page_fresh_alloc", "page_churned_alloc")
-        runs = {k: [] for k in (*keys, "raw_pages_scattered", "raw_bulk")}
+        runs = {k: [] for k in (*keys, "raw_pages_scattered", "raw_per_layer", "raw_bulk")}
         for rep in range(reps + 1):  # the first repetition warms connections up, not reported
             scattered = random.Random(rep).sample(range(2 * pages), pages)
             res = {
@@ -231,6 +263,7 @@ def run(reps: int, tokens: int, layers: int) -> dict:
                     _page_rows(raw_src.data_ptr(), layers, pages, range(pages), lay.page_bytes),
                     _page_rows(raw_addr, layers, 2 * pages, scattered, lay.page_bytes),
                 ),
+                "raw_per_layer": raw_per_layer(f"l{rep}"),
                 "raw_bulk": raw_write(f"b{rep}".encode(), bulk_src, bulk_dst),
             }
             if rep:
@@ -321,6 +354,7 @@ def table(r: dict) -> str:
         ("fabric_bridge, layer by layer, allocator pages, fresh pools", "page_fresh_alloc", w),
         ("fabric_bridge, layer by layer, allocator pages, after churn", "page_churned_alloc", w),
         ("raw NIXL, same scattered pages, one xfer", "raw_pages_scattered", w),
+        ("raw NIXL, one xfer per layer (contiguous, a notification each)", "raw_per_layer", r["xfers"]),
         ("raw NIXL, one bulk write", "raw_bulk", 1),
         ("local memcpy", "memcpy", 1),
     ]
