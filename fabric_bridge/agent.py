@@ -425,16 +425,15 @@ class FabricAgent:
         idx = self._step_indices(p, plan, positions)
         if idx is None:
             return True
-        li0, lstride, ri0, rstride = idx
-        li = li0 + np.int32(layer) * lstride
-        ri = ri0 + np.int32(layer) * rstride
+        li, ri = idx[0][layer], idx[1][layer]
         msg = f"W:{generation}:{len(li)}:{req_id}".encode()
         return self._post(p, req_id, generation, p.local_dl, li, p.remote_dl, ri, msg, None)
 
     def _step_indices(self, p: _Peer, plan: TransferPlan, positions: Sequence[int] | None):
-        """Layer-0 descriptor indices of the plan's pages at ``positions`` (local and remote) and
-        what one layer adds to each, or None for no pages. The layers of one step post the same
-        positions, so the last few results are kept: a layer's post is then two numpy adds."""
+        """Descriptor indices of the plan's pages at ``positions``, local and remote, for every
+        layer at once (two ``[layers, descriptors]`` arrays), or None for no pages. The layers of
+        one step post the same positions, so the last few results are kept: a layer's post then
+        takes its row of each."""
         key = (id(plan), p.name, None if positions is None else tuple(positions))
         with self._lock:
             hit = self._index_cache.get(key)
@@ -457,7 +456,11 @@ class FabricAgent:
             remote.append((p.remote_start[d] + dp[:, None] * p.remote_nseg[d] + rid[None, :]).ravel())
             lstride.append(np.full(len(local[-1]), self._n_pages[s] * p.local_nseg[s]))
             rstride.append(np.full(len(remote[-1]), p.n_pages[d] * p.remote_nseg[d]))
-        out = tuple(np.concatenate(a).astype(np.int32) for a in (local, lstride, remote, rstride))
+        layers = np.arange(self.layout.num_layers, dtype=np.int64)[:, None]
+        out = tuple(
+            (np.concatenate(first)[None, :] + layers * np.concatenate(stride)[None, :]).astype(np.int32)
+            for first, stride in ((local, lstride), (remote, rstride))
+        )
         with self._lock:
             self._index_cache[key] = (plan, out)
             while len(self._index_cache) > _INDEX_CACHE:

@@ -187,6 +187,7 @@ def run(reps: int, tokens: int, layers: int) -> dict:
             assert ok and sent.wait(30), err
             in_transfer = agent.stats["transfer_call_s"] - before["transfer_call_s"]
             return {
+                "make_xfer_s": agent.stats["make_xfer_s"] - before["make_xfer_s"],
                 "transfer_s": t_recv - t0,
                 "post_s": post_s,
                 "transfer_call_s": in_transfer,
@@ -375,7 +376,8 @@ def table(r: dict) -> str:
             f"- {key}: {k['descriptors_per_layer']:.0f} descriptors per layer after merging; "
             f"post_layer total {k['post_s'] * 1e3:.1f} ms, of which inside NIXL transfer() "
             f"{k['transfer_call_s'] * 1e3:.1f} ms (the transport copies synchronously there); "
-            f"Python-side posting {k['python_post_s'] * 1e3:.2f} ms for {r['xfers']} xfers = "
+            f"Python-side posting {k['python_post_s'] * 1e3:.2f} ms for {r['xfers']} xfers (NIXL's "
+            f"make_prepped_xfer {k['make_xfer_s'] * 1e3:.2f} ms of it) = "
             f"**{k['python_post_fraction'] * 100:.1f}%** of the transfer time"
         )
     out.append(f"- median of {r['reps']} runs after one warm-up; UCX_TLS: {r['ucx_tls']}")
