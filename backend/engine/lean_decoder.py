@@ -1,11 +1,12 @@
 """The decoder's forward as one lean layer loop over fused weights (Llama-family checkpoints).
 
-transformers' per-layer modules spend a decode step of this small model mostly between matrix
-products: ~90 tensor ops per layer (separate q/k/v and gate/up products, rotary embedding of q
-and k apart, norms in six ops), each a Python call and a dispatch. This loop runs the same
-computation in ~30 ops per layer: q/k/v as one product and gate/up as one (their weights
+transformers' per-layer modules spend a decode step of a small model largely between matrix
+products: ~90 tensor ops per layer (separate q/k/v and gate/up products, the rotary embedding of
+q and k apart, module calls around each), each a Python call and a dispatch. This loop runs the
+same computation in fewer: q/k/v as one product and gate/up as one (their weights
 concatenated), the rotary embedding of q and k in one pass over their joint slice, the norms
-through ``F.rms_norm``, attention through :func:`paged_attention` as before.
+through ``F.rms_norm``, int8 products as torch's quantized op itself, attention through
+:func:`paged_attention` as before.
 
 Same weights, same operations on each element: with int8 weights the hidden states equal
 transformers' bit for bit (a fused product quantizes its one input once, as the separate ones
