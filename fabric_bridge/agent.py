@@ -446,7 +446,8 @@ class FabricAgent:
         sp, dp = plan.src_pages[sel], plan.dst_pages[sel]
         if len(sp) == 0:
             return None
-        local, remote, lstride, rstride = [], [], [], []
+        layers = np.arange(self.layout.num_layers, dtype=np.int64)[:, None]
+        local, remote = [], []  # per shard pair: [layers, descriptors]
         for pair in plan.pairs:
             s, d = pair.src_shard, pair.dst_shard
             lid, rid = p.pair_ids[(s, d)]
@@ -455,15 +456,11 @@ class FabricAgent:
                     f"page id out of range (source shard {s}: {self._n_pages[s]} pages, "
                     f"destination shard {d}: {p.n_pages[d]} pages)"
                 )
-            local.append((p.local_start[s] + sp[:, None] * p.local_nseg[s] + lid[None, :]).ravel())
-            remote.append((p.remote_start[d] + dp[:, None] * p.remote_nseg[d] + rid[None, :]).ravel())
-            lstride.append(np.full(len(local[-1]), self._n_pages[s] * p.local_nseg[s]))
-            rstride.append(np.full(len(remote[-1]), p.n_pages[d] * p.remote_nseg[d]))
-        layers = np.arange(self.layout.num_layers, dtype=np.int64)[:, None]
-        out = tuple(
-            (np.concatenate(first)[None, :] + layers * np.concatenate(stride)[None, :]).astype(np.int32)
-            for first, stride in ((local, lstride), (remote, rstride))
-        )
+            first_local = (p.local_start[s] + sp[:, None] * p.local_nseg[s] + lid[None, :]).ravel()
+            first_remote = (p.remote_start[d] + dp[:, None] * p.remote_nseg[d] + rid[None, :]).ravel()
+            local.append(first_local[None, :] + layers * (self._n_pages[s] * p.local_nseg[s]))
+            remote.append(first_remote[None, :] + layers * (p.n_pages[d] * p.remote_nseg[d]))
+        out = tuple(np.concatenate(a, axis=1).astype(np.int32) for a in (local, remote))
         with self._lock:
             self._index_cache[key] = (plan, out)
             while len(self._index_cache) > _INDEX_CACHE:

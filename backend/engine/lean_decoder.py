@@ -25,6 +25,8 @@ from backend.engine.paged_attention import PagedBatch, paged_attention
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
+_LAYER_PARTS = {*_ATTENTION, *(f"mlp.{name}" for name in _MLP)}
+_LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -40,15 +42,14 @@ def unsupported_reason(model: nn.Module) -> str | None:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if attn is None or mlp is None:
             return "a layer without self_attn and mlp"
-        parts = {name for name in _weighted_children(attn)} | {f"mlp.{name}" for name in _weighted_children(mlp)}
-        expected = set(_ATTENTION) | {f"mlp.{name}" for name in _MLP}
-        if parts != expected:
-            return f"layer parts {sorted(parts ^ expected)} differ from a Llama layer"
+        parts = {*_weighted_children(attn), *(f"mlp.{name}" for name in _weighted_children(mlp))}
+        if parts != _LAYER_PARTS:
+            return f"layer parts {sorted(parts ^ _LAYER_PARTS)} differ from a Llama layer"
         if not all(type(getattr(attn, n)) is nn.Linear for n in _ATTENTION) or not all(
             type(getattr(mlp, n)) is nn.Linear for n in _MLP
         ):
             return "a projection that is not a plain linear layer"
-        if set(_weighted_children(layer)) != {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}:
+        if set(_weighted_children(layer)) != _LAYER_CHILDREN:
             return "layer children differ from a Llama layer"
     return None
 
