@@ -57,8 +57,6 @@ ErrorCallback = Callable[[str, int, str], None]
 ShardPools = Sequence[torch.Tensor | Sequence[torch.Tensor]]
 
 _REMEMBER_STOPPED = 4096  # stopped (req_id -> generation) kept to drop late posts
-_POST_GAP_S = 0.002  # posts closer than this form a burst
-_BURST_YIELD_S = 0.050  # the most a burst delays the progress thread's polls
 _INDEX_CACHE = 64  # (plan, positions) whose descriptor indices are kept for the next layers' posts
 
 
@@ -236,7 +234,6 @@ class FabricAgent:
         self._stopped: OrderedDict[str, tuple[int, str]] = OrderedDict()
         self._inflight: list[_Xfer] = []
         self._index_cache: OrderedDict[tuple, tuple] = OrderedDict()
-        self._last_post = 0.0  # perf_counter of the latest post (the progress loop yields to bursts)
         self._lock = threading.RLock()
         # Posting telemetry: time in make_prepped_xfer and in transfer() (where a transport
         # that copies synchronously, like UCX's cma, does its work), xfers and writes posted.
@@ -516,7 +513,7 @@ class FabricAgent:
             if st.stopping:
                 return False
             try:
-                t0 = self._last_post = time.perf_counter()
+                t0 = time.perf_counter()
                 h = self._nixl.make_prepped_xfer("WRITE", local_dl, li, remote_dl, ri, msg)
                 t1 = time.perf_counter()
                 state = self._nixl.transfer(h)
@@ -702,17 +699,8 @@ class FabricAgent:
                     fired.append(lambda: self._notify(sender, "S", req_id, gen))
 
     def _progress_loop(self) -> None:
-        last_poll = 0.0
         while not self._closing.is_set():
             fired, busy = [], False
-            # While posts come back to back, leave NIXL to the poster for up to _BURST_YIELD_S:
-            # each poll's state checks take the GIL and the agent lock that every post needs
-            # (measured: posting 1.4-2.0 ms -> 0.9-1.2 ms for 30 layers, perf/REPORT.md)
-            now = time.perf_counter()
-            if now - self._last_post < _POST_GAP_S and now - last_poll < _BURST_YIELD_S:
-                time.sleep(0.001)
-                continue
-            last_poll = now
             try:
                 self._reap(fired)
                 notifs = self._nixl.get_new_notifs()
