@@ -400,9 +400,11 @@ class FabricAgent:
         with self._lock:
             return min(self._peers[peer].n_pages)
 
-    def rearm(self, req_id: str, generation: int, timeout_s: float, waiting_for: str) -> bool:
+    def rearm(
+        self, req_id: str, generation: int, timeout_s: float, waiting_for: str, renew_on_writes: bool = False
+    ) -> bool:
         """Move a request's receive deadline to ``timeout_s`` from now (see ``CompletionTracker.rearm``)."""
-        return self._tracker.rearm(req_id, generation, timeout_s, waiting_for)
+        return self._tracker.rearm(req_id, generation, timeout_s, waiting_for, renew_on_writes)
 
     # ---------------------------------------------------------------- sender side
     def post_layer(

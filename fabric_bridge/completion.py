@@ -64,6 +64,7 @@ class _Entry:
     release_at: float = field(default=float("inf"))
     meta_out: torch.Tensor | None = None
     waiting_for: str = "transfer"  # what the deadline bounds, named in the timeout message
+    renew_s: float | None = None  # set: each landed write moves the deadline this far ahead
 
 
 class CompletionTracker:
@@ -101,15 +102,20 @@ class CompletionTracker:
             )
             return handle
 
-    def rearm(self, req_id: str, generation: int, timeout_s: float, waiting_for: str) -> bool:
+    def rearm(
+        self, req_id: str, generation: int, timeout_s: float, waiting_for: str, renew_on_writes: bool = False
+    ) -> bool:
         """Move an active request's deadline to ``timeout_s`` from now (e.g. when its sender
-        reports that it started); False if it is not active under ``generation`` any more."""
+        reports that it started); with ``renew_on_writes`` every landed write moves it again, so
+        the deadline bounds the time without progress, not the whole transfer. False if the
+        request is not active under ``generation`` any more."""
         with self._lock:
             entry = self._current(req_id, generation)
             if entry is None:
                 return False
             entry.deadline = time.monotonic() + timeout_s
             entry.waiting_for = waiting_for
+            entry.renew_s = timeout_s if renew_on_writes else None
             return True
 
     def cancel(self, req_id: str, reason: str = "cancelled") -> tuple[str | None, int] | None:
@@ -148,6 +154,8 @@ class CompletionTracker:
             if entry is None:
                 return
             entry.landed += n
+            if entry.renew_s is not None:
+                entry.deadline = time.monotonic() + entry.renew_s
             done = self._take_if_done(entry)
         if done:
             self._fire(done, True, None, done.meta_out)

@@ -14,8 +14,10 @@ class ConnectorConfig:
     messengers. ``messenger_host`` / ``messenger_port`` (prefill role): where this instance's
     messenger listens (port 0: any free port). ``stream_layers`` (prefill role): post each
     layer's pages as soon as the layer is written (false: everything after the prefill, for
-    measuring the overlap). ``kv_transfer_timeout_s`` (decode role): from the moment the prefill
-    instance starts the request (it reports that) to its last write;
+    measuring the overlap). ``kv_transfer_timeout_s`` (decode role): once the prefill
+    instance has started the request (it reports that), the longest time without a landed
+    write (each layer of each prefill chunk lands as it is written, so a long prompt's prefill
+    is not cut off while it makes progress);
     ``prefill_queue_timeout_s`` (decode role): how long the request may wait in the prefill
     instance's queue before that. ``kv_xfer_timeout_s``: one NIXL transfer stuck this long fails its request.
     ``kv_quarantine_s``: pages of a failed request are reused after this long at the latest

@@ -350,12 +350,15 @@ class NixlKVReceiver(KVReceiver):
         return ReceiveTicket(handle.generation, handle.slot, n_pages, expected)
 
     def started(self, req_id: str, generation: int) -> None:
-        """The prefill instance began the request: from now on the transfer deadline applies."""
+        """The prefill instance began the request: from now on the transfer deadline applies, as
+        the longest time without a landed write (a long prompt's prefill streams layers all along)."""
         with self._lock:
             rec = self._active.get(req_id)
             if rec is not None and rec.t_started is None:
                 rec.t_started = time.perf_counter()
-        self.agent.rearm(req_id, generation, self.timeout_s, "prefill and transfer")
+        self.agent.rearm(
+            req_id, generation, self.timeout_s, f"prefill and transfer, no write for {self.timeout_s:g}s", True
+        )
 
     def _observe(self, name: str, value: float) -> None:
         values = self._observed[name]

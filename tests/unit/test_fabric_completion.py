@@ -82,3 +82,15 @@ def test_rearm_moves_the_deadline_and_names_what_timed_out():
     assert t.tick(now + 11) == [("r", None, h.generation)]
     assert "timeout (prefill and transfer): 0/3 writes" in h.error
     assert not t.rearm("r", h.generation, 10.0, "x")  # no longer active
+
+
+def test_a_deadline_renewed_on_writes_bounds_the_time_without_progress():
+    t = tracker()
+    h = t.expect("r", 3, timeout_s=1.0)
+    assert t.rearm("r", h.generation, 0.3, "prefill and transfer", renew_on_writes=True)
+    for _ in range(2):  # writes keep landing: the request outlives its first deadline
+        time.sleep(0.2)
+        t.writes_landed("r", h.generation, 1)
+    assert t.tick(time.monotonic() + 0.1) == [] and t.counts("r") == (2, 3)
+    assert t.tick(time.monotonic() + 0.5) == [("r", None, h.generation)]  # then no write for longer
+    assert "timeout (prefill and transfer): 2/3 writes" in h.error
