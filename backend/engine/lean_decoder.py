@@ -4,12 +4,15 @@ transformers' per-layer modules spend a decode step of a small model largely bet
 products: ~90 tensor ops per layer (separate q/k/v and gate/up products, the rotary embedding of
 q and k apart, module calls around each), each a Python call and a dispatch. This loop runs the
 same computation in fewer: q/k/v as one product and gate/up as one (their weights
-concatenated), the rotary embedding of q and k in one pass over their joint slice, the norms
-through ``F.rms_norm``, int8 products as torch's quantized op itself, attention through
-:func:`paged_attention` as before.
+concatenated), the rotary embedding of q and k in one pass over their joint slice, written back
+into the product's output so that its K/V part goes to the pool as it is (no stacking copy), the
+norms through ``F.rms_norm``, int8 products as torch's quantized op itself, attention through the
+pieces of the paged attention (:func:`store_kv`, :func:`attend`).
 
-Same weights, same operations on each element: with int8 weights the hidden states equal
-transformers' bit for bit (a fused product quantizes its one input once, as the separate ones
+Same weights, same operations on each element (the rotary embedding as a multiply and an add,
+not ``addcmul``, whose fused multiply-add rounds once: a one-ulp difference that 30 layers of
+int8 activation quantization amplified to logits 4.6 apart): with int8 weights the hidden states
+equal transformers' bit for bit (a fused product quantizes its one input once, as the separate ones
 did); with float weights a fused product may sum in another order (last bits). The fused modules
 replace the separate ones in the model (``qkv_proj``, ``gate_up_proj``), so the weights are held
 once; a model so changed runs through this loop only. Measured in ``perf/REPORT.md``.
@@ -21,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.engine.paged_attention import PagedBatch, paged_attention
+from backend.engine.paged_attention import PagedBatch, attend, store_kv
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -98,13 +101,6 @@ def _product(linear: nn.Module):
     return linear.forward
 
 
-class _Layer:
-    """What the attention call needs of a layer (transformers passes the module itself)."""
-
-    def __init__(self, layer_idx: int):
-        self.layer_idx = layer_idx
-
-
 class LeanDecoder:
     """``forward(batch) -> [T, hidden]``: the final hidden states (after the final norm) of a
     model whose projections :func:`fuse_projections` fused."""
@@ -119,7 +115,7 @@ class LeanDecoder:
         self.scaling = self.head_dim**-0.5
         self.layers = [
             (
-                _Layer(i),
+                i,
                 layer.input_layernorm.weight,
                 _product(layer.self_attn.qkv_proj),
                 _product(layer.self_attn.o_proj),
@@ -133,22 +129,25 @@ class LeanDecoder:
     def forward(self, batch: PagedBatch) -> torch.Tensor:
         h = self.inner.embed_tokens(batch.input_ids)  # [1, T, hidden]
         cos, sin = self.inner.rotary_emb(h, batch.position_ids)  # [1, T, D]
-        cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, D]: broadcast over heads
+        tokens, heads, kv_heads, dim = h.shape[1], self.num_heads, self.num_kv_heads, self.head_dim
+        half = dim // 2
+        # rotary embedding: x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x2, x1) is
+        # roll(x, half) = (x2, x1) times this sign-folded sin
+        cos, sin = cos[0, :, None], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[0, :, None]  # [T, 1, D]
         h = h[0]
-        tokens, heads, kv_heads, dim = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         hidden = (h.shape[-1],)
         qk_heads = heads + kv_heads
-        half = dim // 2
-        for ref, norm1, qkv_proj, o_proj, norm2, gate_up_proj, down_proj in self.layers:
+        first_chunks = any(chunk.page_ids is None for chunk in batch.prefills)
+        for layer_idx, norm1, qkv_proj, o_proj, norm2, gate_up_proj, down_proj in self.layers:
             x = F.rms_norm(h, hidden, norm1, self.eps)
             qkv = qkv_proj(x).view(tokens, qk_heads + kv_heads, dim)
-            qk, v = qkv[:, :qk_heads], qkv[:, qk_heads:]
-            # rotary embedding of q and k together: x * cos + rotate_half(x) * sin
-            rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-            qk = qk * cos + rotated * sin
-            q = qk[:, :heads].transpose(0, 1)[None]  # [1, H, T, D]
-            k = qk[:, heads:].transpose(0, 1)[None]
-            attn, _ = paged_attention(ref, q, k, v.transpose(0, 1)[None], None, scaling=self.scaling, paged_batch=batch)
+            qk = qkv[:, :qk_heads]
+            torch.add(qk * cos, qk.roll(half, -1) * sin, out=qk)  # q and k rotated in place
+            layer_pool = store_kv(batch, layer_idx, qkv[:, heads:].view(tokens, 2, kv_heads, dim))
+            key = value = None
+            if first_chunks:  # a chunk that starts its sequence attends to this step's K/V directly
+                key, value = (qkv[:, a:b].transpose(0, 1)[None] for a, b in ((heads, qk_heads), (qk_heads, None)))
+            attn = attend(batch, layer_pool, qkv[:, :heads].transpose(0, 1), key, value, self.scaling)
             h = h + o_proj(attn.reshape(tokens, heads * dim))
             gate, up = gate_up_proj(F.rms_norm(h, hidden, norm2, self.eps)).chunk(2, dim=-1)
             h = h + down_proj(F.silu(gate) * up)

@@ -5,8 +5,9 @@ single-token entry first (decodes), then the multi-token prefill chunks. :class:
 the step's metadata as tensors built once per step; transformers forwards it to
 :func:`paged_attention` through the model's ``**kwargs`` (keyword ``paged_batch``).
 
-Per layer, the function writes this step's K/V into the pool (one ``index_put_``), fires the
-``on_layer_kv_written`` hook, then attends: decodes as one padded batch gathered from the pool
+Per layer, :func:`store_kv` writes this step's K/V into the pool (one ``index_put_``) and fires
+the ``on_layer_kv_written`` hook, then :func:`attend` attends (the lean layer loop calls the two
+directly): decodes as one padded batch gathered from the pool
 with ``index_select``, each prefill chunk with its own SDPA call (straight from this step's K/V
 when the chunk starts the sequence, else from the pool with an offset causal mask).
 """
@@ -133,15 +134,26 @@ def paged_attention(
     """transformers attention interface: query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D]."""
     if paged_batch is None:
         raise RuntimeError("attention 'paged_hnd' needs the paged_batch keyword (run through ModelRunner)")
-    batch = paged_batch
-    layer_pool = batch.pool.layer(module.layer_idx)
-    layer_pool[batch.write_pages, :, :, batch.write_offsets] = torch.stack(
-        (key[0].transpose(0, 1), value[0].transpose(0, 1)), dim=1
-    ).to(layer_pool.dtype)
-    if batch.on_layer_kv_written is not None:
-        batch.on_layer_kv_written(module.layer_idx, batch.hook_arg)
+    kv = torch.stack((key[0].transpose(0, 1), value[0].transpose(0, 1)), dim=1)
+    layer_pool = store_kv(paged_batch, module.layer_idx, kv)
+    return attend(paged_batch, layer_pool, query[0], key, value, scaling)[None], None
 
-    q = query[0]
+
+def store_kv(batch: PagedBatch, layer_idx: int, kv: torch.Tensor) -> torch.Tensor:
+    """Write this step's K/V of one layer (``kv`` [T, 2, Hkv, D]) into the pool with one
+    ``index_put_``, fire the layer's ``on_layer_kv_written`` hook; return the layer's pool."""
+    layer_pool = batch.pool.layer(layer_idx)
+    layer_pool[batch.write_pages, :, :, batch.write_offsets] = (
+        kv if kv.dtype == layer_pool.dtype else kv.to(layer_pool.dtype)
+    )
+    if batch.on_layer_kv_written is not None:
+        batch.on_layer_kv_written(layer_idx, batch.hook_arg)
+    return layer_pool
+
+
+def attend(batch: PagedBatch, layer_pool: torch.Tensor, q: torch.Tensor, key, value, scaling) -> torch.Tensor:
+    """q [H, T, D] -> [T, H, D]: decodes from the pool, each prefill chunk from this step's
+    ``key``/``value`` ([1, Hkv, T, D]; read only by chunks that start their sequence) or the pool."""
     outputs = []
     if batch.num_decode:
         outputs.append(_decode_attention(q[:, : batch.num_decode], layer_pool, batch, scaling))
@@ -159,7 +171,7 @@ def paged_attention(
                 q_chunk, kv[0], kv[1], attn_mask=chunk.mask, scale=scaling, enable_gqa=True
             )
         outputs.append(out[0].transpose(0, 1))
-    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0))[None], None
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
 
 
 def _gather_kv(layer_pool: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
