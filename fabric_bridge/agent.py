@@ -420,8 +420,6 @@ class FabricAgent:
         the plan's page lists, e.g. the pages a prefill chunk filled; default all). Returns at
         once: True if posted, False if the request was cancelled or has failed."""
         p = self._peers[peer]
-        if plan.src != self.layout or plan.dst != p.layout:
-            raise ValueError("plan was built for other layouts than this agent and peer")
         if not 0 <= layer < self.layout.num_layers:
             raise IndexError(f"layer {layer} out of range")
         idx = self._step_indices(p, plan, positions)
@@ -435,12 +433,13 @@ class FabricAgent:
         """Descriptor indices of the plan's pages at ``positions``, local and remote, for every
         layer at once (two ``[layers, descriptors]`` arrays), or None for no pages. The layers of
         one step post the same positions, so the last few results are kept: a layer's post then
-        takes its row of each."""
+        takes its row of each (the plan's layouts are checked once, when its indices are made)."""
         key = (id(plan), p.name, None if positions is None else tuple(positions))
-        with self._lock:
-            hit = self._index_cache.get(key)
+        hit = self._index_cache.get(key)  # one dict read, atomic: no lock taken on a hit
         if hit is not None and hit[0] is plan:
             return hit[1]
+        if plan.src != self.layout or plan.dst != p.layout:
+            raise ValueError("plan was built for other layouts than this agent and peer")
         sel = slice(None) if positions is None else np.asarray(positions, dtype=np.int64)
         sp, dp = plan.src_pages[sel], plan.dst_pages[sel]
         if len(sp) == 0:
