@@ -7,7 +7,7 @@ checkpoint is prepared from. Ours is ``triton-disagg``'s aggregated deployment
 (``--weights``, default int8, the lean layer loop, ``--engine-threads`` engine threads, default
 1: the other core is left to Triton and the client). Each round starts one server, warms it
 up, times ``--streams`` streams of ``--tokens`` tokens one after the other (greedy, end of
-sequence ignored where the server allows it), stops it, then does the same with the other.
+sequence ignored), stops it, then does the same with the other; which goes first alternates.
 Reports tokens/s after the first token (best and median per round), ITL p50, and the ratio
 ours/baseline per round and over the rounds' medians. Writes JSON to perf/results/.
 
@@ -156,8 +156,12 @@ def main(argv=None) -> int:
     gguf = find_packaged_gguf()
     rounds = []
     for i in range(args.rounds):
-        ours = run_ours(args.weights, args.engine_threads, args.streams, args.tokens)
-        base = run_baseline(gguf, args.baseline_threads, args.streams, args.tokens)
+        if i % 2 == 0:  # alternate which server goes first: the second run of a pair can be slower
+            ours = run_ours(args.weights, args.engine_threads, args.streams, args.tokens)
+            base = run_baseline(gguf, args.baseline_threads, args.streams, args.tokens)
+        else:
+            base = run_baseline(gguf, args.baseline_threads, args.streams, args.tokens)
+            ours = run_ours(args.weights, args.engine_threads, args.streams, args.tokens)
         ratio = ours["tok_s_median"] / base["tok_s_median"]
         rounds.append({"ours": ours, "llama_cpp": base, "ratio_median": ratio})
         print(f"round {i}: ours {ours}, llama.cpp {base}, ratio {ratio:.2f}", flush=True)

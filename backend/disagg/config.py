@@ -17,7 +17,8 @@ class ConnectorConfig:
     measuring the overlap). ``kv_transfer_timeout_s`` (decode role): once the prefill
     instance has started the request (it reports that), the longest time without a landed
     write (each layer of each prefill chunk lands as it is written, so a long prompt's prefill
-    is not cut off while it makes progress);
+    is not cut off while it makes progress; with ``stream_layers`` false the first write lands
+    after the whole prefill, which this bound then covers);
     ``prefill_queue_timeout_s`` (decode role): how long the request may wait in the prefill
     instance's queue before that. ``kv_xfer_timeout_s``: one NIXL transfer stuck this long fails its request.
     ``kv_quarantine_s``: pages of a failed request are reused after this long at the latest
