@@ -1,7 +1,8 @@
 """The decode side's KV deadline does not count the time a request waits in the prefill
 instance's queue: the prefill reports when it starts a request (``PrefillStarted``) and
-``kv_transfer_timeout_s`` runs from then; the queueing has its own bound
-(``prefill_queue_timeout_s``), and a timeout says which of the two expired."""
+``kv_transfer_timeout_s`` runs from then, as the longest time without a landed write; the
+queueing has its own bound (``prefill_queue_timeout_s``), and a timeout says which of the two
+expired."""
 
 from __future__ import annotations
 
@@ -69,3 +70,17 @@ def test_queueing_at_the_prefill_does_not_count_against_the_transfer_deadline(qu
         wait_pool_free(queue_server.metrics_url, model, timeout_s=30)
     again = stream_generate(url, PROMPT, 4, model="decode_1", ignore_eos=True)
     assert again.error is None and len(again.token_ids) == 4, again.error
+
+
+def test_a_prefill_longer_than_the_transfer_deadline_succeeds_while_its_layers_land(queue_server):
+    """``kv_transfer_timeout_s`` bounds the time without a landed write, not the whole prefill:
+    a 2,400-token prompt (about 10 chunks of 256 tokens on one engine thread) takes longer than
+    the 5 s deadline, and each chunk's layers land as they are written."""
+    long_prompt = "Summarise: " + " ".join(f"row {i} holds {i * 13} units;" for i in range(200))
+    t0 = time.monotonic()
+    res = stream_generate(queue_server.grpc_url, long_prompt, 4, model="decode_0", ignore_eos=True, timeout_s=180)
+    elapsed = time.monotonic() - t0
+    assert res.error is None and len(res.token_ids) == 4, res.error
+    assert elapsed > TRANSFER_TIMEOUT_S, f"the prefill took {elapsed:.1f}s: too short to outlast the deadline"
+    for model in ("prefill_0", "decode_0"):
+        wait_pool_free(queue_server.metrics_url, model, timeout_s=30)
