@@ -19,24 +19,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
+from backend.launch.ports import free_port
 from perf.tool_venv import ensure_tool
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LLAMA_CPP = "llama-cpp-python[server]==0.3.36"
 PROMPT = "Explain how a refrigerator works."
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rates(times: list[float]) -> tuple[float, float]:
@@ -121,7 +115,7 @@ def _stream_cpp(client, prompt: str, tokens: int) -> list[float]:
 def run_baseline(gguf: Path, threads: int, streams: int, tokens: int) -> dict:
     from openai import OpenAI
 
-    port = _free_port()
+    port = free_port()
     proc = _llama_cpp_server(gguf, threads, port, RESULTS / "cpp-baseline-llama-cpp" / "server.log")
     try:
         _wait_ready(f"http://127.0.0.1:{port}", proc)

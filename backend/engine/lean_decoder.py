@@ -146,7 +146,8 @@ class LeanDecoder:
             layer_pool = store_kv(batch, layer_idx, qkv[:, heads:].view(tokens, 2, kv_heads, dim))
             key = value = None
             if first_chunks:  # a chunk that starts its sequence attends to this step's K/V directly
-                key, value = (qkv[:, a:b].transpose(0, 1)[None] for a, b in ((heads, qk_heads), (qk_heads, None)))
+                key = qkv[:, heads:qk_heads].transpose(0, 1)[None]
+                value = qkv[:, qk_heads:].transpose(0, 1)[None]
             attn = attend(batch, layer_pool, qkv[:, :heads].transpose(0, 1), key, value, self.scaling)
             h = h + o_proj(attn.reshape(tokens, heads * dim))
             gate, up = gate_up_proj(F.rms_norm(h, hidden, norm2, self.eps)).chunk(2, dim=-1)

@@ -80,15 +80,6 @@ def test_decoder_setting_is_checked_by_name(tiny):
 def test_lean_loop_equals_transformers_modules_on_the_real_checkpoint_under_int8():
     """Bit for bit on SmolLM2-135M too: its 30 layers amplify a one-ulp difference (e.g. a fused
     multiply-add in the rotary embedding) through the activations' int8 quantization."""
-    prompt = list(range(300, 340))
-
-    def states(decoder):
-        runner = ModelRunner(
-            EngineConfig(model_path=str(real_model_dir()), kv_cache_tokens=512, weights_dtype="int8", decoder=decoder)
-        )
-        first = runner.run([BatchEntry(prompt, 0, [0, 1, 2]), BatchEntry(prompt[:20], 0, [3, 4])]).hidden
-        mixed = runner.run([BatchEntry([7], 40, [0, 1, 2]), BatchEntry(prompt[20:30], 20, [3, 4])]).hidden
-        return first, mixed
-
-    for a, b in zip(states("auto"), states("transformers")):
-        assert torch.equal(a, b), (a - b).abs().max().item()
+    model = real_model_dir()
+    states = [_step_states(_runner(model, weights_dtype="int8", decoder=d)) for d in ("auto", "transformers")]
+    assert torch.equal(*states), (states[0] - states[1]).abs().max().item()
