@@ -20,7 +20,9 @@ class ConnectorConfig:
     is not cut off while it makes progress; with ``stream_layers`` false the first write lands
     after the whole prefill, which this bound then covers);
     ``prefill_queue_timeout_s`` (decode role): how long the request may wait in the prefill
-    instance's queue before that. ``kv_xfer_timeout_s``: one NIXL transfer stuck this long fails its request.
+    instance's queue before that. ``prefill_connect_wait_s`` (decode role): how long a request
+    that needs a prefill instance waits for one to connect (none connected) before it fails as
+    ``prefill_unavailable``. ``kv_xfer_timeout_s``: one NIXL transfer stuck this long fails its request.
     ``kv_quarantine_s``: pages of a failed request are reused after this long at the latest
     (sooner when the sender confirms it stopped). ``meta_slots``: receive slots for the last
     hidden state and logits (requests in transfer at once). ``messenger_secret_file``: the
@@ -43,6 +45,7 @@ class ConnectorConfig:
     kv_xfer_timeout_s: float = 10.0
     kv_transfer_timeout_s: float = 20.0
     prefill_queue_timeout_s: float = 60.0
+    prefill_connect_wait_s: float = 5.0
     prefill_endpoints: str = ""
     messenger_host: str = "127.0.0.1"
     messenger_port: int = 0
@@ -64,6 +67,7 @@ class ConnectorConfig:
             "kv_xfer_timeout_s",
             "kv_transfer_timeout_s",
             "prefill_queue_timeout_s",
+            "prefill_connect_wait_s",
             "messenger_handshake_timeout_s",
             "cache_report_interval_s",
         ):

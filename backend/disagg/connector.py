@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from backend.engine.outputs import EngineOutput
+from backend.engine.protocol import DeviceMark
 from backend.engine.scheduler import StepBatch
 
 # (req_id, ok, error) once the pages a request sent from may be freed (every write done or stopped)
@@ -59,7 +60,7 @@ class PeerAgent(Protocol):
     def add_peer(self, payload: dict) -> str: ...
 
 
-class KVSender(ABC):
+class KVSender(ABC):  # also the engine's KVStepListener (its worker side)
     """Prefill role. Scheduler side: :meth:`add_request`, :meth:`request_finished`,
     :meth:`cancel`. Worker side: :meth:`step_scheduled`, :meth:`layer_written` (engine thread)."""
 
@@ -78,10 +79,13 @@ class KVSender(ABC):
         """Stop sending for a request (receiver cancelled, peer lost, instance down)."""
 
     @abstractmethod
-    def step_scheduled(self, batch: StepBatch) -> None: ...
+    def step_scheduled(self, batch: StepBatch) -> None:
+        """Engine thread, before a step with prefill-only chunks: which pages it completes."""
 
     @abstractmethod
-    def layer_written(self, layer: int, batch: StepBatch) -> None: ...
+    def layer_written(self, layer: int, batch: StepBatch, written: DeviceMark) -> None:
+        """Engine thread, right after each layer queued the step's KV write (``KVStepListener``):
+        post those pages once ``written`` is done, never blocking the engine thread."""
 
     @abstractmethod
     def stats(self) -> dict: ...

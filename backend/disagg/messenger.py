@@ -2,8 +2,10 @@
 speaking the typed protocol of ``backend/disagg/protocol.py`` over ``fabric_bridge.control``'s
 framing and handshake exchange.
 
-Decode side: :class:`PrefillEndpoint` (one per configured prefill address, connects lazily,
-tracks its outstanding requests). Prefill side: :class:`MessengerServer` (accepts decode
+Decode side: :class:`PrefillEndpoint` (one per configured prefill address; its own connector
+thread connects and handshakes, and reconnects after a loss, so no network I/O ever runs on the
+worker's thread; the owner hears ``on_connected`` / ``on_lost`` / ``on_message`` as events).
+Prefill side: :class:`MessengerServer` (accepts decode
 instances, answers their hello, dispatches their messages tagged with the connection they
 came on). A message that breaks the protocol is logged and dropped; a dropped connection is
 reported to the owner, who fails the requests that depended on it.
@@ -102,7 +104,9 @@ class Connection:
 
 
 class PrefillEndpoint:
-    """Decode side of one prefill instance: connects lazily, tracks outstanding requests."""
+    """Decode side of one prefill instance. :meth:`start` runs the connector thread (connect,
+    authenticate, handshake; again ``RETRY_S`` after a failure or a loss; at once after
+    :meth:`wake`). ``outstanding`` (the requests waiting for its KV) belongs to the owner's thread."""
 
     RETRY_S = 1.0
 
@@ -116,6 +120,7 @@ class PrefillEndpoint:
         on_message: Callable[["PrefillEndpoint", Message], None],
         on_lost: Callable[["PrefillEndpoint", str], None],
         connect_timeout_s: float = 5.0,
+        on_connected: Callable[["PrefillEndpoint"], None] | None = None,
     ):
         self.host, self.port = host, port
         self.address = f"{host}:{port}"
@@ -129,6 +134,30 @@ class PrefillEndpoint:
         self._lock = threading.Lock()
         self._last_attempt = 0.0
         self.last_error: str | None = None
+        self._on_connected = on_connected
+        self._wake = threading.Event()
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> PrefillEndpoint:
+        """Keep this endpoint connected from a thread of its own."""
+        self._thread = threading.Thread(target=self._connect_loop, name=f"connect-{self.address}", daemon=True)
+        self._thread.start()
+        return self
+
+    def wake(self) -> None:
+        """Try to connect now (a request is waiting for a prefill instance)."""
+        self._wake.set()
+
+    def _connect_loop(self) -> None:
+        while not self._closing.is_set():
+            if not self.connected and self.ensure_connected(force=True) and self._on_connected is not None:
+                try:
+                    self._on_connected(self)
+                except Exception:
+                    log.exception("prefill endpoint %s: on_connected failed", self.address)
+            self._wake.wait(self.RETRY_S)
+            self._wake.clear()
 
     @property
     def connected(self) -> bool:
@@ -187,8 +216,12 @@ class PrefillEndpoint:
         self._on_lost(self, reason)
 
     def close(self) -> None:
+        self._closing.set()
+        self._wake.set()
         if self._conn is not None:
             self._conn.close("shutdown")
+        if self._thread is not None:
+            self._thread.join(timeout=self._connect_timeout_s + 1)
 
 
 class MessengerServer:
@@ -273,7 +306,7 @@ class MessengerServer:
             deadline.cancel()
             with self._lock:
                 self._handshaking -= 1
-        holder = {}
+        holder: dict[str, Connection] = {}
         conn = Connection(
             sock,
             lambda m: self._on_message(peer, m, holder["conn"]),

@@ -24,7 +24,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -122,7 +122,7 @@ class NixlKVSender(KVSender):
         self.jobs: dict[str, _SendJob] = {}
         self._lock = threading.Lock()
         self._rng = random.Random()
-        self.totals = {
+        self.totals: dict[str, float] = {
             "kv_writes_total": 0,
             "kv_transfer_bytes_total": 0,
             "prefills_total": 0,
@@ -170,8 +170,10 @@ class NixlKVSender(KVSender):
             if not self.stream_layers:  # the switch for measuring overlap: send everything now
                 self._poster.submit(computed, req.req_id, partial(self._post_all_layers, job))
             if req.slot is not None:
-                meta = (req.peer, req.req_id, req.generation, req.slot, output.hidden_state, output.logits)
-                self._poster.submit(computed, req.req_id, partial(self.agent.post_meta, *meta))
+                hidden, logits = output.hidden_state, output.logits
+                assert hidden is not None and logits is not None
+                post = partial(self.agent.post_meta, req.peer, req.req_id, req.generation, req.slot, hidden, logits)
+                self._poster.submit(computed, req.req_id, post)
         else:
             reason = output.error or output.finish_reason or "aborted"
             stop = partial(self.agent.cancel, req.req_id, reason, req.peer, req.generation)
@@ -240,13 +242,14 @@ class NixlKVSender(KVSender):
         for layer in range(self.layout.num_layers):
             self._post(job, layer, range(job.n_pages))
 
-    def _post(self, job: _SendJob, layer: int, positions) -> None:
-        req = job.request
-        if self.agent.post_layer(req.peer, req.req_id, req.generation, job.plan, layer, positions):
-            n = job.plan.writes(positions)
+    def _post(self, job: _SendJob, layer: int, positions: Sequence[int]) -> None:
+        req, plan = job.request, job.plan
+        assert plan is not None  # planned at the request's first chunk, before any layer is written
+        if self.agent.post_layer(req.peer, req.req_id, req.generation, plan, layer, positions):
+            n = plan.writes(positions)
             job.writes += n
             self.totals["kv_writes_total"] += n
-            self.totals["kv_transfer_bytes_total"] += len(positions) * sum(int(p.length.sum()) for p in job.plan.pairs)
+            self.totals["kv_transfer_bytes_total"] += len(positions) * sum(int(p.length.sum()) for p in plan.pairs)
 
     def _post_failed(self, req_id: str, reason: str) -> None:
         """The poster could not post (the device did not finish, or posting raised)."""

@@ -25,7 +25,7 @@ log = logging.getLogger("triton_disagg.connector")
 class Poster:
     def __init__(self, name: str, timeout_s: float, on_error: Callable[[str, str], None]):
         self.timeout_s, self._on_error = timeout_s, on_error
-        self._queue: collections.deque[tuple[DeviceMark, str, Callable[[], None]]] = collections.deque()
+        self._queue: collections.deque[tuple[DeviceMark, str, Callable[[], object]]] = collections.deque()
         self._cv = threading.Condition()
         self._busy = False  # a post runs now (inline or on the thread)
         self._closing = False
@@ -34,7 +34,7 @@ class Poster:
         self._thread = threading.Thread(target=self._run, name=f"poster-{name}", daemon=True)
         self._thread.start()
 
-    def submit(self, mark: DeviceMark, req_id: str, post: Callable[[], None]) -> None:
+    def submit(self, mark: DeviceMark, req_id: str, post: Callable[[], object]) -> None:
         with self._cv:
             if self._closing:
                 return
@@ -87,7 +87,7 @@ class Poster:
                     self._busy = False
                     self._cv.notify_all()
 
-    def _call(self, req_id: str, fn: Callable[[], None]) -> None:
+    def _call(self, req_id: str, fn: Callable[[], object]) -> None:
         try:
             fn()
         except Exception as exc:

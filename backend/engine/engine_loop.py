@@ -1,8 +1,11 @@
 """EngineLoop: runs an LLMEngine in a background thread behind a thread-safe API.
 
-``submit`` and ``cancel`` only enqueue; the loop thread applies them between steps and calls each
-request's ``on_output(EngineOutput)`` for every new token and once at the end. A failing step
-fails the requests it touched (finish_reason "error", pages freed); the loop keeps running.
+Every call only enqueues a typed command (:class:`Submit`, :class:`Cancel`, :class:`KVLoaded`,
+:class:`Fail`, :class:`Release`, :class:`Stop`); the loop thread applies them between steps,
+so the engine (its scheduler, allocator and sequences) is touched by that thread alone. Each
+request's ``on_output(EngineOutput)`` is called on the loop thread for every new token and once
+at the end. A failing step fails the requests it touched (finish_reason "error", pages freed);
+the loop keeps running.
 """
 
 from __future__ import annotations
@@ -10,7 +13,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
 
 from backend.engine.outputs import EngineOutput, ErrorKind, FinishReason
 from backend.engine.protocol import Engine
@@ -21,10 +27,63 @@ log = logging.getLogger("triton_disagg.engine")
 OutputCallback = Callable[[EngineOutput], None]
 
 
+@dataclass(frozen=True)
+class Submit:
+    """Add a request. ``remote_kv``: its prompt's KV may be loaded from elsewhere (decode role,
+    see ``Engine.set_kv_loader``); ``prefill_only``: compute the prompt, never sample."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams | None
+    on_output: OutputCallback
+    prefill_only: bool = False
+    remote_kv: bool = False
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Abort a request; its callback gets finish_reason "abort" (nothing if it already ended)."""
+
+    req_id: str
+
+
+@dataclass(frozen=True)
+class KVLoaded:
+    """A request waiting for remote KV has it (the prefill's last hidden state and logits)."""
+
+    req_id: str
+    hidden: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Fail:
+    """End a request with this error (one waiting for remote KV keeps its pages: ``pages_held``)."""
+
+    req_id: str
+    message: str
+    kind: ErrorKind
+
+
+@dataclass(frozen=True)
+class Release:
+    """Free the pages a finished request still holds (``EngineOutput.pages_held``)."""
+
+    req_id: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+Command = Submit | Cancel | KVLoaded | Fail | Release | Stop
+
+
 class EngineLoop:
     def __init__(self, engine: Engine, name: str = "engine-loop"):
         self.engine = engine
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._callbacks: dict[str, OutputCallback] = {}
         self._stopping = threading.Event()
         self._num_steps = 0
@@ -38,41 +97,24 @@ class EngineLoop:
         sampling_params: SamplingParams | None,
         on_output: OutputCallback,
         prefill_only: bool = False,
-        kv_ready_tokens: int = 0,
-        prefill_state: tuple | None = None,
+        remote_kv: bool = False,
     ) -> None:
-        """Queue a request; an invalid one is answered through ``on_output`` with finish_reason "error".
-        ``prefill_state``: (hidden, logits) of the last prefilled position, sent with the KV."""
+        """Queue a request; an invalid one is answered through ``on_output`` with finish_reason "error"."""
         if self._stopping.is_set():
             raise RuntimeError("EngineLoop is shut down")
-        self._commands.put(
-            (
-                "submit",
-                req_id,
-                list(prompt_token_ids),
-                sampling_params,
-                on_output,
-                prefill_only,
-                kv_ready_tokens,
-                prefill_state,
-            )
-        )
+        self._commands.put(Submit(req_id, list(prompt_token_ids), sampling_params, on_output, prefill_only, remote_kv))
 
     def cancel(self, req_id: str) -> None:
-        """Abort a request; its callback gets finish_reason "abort" (nothing if it already ended)."""
-        self._commands.put(("cancel", req_id))
+        self._commands.put(Cancel(req_id))
 
-    def reserve(self, req_id: str, n_tokens: int, token_ids: list[int] | None = None) -> list[int]:
-        return self.engine.reserve(req_id, n_tokens, token_ids)
+    def kv_loaded(self, req_id: str, hidden: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> None:
+        self._commands.put(KVLoaded(req_id, hidden, logits))
 
-    def cached_tokens(self, req_id: str) -> int:
-        return self.engine.cached_tokens(req_id)
+    def fail(self, req_id: str, message: str, kind: ErrorKind) -> None:
+        self._commands.put(Fail(req_id, message, kind))
 
-    def cancel_reservation(self, req_id: str) -> None:
-        self.engine.cancel_reservation(req_id)
-
-    def release(self, req_id: str) -> int:
-        return self.engine.release(req_id)
+    def release(self, req_id: str) -> None:
+        self._commands.put(Release(req_id))
 
     def stats(self) -> dict:
         waiting, running = self.engine.queue_lengths()
@@ -88,7 +130,7 @@ class EngineLoop:
         """Stop the loop; requests still active end with finish_reason "abort"."""
         if not self._stopping.is_set():
             self._stopping.set()
-            self._commands.put(("stop",))
+            self._commands.put(Stop())
         self._thread.join(timeout)
 
     def _run(self) -> None:
@@ -109,11 +151,15 @@ class EngineLoop:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "submit":
+            if isinstance(command, Submit):
                 self._call(
-                    command[4],
+                    command.on_output,
                     EngineOutput(
-                        command[1], [], finished=True, finish_reason=FinishReason.ABORT, error="engine loop shut down"
+                        command.req_id,
+                        [],
+                        finished=True,
+                        finish_reason=FinishReason.ABORT,
+                        error="engine loop shut down",
                     ),
                 )
 
@@ -138,32 +184,44 @@ class EngineLoop:
             except queue.Empty:
                 return
 
-    def _apply(self, command: tuple) -> None:
-        kind = command[0]
-        if kind == "submit":
-            _, req_id, prompt, params, on_output, prefill_only, kv_ready_tokens, prefill_state = command
-            hidden, logits = prefill_state or (None, None)
-            if req_id in self._callbacks:
-                self._refuse(on_output, req_id, f"request {req_id!r} is already active")
-                return
-            try:
-                self.engine.add_request(
-                    req_id,
-                    prompt,
-                    params,
-                    prefill_only=prefill_only,
-                    kv_ready_tokens=kv_ready_tokens,
-                    prefill_hidden=hidden,
-                    prefill_logits=logits,
-                )
-            except Exception as exc:
-                self._refuse(on_output, req_id, f"{type(exc).__name__}: {exc}")
-                return
-            self._callbacks[req_id] = on_output
-        elif kind == "cancel":
-            output = self.engine.abort(command[1])
-            if output is not None:
-                self._emit([output])
+    def _apply(self, command: Command) -> None:
+        match command:
+            case Submit():
+                self._submit(command)
+            case Cancel(req_id):
+                self._emit([self.engine.abort(req_id)])
+            case KVLoaded(req_id, hidden, logits):
+                if not self.engine.kv_loaded(req_id, hidden, logits):
+                    log.debug("KV of %s landed after it ended", req_id)
+            case Fail(req_id, message, kind):
+                self._emit(self.engine.fail([req_id], message, kind))
+            case Release(req_id):
+                try:
+                    freed = self.engine.release(req_id)
+                except ValueError as e:  # still active: a bug in the caller, never a crash here
+                    log.error("release of %s refused: %s", req_id, e)
+                else:
+                    log.debug("request %s: %d pages freed", req_id, freed)
+            case Stop():
+                pass
+
+    def _submit(self, command: Submit) -> None:
+        req_id, on_output = command.req_id, command.on_output
+        if req_id in self._callbacks:
+            self._refuse(on_output, req_id, f"request {req_id!r} is already active")
+            return
+        try:
+            self.engine.add_request(
+                req_id,
+                command.prompt_token_ids,
+                command.params,
+                prefill_only=command.prefill_only,
+                remote_kv=command.remote_kv,
+            )
+        except Exception as exc:
+            self._refuse(on_output, req_id, f"{type(exc).__name__}: {exc}")
+            return
+        self._callbacks[req_id] = on_output
 
     def _refuse(self, on_output: OutputCallback, req_id: str, message: str) -> None:
         """Answer a submit the engine cannot take (finish_reason "error", kind bad_request)."""
@@ -172,14 +230,16 @@ class EngineLoop:
         )
         self._call(on_output, error)
 
-    def _emit(self, outputs: list[EngineOutput]) -> None:
+    def _emit(self, outputs: Sequence[EngineOutput | None]) -> None:
         for output in outputs:
+            if output is None:
+                continue
             callback = self._callbacks.get(output.req_id)
             if output.finished:
                 self._callbacks.pop(output.req_id, None)
             if callback is not None and not self._call(callback, output) and not output.finished:
                 self._callbacks.pop(output.req_id, None)
-                self.engine.abort(output.req_id)
+                self._emit([self.engine.abort(output.req_id)])
 
     @staticmethod
     def _call(callback: OutputCallback, output: EngineOutput) -> bool:
@@ -187,5 +247,5 @@ class EngineLoop:
             callback(output)
             return True
         except Exception:
-            log.exception("on_output callback for %r raised; the request is aborted", output.req_id)
+            log.exception("on_output callback for %r raised", output.req_id)
             return False

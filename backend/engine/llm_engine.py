@@ -5,9 +5,11 @@ Roles:
 - prefill: ``add_request(..., prefill_only=True)`` computes the prompt in chunks and never samples;
   its final output carries the last position's hidden state and logits; its pages stay held until
   ``release(req_id)`` (a KV transfer may still read them), whatever the finish reason;
-- decode: ``reserve(req_id, n)`` takes pages for KV written from outside, then
-  ``add_request(..., kv_ready_tokens=n-1)`` starts straight at the last prompt token (with the
-  prefill's last hidden state and logits as ``prefill_hidden`` / ``prefill_logits`` if sent).
+- decode: ``add_request(..., remote_kv=True)`` is admitted like any request (pages, its cached
+  prefix first); the KV loader (``set_kv_loader``) then decides whether the rest of the prompt's
+  KV comes from elsewhere; if so the request waits, holding its pages, until ``kv_loaded(req_id,
+  hidden, logits)`` starts it at its last prompt token (with the prefill's last hidden state and
+  logits if sent) or ``fail`` ends it (pages held until ``release``: a late write may land).
 
 Decode side (aggregated and decode roles): speculative decoding (a decoding sequence runs its
 last token plus draft tokens in one chunk; the accepted drafts and one target token are
@@ -30,12 +32,12 @@ from backend.engine.model_runner import ModelRunner
 from backend.engine.outputs import EngineOutput, ErrorKind, FinishReason
 from backend.engine.page_allocator import PageAllocator
 from backend.engine.paged_attention import BatchEntry
-from backend.engine.protocol import DeviceMark, KVCacheSpec, KVStepListener, ModelDims
+from backend.engine.protocol import DeviceMark, KVCacheSpec, KVLoader, KVStepListener, ModelDims
 from backend.engine.sampling.decode_sampler import DecodeSampler
 from backend.engine.sampling.sampler import make_generator, sample
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import ChunkInfo, ScheduledChunk, Scheduler, StepBatch
-from backend.engine.sequence import Sequence
+from backend.engine.sequence import SeqStatus, Sequence
 
 log = logging.getLogger("triton_disagg.engine")
 
@@ -61,6 +63,7 @@ class LLMEngine:
         )
         self.default_end_ids = self.runner.end_token_ids()
         self.kv_listener: KVStepListener | None = None
+        self.kv_loader: KVLoader | None = None
         self._seqs: dict[str, Sequence] = {}
         self.decode_sampler = DecodeSampler(self.max_model_len)
 
@@ -82,6 +85,15 @@ class LLMEngine:
         queued the step's KV write (``written``: done once the device executed it)."""
         self.kv_listener = listener
         self.runner.set_layer_hook(listener.layer_written if listener is not None and layer_events else None)
+
+    def set_kv_loader(self, loader: KVLoader | None) -> None:
+        """``loader.load(...)`` when a ``remote_kv`` request has its pages (see ``KVLoader``)."""
+        self.kv_loader = loader
+        self.scheduler.load_remote = self._load_remote if loader is not None else None
+
+    def _load_remote(self, seq: Sequence) -> bool:
+        assert self.kv_loader is not None
+        return self.kv_loader.load(seq.req_id, seq.token_ids, self.allocator.page_table(seq.req_id), seq.num_computed)
 
     def device_mark(self) -> DeviceMark:
         return self.runner.device_mark()
@@ -130,13 +142,11 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams | None = None,
         prefill_only: bool = False,
-        kv_ready_tokens: int = 0,
-        prefill_hidden: torch.Tensor | None = None,
-        prefill_logits: torch.Tensor | None = None,
+        remote_kv: bool = False,
     ) -> None:
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_token_ids]
-        self._validate(req_id, prompt, params, prefill_only, kv_ready_tokens)
+        self._validate(req_id, prompt, params, prefill_only, remote_kv)
         if not params.end_ids and not params.ignore_eos:
             params = dataclasses.replace(params, end_ids=self.default_end_ids)
         seq = Sequence(
@@ -145,9 +155,8 @@ class LLMEngine:
             params,
             make_generator(params, self.runner.device),
             prefill_only=prefill_only,
-            kv_ready_tokens=kv_ready_tokens,
+            remote_kv=remote_kv,
         )
-        seq.last_hidden, seq.last_logits = prefill_hidden, prefill_logits
         if params.grammar is not None:
             from backend.engine.sampling.grammar import GrammarState  # xgrammar only when used
 
@@ -161,6 +170,16 @@ class LLMEngine:
         if seq is None:
             return None
         return self._finish(seq, FinishReason.ABORT, [])
+
+    def kv_loaded(self, req_id: str, hidden: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> bool:
+        """A request waiting for remote KV has it: it runs its last prompt token next (False: it
+        is not waiting, e.g. cancelled meanwhile)."""
+        seq = self._seqs.get(req_id)
+        if seq is None or seq.status is not SeqStatus.WAITING_REMOTE_KV:
+            return False
+        seq.last_hidden, seq.last_logits = hidden, logits
+        self.scheduler.kv_loaded(seq)
+        return True
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -184,26 +203,9 @@ class LLMEngine:
             0,
         )
 
-    def reserve(self, req_id: str, n_tokens: int, token_ids: list[int] | None = None) -> list[int]:
-        """Decode role: pin pages for ``n_tokens`` tokens of KV written from outside; with
-        ``token_ids`` (the prompt), its cached prefix comes first (:meth:`cached_tokens`).
-        Raises PoolFullError when the pool cannot hold them now."""
-        if req_id in self._seqs:
-            raise ValueError(f"request {req_id!r} is already active")
-        if not 0 < n_tokens < self.max_model_len:
-            raise ValueError(f"reserve: n_tokens must be in [1, {self.max_model_len}), got {n_tokens}")
-        return self.allocator.allocate(req_id, n_tokens, token_ids=token_ids)
-
-    def cached_tokens(self, req_id: str) -> int:
-        return self.allocator.cached_tokens(req_id)
-
-    def cancel_reservation(self, req_id: str) -> None:
-        if req_id in self._seqs:
-            raise ValueError(f"request {req_id!r} is running; abort it instead")
-        self.allocator.free(req_id)
-
     def release(self, req_id: str) -> int:
-        """Prefill role: free the pages a finished prefill-only request still holds; returns how many."""
+        """Free the pages a finished request still holds (``EngineOutput.pages_held``: a
+        prefill-only request, or one that waited for remote KV); returns how many."""
         if req_id in self._seqs:
             raise ValueError(f"request {req_id!r} is still running; abort it first")
         return self.allocator.free(req_id) if self.allocator.has(req_id) else 0
@@ -334,10 +336,12 @@ class LLMEngine:
         logits: torch.Tensor | None = None,
         error_kind: ErrorKind | None = None,
     ) -> EngineOutput:
+        # a transfer may still read (prefill-only) or write (waiting for remote KV) its pages
+        held = self.allocator.has(seq.req_id) and (seq.prefill_only or seq.status is SeqStatus.WAITING_REMOTE_KV)
         self.scheduler.remove(seq)
         seq.finish_reason = reason
         del self._seqs[seq.req_id]
-        if not seq.prefill_only and self.allocator.has(seq.req_id):
+        if not held and self.allocator.has(seq.req_id):
             self.allocator.free(seq.req_id)
         return EngineOutput(
             seq.req_id,
@@ -350,6 +354,7 @@ class LLMEngine:
             num_output_tokens=seq.num_output_tokens,
             hidden_state=hidden,
             logits=logits,
+            pages_held=held,
         )
 
     def _step_batch(self, chunks: list[ScheduledChunk]) -> StepBatch:
@@ -368,7 +373,9 @@ class LLMEngine:
             ]
         )
 
-    def _validate(self, req_id, prompt, params, prefill_only, kv_ready_tokens) -> None:
+    def _validate(
+        self, req_id: str, prompt: list[int], params: SamplingParams, prefill_only: bool, remote_kv: bool
+    ) -> None:
         if req_id in self._seqs:
             raise ValueError(f"request {req_id!r} is already active")
         if not prompt:
@@ -389,15 +396,7 @@ class LLMEngine:
             raise ValueError(f"request needs up to {needed} KV pages; the pool has {self.allocator.num_pages}")
         if prefill_only and (params.grammar is not None or params.num_draft_tokens):
             raise ValueError("a prefill-only request never samples: no grammar or draft tokens")
-        if kv_ready_tokens:
-            if prefill_only:
-                raise ValueError("kv_ready_tokens and prefill_only are exclusive")
-            if not 0 < kv_ready_tokens < len(prompt):
-                raise ValueError(f"kv_ready_tokens must be in [1, {len(prompt) - 1}], got {kv_ready_tokens}")
-            if not self.allocator.has(req_id):
-                raise ValueError(f"request {req_id!r} has no reserved pages; call reserve() first")
-            held = len(self.allocator.page_table(req_id)) * self.config.page_size
-            if held < kv_ready_tokens:
-                raise ValueError(f"reserved pages hold {held} tokens < kv_ready_tokens {kv_ready_tokens}")
-        elif self.allocator.has(req_id):
+        if remote_kv and prefill_only:
+            raise ValueError("remote_kv and prefill_only are exclusive")
+        if self.allocator.has(req_id):
             raise ValueError(f"request {req_id!r} still holds pages (reserved or unreleased)")

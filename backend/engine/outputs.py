@@ -33,7 +33,9 @@ class ErrorKind(enum.StrEnum):
 class EngineOutput:
     """New tokens of one request from one step; ``finished`` with ``finish_reason``.
     Prefill-only results carry ``hidden_state`` [hidden] and ``logits`` [vocab] of the last
-    prompt position."""
+    prompt position. ``pages_held``: the request ended but keeps its pages (a prefill-only request,
+    or one that waited for remote KV: a transfer may still read or write them) until the engine is
+    told to release them."""
 
     req_id: str
     new_token_ids: list[int]
@@ -45,3 +47,4 @@ class EngineOutput:
     num_output_tokens: int = 0
     hidden_state: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    pages_held: bool = False

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from backend.engine.cache_summary import CacheSummary
-from backend.engine.outputs import EngineOutput
+from backend.engine.outputs import EngineOutput, ErrorKind
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import StepBatch
 
@@ -70,6 +70,18 @@ class KVStepListener(Protocol):
         read the layer's pages before then, and must not block the engine thread waiting."""
 
 
+class KVLoader(Protocol):
+    """Scheduler side of a receiving KV connector, as the engine calls it (engine thread)."""
+
+    def load(self, req_id: str, token_ids: list[int], page_table: list[int], cached_tokens: int) -> bool:
+        """A ``remote_kv`` request was admitted with its pages (``page_table``; the first
+        ``cached_tokens`` of ``token_ids`` were in the prefix cache). True: its prompt's KV (all
+        tokens but the last) will be loaded into those pages from elsewhere; the request waits
+        until :meth:`Engine.kv_loaded`, or :meth:`Engine.fail` ends it (its pages held until
+        :meth:`Engine.release`: a late write may land). False: the engine computes the
+        uncached part itself. Must not block (queue the work, return)."""
+
+
 class Engine(Protocol):
     max_model_len: int
 
@@ -80,27 +92,23 @@ class Engine(Protocol):
         prompt_token_ids: list[int],
         params: SamplingParams | None = None,
         prefill_only: bool = False,
-        kv_ready_tokens: int = 0,
-        prefill_hidden: torch.Tensor | None = None,
-        prefill_logits: torch.Tensor | None = None,
+        remote_kv: bool = False,
     ) -> None: ...
     def abort(self, req_id: str) -> EngineOutput | None: ...
+    def kv_loaded(self, req_id: str, hidden: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> bool:
+        """A request waiting for remote KV has it (with the prefill's last hidden state and
+        logits, if sent): it runs its last prompt token next. False if it is not waiting."""
+
     def step(self) -> list[EngineOutput]: ...
     def has_work(self) -> bool: ...
-    def fail(self, req_ids: list[str], message: str) -> list[EngineOutput]: ...
+    def fail(self, req_ids: list[str], message: str, kind: ErrorKind = ...) -> list[EngineOutput]: ...
     def active_request_ids(self) -> list[str]: ...
     def queue_lengths(self) -> tuple[int, int]: ...
 
-    # pages (thread-safe)
-    def reserve(self, req_id: str, n_tokens: int, token_ids: list[int] | None = None) -> list[int]:
-        """Pin pages for ``n_tokens`` tokens of KV written from outside; with ``token_ids`` (the
-        prompt) the table starts with its cached prefix (:meth:`cached_tokens`)."""
+    def release(self, req_id: str) -> int:
+        """Free the pages a finished request still holds (``EngineOutput.pages_held``)."""
 
-    def cached_tokens(self, req_id: str) -> int:
-        """How many of the request's prompt tokens were in the prefix cache when it got its pages."""
-
-    def cancel_reservation(self, req_id: str) -> None: ...
-    def release(self, req_id: str) -> int: ...
+    # pages (thread-safe reads)
     def page_table(self, req_id: str) -> list[int]: ...
     def pool_stats(self) -> dict: ...
     def cache_summary(self) -> CacheSummary:
@@ -110,6 +118,7 @@ class Engine(Protocol):
     def dims(self) -> ModelDims: ...
     def kv_cache(self) -> KVCacheSpec: ...
     def set_kv_listener(self, listener: KVStepListener | None, layer_events: bool = True) -> None: ...
+    def set_kv_loader(self, loader: KVLoader | None) -> None: ...
     def device_mark(self) -> DeviceMark:
         """Done once the device has run everything queued so far (e.g. a finished step's hidden
         state and logits)."""

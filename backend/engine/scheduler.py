@@ -7,11 +7,18 @@ they may grow into; a sequence admitted with a cached prompt prefix (the allocat
 cache) starts computing after it. Nothing is preempted: a sequence that does not fit waits at the queue head.
 A decoding sequence with draft tokens (speculative decoding) runs its last token and its drafts
 in one chunk, the drafts cut to the budget left.
+
+Remote KV (decode role) goes through the same admission: a ``remote_kv`` sequence gets its pages
+(its cached prefix first) like any other, then the KV loader (``load_remote``) decides whether the
+rest of its prompt's KV comes from elsewhere; if so it waits, holding its pages, in
+``WAITING_REMOTE_KV`` (``parked``, counted against ``max_num_seqs``) until :meth:`kv_loaded`
+puts it in the running set at its last prompt token.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from backend.engine.page_allocator import PageAllocator, PoolFullError
@@ -74,11 +81,15 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.parked: dict[str, Sequence] = {}  # WAITING_REMOTE_KV
+        # (seq) -> True when its prompt's KV will be loaded from elsewhere (it then waits)
+        self.load_remote: Callable[[Sequence], bool] | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
+        """Something to compute (waiting for remote KV is not)."""
         return bool(self.waiting or self.running)
 
     def remove(self, seq: Sequence) -> None:
@@ -86,11 +97,23 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING_REMOTE_KV:
+            del self.parked[seq.req_id]
         seq.status = SeqStatus.FINISHED
+
+    def kv_loaded(self, seq: Sequence) -> None:
+        """A parked sequence's prompt KV (all tokens but the last) is in its pages: it runs its last
+        prompt token as its first decode step."""
+        if seq.status is not SeqStatus.WAITING_REMOTE_KV:
+            raise ValueError(f"request {seq.req_id!r} is not waiting for remote KV ({seq.status.value})")
+        del self.parked[seq.req_id]
+        seq.num_computed = seq.num_tokens - 1
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
 
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_num_batched_tokens
-        chunks = []
+        chunks: list[ScheduledChunk] = []
         decoding = [s for s in self.running if s.num_uncomputed == 1]
         prefilling = [s for s in self.running if s.num_uncomputed > 1]
         for seq in decoding + prefilling:
@@ -98,11 +121,15 @@ class Scheduler:
                 return chunks
             chunks.append(self._chunk(seq, budget))
             budget -= len(chunks[-1].input_token_ids)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.parked) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self._admit(seq):
                 break
             self.waiting.popleft()
+            if seq.remote_kv and self.load_remote is not None and self.load_remote(seq):
+                seq.status = SeqStatus.WAITING_REMOTE_KV
+                self.parked[seq.req_id] = seq
+                continue
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             chunks.append(self._chunk(seq, budget))
@@ -112,11 +139,8 @@ class Scheduler:
     def _admit(self, seq: Sequence) -> bool:
         commit_tokens = seq.kv_tokens_needed(self.max_model_len)
         try:
-            if seq.kv_ready:
-                self.allocator.commit(seq.req_id, commit_tokens)
-            else:
-                self.allocator.allocate(seq.req_id, seq.num_tokens, commit_tokens, token_ids=seq.token_ids)
-                seq.num_computed = self.allocator.cached_tokens(seq.req_id)  # a cached prefix is not recomputed
+            self.allocator.allocate(seq.req_id, seq.num_tokens, commit_tokens, token_ids=seq.token_ids)
+            seq.num_computed = self.allocator.cached_tokens(seq.req_id)  # a cached prefix is not recomputed
         except PoolFullError:
             return False
         return True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import torch
 
@@ -11,7 +12,8 @@ from backend.engine.sampling_params import SamplingParams
 
 
 class SeqStatus(enum.Enum):
-    WAITING = "waiting"
+    WAITING = "waiting"  # queued for pages (admission)
+    WAITING_REMOTE_KV = "waiting_remote_kv"  # has its pages; its prompt's KV is loaded from elsewhere
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -19,9 +21,10 @@ class SeqStatus(enum.Enum):
 class Sequence:
     """``token_ids`` = prompt + generated tokens; ``num_computed`` of them have their KV in the pool.
 
-    A prefill-only sequence (prefill role) computes its prompt and never samples. A sequence with
-    ``kv_ready`` starts with pages reserved earlier and ``num_computed`` tokens already written there
-    from outside (decode role).
+    A prefill-only sequence (prefill role) computes its prompt and never samples. A ``remote_kv``
+    sequence (decode role) may have its prompt's KV (all tokens but the last) loaded from elsewhere:
+    once admitted with its pages, the engine's KV loader decides, and the sequence then waits in
+    ``WAITING_REMOTE_KV`` until the KV has landed (it then starts at its last prompt token).
 
     Decode-side state: ``draft_token_ids`` (this step's proposal, with ``draft_bitmask`` when a
     ``grammar`` constrains the output), and ``last_hidden`` / ``last_logits`` of the sequence's last
@@ -35,7 +38,7 @@ class Sequence:
         params: SamplingParams,
         generator: torch.Generator | None,
         prefill_only: bool = False,
-        kv_ready_tokens: int = 0,
+        remote_kv: bool = False,
     ):
         self.req_id = req_id
         self.token_ids = list(prompt_token_ids)
@@ -43,15 +46,15 @@ class Sequence:
         self.params = params
         self.generator = generator
         self.prefill_only = prefill_only
-        self.kv_ready = kv_ready_tokens > 0
-        self.num_computed = kv_ready_tokens
+        self.remote_kv = remote_kv
+        self.num_computed = 0
         self.status = SeqStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.draft_token_ids: list[int] = []
         self.draft_bitmask: torch.Tensor | None = None
         self.draft_misses = 0  # consecutive verify steps that accepted no draft
         self.draft_pause = 0  # decode steps left without drafting (backoff after misses)
-        self.grammar = None
+        self.grammar: Any = None  # a GrammarState (xgrammar), imported only when used
         self.last_hidden: torch.Tensor | None = None
         self.last_logits: torch.Tensor | None = None
 

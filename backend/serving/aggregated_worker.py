@@ -6,7 +6,8 @@ from backend.engine.cache_summary import CacheSummary
 from backend.engine.engine_loop import EngineLoop
 from backend.serving.config import InstanceConfig
 from backend.serving.session import GenerationSession
-from backend.serving.worker import deliver, pool_gauges, sampling_params, start_engine
+from backend.serving.stats import AggregatedStats
+from backend.serving.worker import deliver, sampling_params, start_engine
 
 
 class AggregatedWorker:
@@ -37,8 +38,10 @@ class AggregatedWorker:
     def cancel(self, req_id: str) -> None:
         self.loop.cancel(req_id)
 
-    def stats(self) -> dict:
-        return pool_gauges(self.engine.pool_stats())
+    def stats(self) -> AggregatedStats:
+        s = AggregatedStats()
+        s.set_pool(self.engine.pool_stats())
+        return s
 
     def observations(self) -> dict[str, list[float]]:
         return {}  # TTFT, ITL and request latency come from the sessions, in the model

@@ -1,25 +1,34 @@
 """Decode worker: allocates pages first, asks a prefill instance for the KV, then decodes.
 
-For each request: reserve un-evictable pages (waiting in a bounded queue while the pool is
-full), pick a prefill instance (by the KV it holds of the prompt and the prefills already queued
-there, from the cache reports prefill instances send: ``backend/serving/kv_router.py``), tell the
-KV receiver what to
-expect (``backend/disagg/nixl_connector.py``) and send the prompt minus its last token with the
-destination pages over the KV messenger. The request stays out of the decode batch until the
-receiver has seen every write and the metadata; then the engine runs the last prompt token as
-its first decode step against the transferred cache. Failures (prefill lost, timeout, client
-gone) end the request with a clear error of a known kind; its pages are freed once no late
-write can land in them.
+Every request goes to the engine as a ``remote_kv`` request: the engine's scheduler admits it like
+any other (pages, its cached prefix first; a request waits there while the pool is full), then
+asks this worker (its KV loader, :meth:`DecodeWorker.load`) whether the rest of the prompt's KV
+comes from a prefill instance. It does unless the prefix cache holds all of it, or the uncached
+part is short or every prefill instance is busy (conditional disaggregation, ``ServingConfig``):
+then the engine computes it here. A remote request waits in the engine, holding its pages, while
+this worker picks a prefill instance (by the KV it holds and its queue: ``kv_router.py``), tells
+the KV receiver what to expect (``backend/disagg/nixl_connector.py``) and sends the prompt minus
+its last token with the destination pages over the messenger. When every write and the metadata
+have landed, the engine runs the last prompt token as the first decode step.
+
+One loop owns every request's state (``request_state.py``, the decode table): the fabric's
+completions, the messenger's messages, connections and losses, the engine's final outputs and
+client cancels are queued to this worker as events and applied by its loop thread, in order.
+No other thread changes a request's state; no network I/O runs on this loop (prefill endpoints
+connect on their own threads). Failures (prefill lost, timeout, client gone) end the request with
+a clear error of a known kind; its pages are freed once no late write can land in them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from backend.disagg import auth
 from backend.disagg.messenger import PrefillEndpoint
@@ -27,21 +36,110 @@ from backend.disagg.nixl_connector import NixlKVReceiver
 from backend.disagg.protocol import CacheReport, Cancel, Message, PrefillFailed, PrefillRequest, PrefillStarted
 from backend.engine.cache_summary import CacheSummary
 from backend.engine.engine_loop import EngineLoop
-from backend.engine.outputs import ErrorKind, FinishReason
-from backend.engine.page_allocator import PoolFullError
+from backend.engine.outputs import EngineOutput, ErrorKind
 from backend.serving.config import InstanceConfig
 from backend.serving.kv_router import KVRouter
+from backend.serving.request_state import DecodeEvent, DecodeState, IllegalTransition, RequestState
 from backend.serving.session import GenerationSession
-from backend.serving.worker import deliver, pool_gauges, sampling_params, start_engine
+from backend.serving.stats import DecodeStats
+from backend.serving.worker import deliver, sampling_params, start_engine
 
 log = logging.getLogger("triton_disagg.decode")
+TICK_S = 0.05  # client cancels and deadlines are checked this often
+
+
+# ---------------------------------------------------------------- events (queued to the loop)
+@dataclass(frozen=True)
+class Submitted:
+    session: GenerationSession
+
+
+@dataclass(frozen=True)
+class ClientCancel:
+    req_id: str
+
+
+@dataclass(frozen=True)
+class PagesReady:
+    """Engine thread (KV loader): the request has its pages; ``remote``: its KV comes from elsewhere."""
+
+    req_id: str
+    page_table: list[int]
+    cached_tokens: int
+    remote: bool
+
+
+@dataclass(frozen=True)
+class KVDone:
+    """Fabric thread: every write landed (``ok``), or the receive failed."""
+
+    req_id: str
+    ok: bool
+    error: str | None
+    meta: tuple[torch.Tensor, torch.Tensor] | None
+
+
+@dataclass(frozen=True)
+class KVReleased:
+    """Fabric thread: no write can land in the request's pages any more."""
+
+    req_id: str
+
+
+@dataclass(frozen=True)
+class FromPrefill:
+    endpoint: PrefillEndpoint
+    message: Message
+
+
+@dataclass(frozen=True)
+class PrefillConnected:
+    endpoint: PrefillEndpoint
+
+
+@dataclass(frozen=True)
+class PrefillLost:
+    endpoint: PrefillEndpoint
+    reason: str
+
+
+@dataclass(frozen=True)
+class EngineDone:
+    """Engine thread: the request's final output."""
+
+    output: EngineOutput
+
+
+@dataclass(frozen=True)
+class StopLoop:
+    pass
+
+
+Event = (
+    Submitted
+    | ClientCancel
+    | PagesReady
+    | KVDone
+    | KVReleased
+    | FromPrefill
+    | PrefillConnected
+    | PrefillLost
+    | EngineDone
+    | StopLoop
+)
 
 
 @dataclass
-class KVWait:
+class _Request:
     session: GenerationSession
-    endpoint: PrefillEndpoint
-    cancel_sent: bool = False
+    state: RequestState
+    queued_until: float  # QUEUED: when waiting for pages turns into "overloaded"
+    endpoint: PrefillEndpoint | None = None
+    pages: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    unsent_until: float = 0.0  # WAITING_KV before a prefill instance took it: until when to wait for one
+    sent: bool = False
+    cancelled: bool = False  # by the client, or by this worker (page wait)
 
 
 class DecodeWorker:
@@ -54,20 +152,29 @@ class DecodeWorker:
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.dims().vocab_size
         self.receiver = NixlKVReceiver(self.engine, config.connector, name)
+        self.engine.set_kv_loader(self)
         self.loop = EngineLoop(self.engine, name=f"{name}-engine")
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self.endpoints = [
-            PrefillEndpoint(h, p, self.receiver, name, secret, self._on_message, self._on_lost) for h, p in endpoints
+            PrefillEndpoint(
+                h,
+                p,
+                self.receiver,
+                name,
+                secret,
+                lambda e, m: self._events.put(FromPrefill(e, m)),
+                lambda e, r: self._events.put(PrefillLost(e, r)),
+                on_connected=lambda e: self._events.put(PrefillConnected(e)),
+            )
+            for h, p in endpoints
         ]
         self.router = KVRouter(config.connector.kv_routing_weight)
-        self._lock = threading.RLock()  # fabric callbacks may re-enter from cancel()
-        self.waiting_kv: dict[str, KVWait] = {}
-        self.waiting_pages: deque[tuple[GenerationSession, float]] = deque()
-        # prefills run here (all cached but the last token, or short / prefill busy: see
-        # ServingConfig.local_prefill_*) / by a prefill instance
-        self.counters = {"prefill_local_total": 0, "prefill_remote_total": 0}
-        self._stop = threading.Event()
-        self._watcher = threading.Thread(target=self._watch, name=f"{name}-kv-watch", daemon=True)
-        self._watcher.start()
+        self.requests: dict[str, _Request] = {}  # the loop thread's alone
+        self.counters = DecodeStats()
+        self._loop_thread = threading.Thread(target=self._run, name=f"{name}-decode-loop", daemon=True)
+        self._loop_thread.start()
+        for e in self.endpoints:
+            e.start()
 
     def describe(self) -> str:
         c = self.config.engine
@@ -77,97 +184,22 @@ class DecodeWorker:
             f"KV timeout {self.config.connector.kv_transfer_timeout_s}s"
         )
 
-    # ------------------------------------------------------------ admission
+    # ------------------------------------------------------------ serving-layer interface (any thread)
     def submit(self, session: GenerationSession) -> None:
-        down = self.engine.health()  # a tensor-parallel instance that lost a rank
-        if down:
-            session.fail(f"decode instance {self.name}: {down}", ErrorKind.OUT_OF_SERVICE)
-            return
-        if self.receiver.num_external_tokens(len(session.prompt_ids)) == 0:
-            # nothing to prefill: the first decode step is the prompt
-            self._run_here(session)
-            return
-        serving = self.config.serving
-        with self._lock:
-            if not self.waiting_pages and self._try_start(session):
-                return
-            overloaded = len(self.waiting_pages) >= serving.max_waiting_for_pages
-            if not overloaded:
-                self.waiting_pages.append((session, time.monotonic() + serving.page_wait_timeout_s))
-        if overloaded:
-            session.fail(
-                f"decode KV pool is full and {serving.max_waiting_for_pages} requests are already waiting for pages",
-                ErrorKind.OVERLOADED,
-            )
+        self._events.put(Submitted(session))
 
-    def _run_here(self, session: GenerationSession, kv_ready_tokens: int = 0, prefill_state=None) -> None:
-        """Hand the request to this instance's engine (its KV ready up to ``kv_ready_tokens``)."""
-        self.loop.submit(
-            session.req_id,
-            session.prompt_ids,
-            sampling_params(session, self.config.serving),
-            lambda out: deliver(session, out),
-            kv_ready_tokens=kv_ready_tokens,
-            prefill_state=prefill_state,
-        )
+    def cancel(self, req_id: str) -> None:
+        self._events.put(ClientCancel(req_id))
 
-    def _try_start(self, session: GenerationSession) -> bool:
-        """Reserve pages (its cached prefix first) and send the prefill request for the pages
-        this instance lacks, or, when it holds every page but the last token's, start the
-        request here at once; False if the pool is full (caller queues)."""
-        n = len(session.prompt_ids)
-        try:
-            pages = self.loop.reserve(
-                session.req_id,
-                min(n + session.request.max_tokens, self.max_model_len - 1),
-                token_ids=session.prompt_ids,
-            )
-        except PoolFullError:
-            return False
-        n_remote = self.receiver.num_external_tokens(n)
-        cached = self.loop.cached_tokens(session.req_id)
-        if cached >= n_remote:  # the whole prefix is cached here: no prefill instance needed
-            self.counters["prefill_local_total"] += 1
-            self._run_here(session, kv_ready_tokens=n_remote)
-            return True
-        if self._prefill_here(n_remote - cached):
-            # the engine admits it like an aggregated request: it attaches the cached prefix
-            # again and computes the rest in its chunked prefill, between decode steps
-            self.loop.cancel_reservation(session.req_id)
-            self.counters["prefill_local_total"] += 1
-            self._run_here(session)
-            return True
-        endpoint = self._pick_endpoint(session.req_id, session.prompt_ids[:n_remote], n_remote - cached)
-        if endpoint is None:
-            self.loop.cancel_reservation(session.req_id)
-            session.fail(f"no prefill instance reachable ({self._endpoint_errors()})", ErrorKind.PREFILL_UNAVAILABLE)
-            return True
-        first_page = cached // self.config.engine.page_size
-        ticket = self.receiver.expect(
-            session.req_id,
-            n_remote,
-            (endpoint.peer, endpoint.layout),
-            on_ready=self._on_kv_ready,
-            on_release=self._on_release,
-            first_page=first_page,
-        )
-        self.counters["prefill_remote_total"] += 1
-        self.waiting_kv[session.req_id] = KVWait(session, endpoint)
-        endpoint.outstanding.add(session.req_id)
-        try:
-            endpoint.send(
-                PrefillRequest(
-                    session.req_id,
-                    ticket.generation,
-                    ticket.slot,
-                    session.prompt_ids[:n_remote],
-                    pages[first_page : first_page + ticket.n_pages],
-                    first_page,
-                )
-            )
-        except ConnectionError as e:
-            self.receiver.cancel(session.req_id, f"sending to prefill instance {endpoint.address} failed: {e}")
-        return True
+    # ------------------------------------------------------------ KV loader (engine thread)
+    def load(self, req_id: str, token_ids: list[int], page_table: list[int], cached_tokens: int) -> bool:
+        """The engine admitted ``req_id`` with its pages: True if a prefill instance computes the
+        uncached part of the prompt (all tokens but the last), False if the engine does. Reads
+        only; the loop thread acts on the queued ``PagesReady``."""
+        n_remote = self.receiver.num_external_tokens(len(token_ids))
+        remote = cached_tokens < n_remote and not self._prefill_here(n_remote - cached_tokens)
+        self._events.put(PagesReady(req_id, list(page_table), cached_tokens, remote))
+        return remote
 
     def _prefill_here(self, uncached_tokens: int) -> bool:
         """Conditional disaggregation (see ``ServingConfig``): short enough, or every prefill
@@ -178,115 +210,276 @@ class DecodeWorker:
         bound = serving.local_prefill_queue_bound
         return bool(bound) and all(len(e.outstanding) >= bound for e in self.endpoints)
 
+    # ------------------------------------------------------------ the loop
+    def _run(self) -> None:
+        next_tick = 0.0
+        while True:
+            try:
+                event: Event | None = self._events.get(timeout=TICK_S)
+            except queue.Empty:
+                event = None
+            if isinstance(event, StopLoop):
+                return
+            try:
+                if event is not None:
+                    self._handle(event)
+                now = time.monotonic()
+                if now >= next_tick:
+                    next_tick = now + TICK_S
+                    self._tick(now)
+            except Exception:
+                log.exception("decode loop: handling %s failed", type(event).__name__)
+
+    def _handle(self, event: Event) -> None:
+        match event:
+            case Submitted(session):
+                self._submitted(session)
+            case ClientCancel(req_id):
+                self._cancel(req_id, None)
+            case PagesReady(req_id, pages, cached, remote):
+                self._pages_ready(req_id, pages, cached, remote)
+            case KVDone(req_id, ok, error, meta):
+                self._kv_done(req_id, ok, error, meta)
+            case KVReleased(req_id):
+                self._apply(req_id, DecodeEvent.KV_RELEASED)
+            case FromPrefill(endpoint, message):
+                self._from_prefill(endpoint, message)
+            case PrefillConnected(endpoint):
+                log.info("decode %s: prefill instance %s connected", self.name, endpoint.address)
+                self._send_unsent()
+            case PrefillLost(endpoint, reason):
+                self._prefill_lost(endpoint, reason)
+            case EngineDone(output):
+                self._engine_done(output)
+
+    def _apply(self, req_id: str, event: DecodeEvent) -> _Request | None:
+        """Advance ``req_id`` by ``event`` and run what the transition does; None (logged) for a
+        request that is not here or an event its state does not allow."""
+        r = self.requests.get(req_id)
+        if r is None:
+            log.debug("decode %s: %s for %s, which is not here (any more)", self.name, event.name, req_id)
+            return None
+        try:
+            old = r.state.apply(event)
+        except IllegalTransition as e:
+            log.warning("decode %s: %s", self.name, e)
+            return None
+        new = r.state.state
+        if new is DecodeState.FINISHED:
+            del self.requests[req_id]
+            if old is not DecodeState.RUNNING and old is not DecodeState.QUEUED:
+                self.loop.release(req_id)  # it ended while waiting for KV: the engine kept its pages
+        return r
+
+    # ------------------------------------------------------------ transitions' work
+    def _submitted(self, session: GenerationSession) -> None:
+        down = self.engine.health()  # a tensor-parallel instance that lost a rank
+        if down:
+            session.fail(f"decode instance {self.name}: {down}", ErrorKind.OUT_OF_SERVICE)
+            return
+        serving = self.config.serving
+        queued = sum(r.state.state is DecodeState.QUEUED for r in self.requests.values())
+        if queued and queued >= serving.max_waiting_for_pages:
+            session.fail(
+                f"decode KV pool is full and {serving.max_waiting_for_pages} requests are already waiting for pages",
+                ErrorKind.OVERLOADED,
+            )
+            return
+        req_id = session.req_id
+        self.requests[req_id] = _Request(
+            session, RequestState.decode(req_id), time.monotonic() + serving.page_wait_timeout_s
+        )
+
+        def on_output(out: EngineOutput) -> None:  # engine thread
+            deliver(session, out)
+            if out.finished:
+                self._events.put(EngineDone(out))
+
+        self.loop.submit(req_id, session.prompt_ids, sampling_params(session, serving), on_output, remote_kv=True)
+
+    def _pages_ready(self, req_id: str, pages: list[int], cached: int, remote: bool) -> None:
+        r = self._apply(req_id, DecodeEvent.KV_NEEDED if remote else DecodeEvent.LOCAL)
+        if r is None:
+            return
+        if not remote:
+            self.counters.prefill_local_total += 1
+            return
+        self.counters.prefill_remote_total += 1
+        r.pages, r.cached_tokens = pages, cached
+        r.unsent_until = time.monotonic() + self.config.connector.prefill_connect_wait_s
+        if r.cancelled:  # cancelled before it had pages (the engine ends it): nothing to ask for
+            self._apply(req_id, DecodeEvent.NO_PREFILL)
+            return
+        self._ask_prefill(r)
+
+    def _ask_prefill(self, r: _Request) -> None:
+        """Send the prefill request to the cheapest connected prefill instance; with none
+        connected, wait (``prefill_connect_wait_s``) for one to connect."""
+        session = r.session
+        n = len(session.prompt_ids)
+        n_remote = self.receiver.num_external_tokens(n)
+        endpoint = self._pick_endpoint(session.req_id, session.prompt_ids[:n_remote], n_remote - r.cached_tokens)
+        if endpoint is None:
+            for e in self.endpoints:
+                e.wake()
+            return  # retried when one connects, or failed at the deadline (_tick)
+        assert endpoint.peer is not None and endpoint.layout is not None
+        first_page = r.cached_tokens // self.config.engine.page_size
+        req_id = session.req_id
+        ticket = self.receiver.expect(
+            req_id,
+            n_remote,
+            (endpoint.peer, endpoint.layout),
+            on_ready=lambda rid, ok, err, meta: self._events.put(KVDone(rid, ok, err, meta)),
+            on_release=lambda rid: self._events.put(KVReleased(rid)),
+            first_page=first_page,
+        )
+        r.endpoint, r.sent = endpoint, True
+        endpoint.outstanding.add(req_id)
+        try:
+            endpoint.send(
+                PrefillRequest(
+                    req_id,
+                    ticket.generation,
+                    ticket.slot,
+                    session.prompt_ids[:n_remote],
+                    r.pages[first_page : first_page + ticket.n_pages],
+                    first_page,
+                )
+            )
+        except ConnectionError as e:
+            self.receiver.cancel(req_id, f"sending to prefill instance {endpoint.address} failed: {e}")
+
+    def _send_unsent(self) -> None:
+        for r in list(self.requests.values()):
+            if r.state.state is DecodeState.WAITING_KV and not r.sent and not r.cancelled:
+                self._ask_prefill(r)
+
     def _pick_endpoint(self, req_id: str, tokens: list[int], n_send: int) -> PrefillEndpoint | None:
         """The connected prefill instance with the lowest routing cost for the prefill of
         ``tokens``; its ``n_send`` tokens (the part to send) count as queued there until the KV
         has arrived."""
-        live = [e for e in self.endpoints if e.ensure_connected()]
-        if not live:
-            live = [e for e in self.endpoints if e.ensure_connected(force=True)]
-        if not live:
+        by_address = {e.address: e for e in self.endpoints if e.connected}
+        if not by_address:
             return None
-        by_address = {e.address: e for e in live}
         pages = -(-n_send // self.config.engine.page_size)
-        return by_address[self.router.pick(req_id, tokens, list(by_address), pages)]
+        picked = self.router.pick(req_id, tokens, list(by_address), pages)
+        return by_address[picked] if picked is not None else None
 
-    # ------------------------------------------------------------ KV arrival (fabric thread)
-    def _on_kv_ready(self, req_id: str, ok: bool, err: str | None, prefill_state) -> None:
-        with self._lock:
-            wait = self.waiting_kv.pop(req_id, None)
-        if wait is None:
+    def _kv_done(self, req_id: str, ok: bool, error: str | None, meta) -> None:
+        r = self.requests.get(req_id)
+        if r is None:
             return
-        wait.endpoint.outstanding.discard(req_id)
-        self.router.done(wait.endpoint.address, req_id)
-        session = wait.session
-        if not ok:
-            if session.is_cancelled():
-                session.on_output([], True, FinishReason.ABORT)
-            else:
-                session.fail(
-                    f"KV transfer from prefill instance {wait.endpoint.address} failed: {err}",
-                    ErrorKind.KV_TRANSFER_FAILED,
-                )
+        if r.endpoint is not None:
+            r.endpoint.outstanding.discard(req_id)
+            self.router.done(r.endpoint.address, req_id)
+        state = r.state.state
+        if ok:
+            if self._apply(req_id, DecodeEvent.KV_LANDED) is not None and state is DecodeState.WAITING_KV:
+                hidden, logits = meta if meta is not None else (None, None)
+                self.loop.kv_loaded(req_id, hidden, logits)
             return
-        self._run_here(session, self.receiver.num_external_tokens(len(session.prompt_ids)), prefill_state)
+        if self._apply(req_id, DecodeEvent.KV_FAILED) is None or state is not DecodeState.WAITING_KV:
+            return
+        if r.cancelled or r.session.is_cancelled():
+            self.loop.cancel(req_id)
+            return
+        address = r.endpoint.address if r.endpoint is not None else "?"
+        message = f"KV transfer from prefill instance {address} failed: {error}"
+        self.loop.fail(req_id, message, ErrorKind.KV_TRANSFER_FAILED)
 
-    def _on_release(self, req_id: str) -> None:
-        """A failed request's pages can take no more writes: give them back."""
-        try:
-            self.loop.cancel_reservation(req_id)
-        except (KeyError, ValueError) as e:
-            log.warning("releasing pages of %s: %s", req_id, e)
-        self._admit_waiting()
-
-    # ------------------------------------------------------------ messenger (network threads)
-    def _on_message(self, endpoint: PrefillEndpoint, msg: Message) -> None:
-        if isinstance(msg, PrefillStarted):
-            if msg.req_id in endpoint.outstanding:
-                self.receiver.started(msg.req_id, msg.generation)
-        elif isinstance(msg, PrefillFailed):
-            if msg.req_id in endpoint.outstanding:
-                self.receiver.cancel(msg.req_id, f"prefill instance {endpoint.address}: {msg.message}")
-        elif isinstance(msg, CacheReport):
+    def _from_prefill(self, endpoint: PrefillEndpoint, msg: Message) -> None:
+        if isinstance(msg, CacheReport):
             self.router.update(endpoint.address, msg.summary)
-        else:
+            return
+        if not isinstance(msg, PrefillStarted | PrefillFailed):
             log.warning("unexpected %s from prefill instance %s", type(msg).__name__, endpoint.address)
+            return
+        r = self.requests.get(msg.req_id)
+        if r is None or r.endpoint is not endpoint:
+            return  # not a request of this connection (or one that ended)
+        if isinstance(msg, PrefillStarted):
+            if self._apply(msg.req_id, DecodeEvent.PREFILL_STARTED) and r.state.state is DecodeState.WAITING_KV:
+                self.receiver.started(msg.req_id, msg.generation)
+            return
+        if self._apply(msg.req_id, DecodeEvent.PREFILL_FAILED) and r.state.state is DecodeState.WAITING_KV:
+            self.receiver.cancel(msg.req_id, f"prefill instance {endpoint.address}: {msg.message}")
 
-    def _on_lost(self, endpoint: PrefillEndpoint, reason: str) -> None:
+    def _prefill_lost(self, endpoint: PrefillEndpoint, reason: str) -> None:
         self.router.forget(endpoint.address)  # it may come back empty
         for req_id in list(endpoint.outstanding):
-            self.receiver.cancel(req_id, f"prefill instance {endpoint.address} lost ({reason})")
+            if self._apply(req_id, DecodeEvent.PREFILL_FAILED) is not None:
+                self.receiver.cancel(req_id, f"prefill instance {endpoint.address} lost ({reason})")
 
-    # ------------------------------------------------------------ watcher thread
-    def _watch(self) -> None:
-        while not self._stop.wait(0.05):
-            try:
-                for e in self.endpoints:
-                    if not e.connected:
-                        e.ensure_connected()  # rate-limited; connects early so requests don't wait
-                self._check_cancelled()
-                self._admit_waiting()
-            except Exception:
-                log.exception("decode watcher failed")
+    def _engine_done(self, out: EngineOutput) -> None:
+        r = self.requests.get(out.req_id)
+        if r is None:
+            return
+        state = r.state.state
+        if state is DecodeState.WAITING_KV and not r.sent:  # nothing asked yet: nothing can land
+            self._apply(out.req_id, DecodeEvent.NO_PREFILL)
+            return
+        self._apply(out.req_id, DecodeEvent.ENGINE_FINISHED)
+        if state is DecodeState.WAITING_KV:  # the engine ended it (shut down, failed step)
+            self._stop_prefill(r, out.error or "the decode engine ended the request")
 
-    def _check_cancelled(self) -> None:
-        with self._lock:
-            gone = [w for w in self.waiting_kv.values() if not w.cancel_sent and w.session.is_cancelled()]
-            for w in gone:
-                w.cancel_sent = True
-        for w in gone:
-            log.info("request %s cancelled by the client while its prefill runs", w.session.req_id)
+    def _cancel(self, req_id: str, reason: str | None, kind: ErrorKind = ErrorKind.OVERLOADED) -> None:
+        """End a request for the client (``reason`` None) or with an error of ``kind``."""
+        r = self.requests.get(req_id)
+        if r is None or r.cancelled:
+            return
+        r.cancelled = True
+        state = r.state.state
+        if state is DecodeState.WAITING_KV and not r.sent:  # no prefill instance was asked
+            self._end_in_engine(req_id, reason, kind)
+            self._apply(req_id, DecodeEvent.NO_PREFILL)
+            return
+        if self._apply(req_id, DecodeEvent.CANCEL) is None:
+            return
+        if state is DecodeState.WAITING_KV:
+            if reason is None:
+                log.info("request %s cancelled by the client while its prefill runs", req_id)
+            self._stop_prefill(r, reason or "cancelled by client")
+        self._end_in_engine(req_id, reason, kind)
+
+    def _end_in_engine(self, req_id: str, reason: str | None, kind: ErrorKind) -> None:
+        if reason is None:
+            self.loop.cancel(req_id)
+        else:
+            self.loop.fail(req_id, reason, kind)
+
+    def _stop_prefill(self, r: _Request, reason: str) -> None:
+        """Tell the prefill instance to stop and the receiver to stop waiting (KV_FAILED follows,
+        then KV_RELEASED once no write can land)."""
+        req_id = r.session.req_id
+        if r.endpoint is not None:
             try:
-                w.endpoint.send(Cancel(w.session.req_id))
+                r.endpoint.send(Cancel(req_id))
             except ConnectionError:
                 pass
-            self.receiver.cancel(w.session.req_id, "cancelled by client")
+        self.receiver.cancel(req_id, reason)
 
-    def _admit_waiting(self) -> None:
-        now, failed = time.monotonic(), []
-        with self._lock:
-            while self.waiting_pages:
-                session, deadline = self.waiting_pages[0]
-                if session.is_cancelled() or deadline <= now:
-                    self.waiting_pages.popleft()
-                    failed.append(session)
-                elif self._try_start(session):
-                    self.waiting_pages.popleft()
-                else:
-                    break
-        for s in failed:
-            if s.is_cancelled():
-                s.on_output([], True, FinishReason.ABORT)
-            else:
-                s.fail(
+    def _tick(self, now: float) -> None:
+        """Client cancels (polled: a waiting request sends nothing that would notice), requests
+        waiting too long for pages or for a prefill instance to connect."""
+        for req_id, r in list(self.requests.items()):
+            state = r.state.state
+            if r.cancelled or state is DecodeState.RUNNING or r.state.finished:
+                continue
+            if r.session.is_cancelled():
+                self._cancel(req_id, None)
+            elif state is DecodeState.QUEUED and now >= r.queued_until:
+                self._cancel(
+                    req_id,
                     f"no KV pages free on the decode instance within {self.config.serving.page_wait_timeout_s:.0f}s",
                     ErrorKind.OVERLOADED,
                 )
+            elif state is DecodeState.WAITING_KV and not r.sent and now >= r.unsent_until:
+                self._cancel(
+                    req_id, f"no prefill instance reachable ({self._endpoint_errors()})", ErrorKind.PREFILL_UNAVAILABLE
+                )
 
     # ------------------------------------------------------------ serving-layer interface
-    def cancel(self, req_id: str) -> None:
-        self.loop.cancel(req_id)
-
     def health(self) -> str | None:
         down = self.engine.health()
         if down:
@@ -296,29 +489,30 @@ class DecodeWorker:
         return None
 
     def cache_summary(self) -> CacheSummary:
-        with self._lock:
-            waiting = len(self.waiting_kv) + len(self.waiting_pages)
+        waiting = sum(r.state.state is not DecodeState.RUNNING for r in list(self.requests.values()))
         return dataclasses.replace(self.engine.cache_summary(), waiting=waiting)
 
     def _endpoint_errors(self) -> str:
         return "; ".join(f"{e.address}: {e.last_error}" for e in self.endpoints)
 
-    def stats(self) -> dict:
-        s = pool_gauges(self.engine.pool_stats())
-        with self._lock:
-            s["requests_waiting_kv"] = len(self.waiting_kv) + len(self.waiting_pages)
-        s["prefill_endpoints_connected"] = sum(e.connected for e in self.endpoints)
+    def stats(self) -> DecodeStats:
+        s = dataclasses.replace(self.counters)
+        s.set_pool(self.engine.pool_stats())
+        s.requests_waiting_kv = sum(
+            r.state.state in (DecodeState.QUEUED, DecodeState.WAITING_KV) for r in list(self.requests.values())
+        )
+        s.prefill_endpoints_connected = sum(e.connected for e in self.endpoints)
         s.update(self.receiver.stats())
-        s.update(self.counters)
         return s
 
     def observations(self) -> dict[str, list[float]]:
         return self.receiver.observations()
 
     def shutdown(self) -> None:
-        self._stop.set()
         for e in self.endpoints:
             e.close()
         self.loop.shutdown()
+        self._events.put(StopLoop())
+        self._loop_thread.join(timeout=5)
         self.receiver.close()
         self.engine.close()

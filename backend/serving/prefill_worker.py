@@ -10,6 +10,11 @@ decode instances route elsewhere. Every ``cache_report_interval_s`` the worker r
 cache and load to every connected decode instance (``CacheReport``) when they changed, or when a
 decode instance connected since the last report, and at least every ``REPORT_REFRESH_S``; the
 decode instances route by it (``backend/serving/kv_router.py``).
+
+One loop owns every request's state (``request_state.py``, the prefill table): messages and lost
+connections (messenger threads), the sender's start, error and freeable reports (engine and fabric
+threads), the engine's final outputs and losing a TP rank are queued to this worker as events and
+applied by its loop thread, in order; the cache reports go out from that loop too.
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import queue
 import threading
 import time
+from dataclasses import dataclass
 
 from backend.disagg import auth
 from backend.disagg.connector import SendRequest
@@ -29,11 +36,80 @@ from backend.engine.engine_loop import EngineLoop
 from backend.engine.outputs import EngineOutput, ErrorKind, FinishReason
 from backend.engine.sampling_params import SamplingParams
 from backend.serving.config import InstanceConfig
-from backend.serving.worker import pool_gauges, start_engine
+from backend.serving.request_state import IllegalTransition, PrefillEvent, PrefillState, RequestState
+from backend.serving.stats import PrefillStats
+from backend.serving.worker import start_engine
 
 log = logging.getLogger("triton_disagg.prefill")
 REPORT_REFRESH_S = 5.0
 MAX_REPORT_KEYS = 262144  # 2 MiB of keys, 2.7 MiB of base64: within a messenger frame
+
+
+# ---------------------------------------------------------------- events (queued to the loop)
+@dataclass(frozen=True)
+class Received:
+    """Messenger thread: a message from a decode instance, on the connection it came on."""
+
+    peer: str
+    message: Message
+    conn: Connection
+
+
+@dataclass(frozen=True)
+class PeerLost:
+    peer: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Started:
+    """Engine thread (the sender's step hook): the request's first chunk is scheduled."""
+
+    req_id: str
+    generation: int
+
+
+@dataclass(frozen=True)
+class SendError:
+    """Fabric thread: a transfer of the request failed."""
+
+    req_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class EngineDone:
+    output: EngineOutput
+
+
+@dataclass(frozen=True)
+class Freeable:
+    """Fabric thread: no write reads the request's pages any more."""
+
+    req_id: str
+
+
+@dataclass(frozen=True)
+class OutOfService:
+    """The instance lost a TP rank; ``told`` is set once the decode instances were told why."""
+
+    reason: str
+    told: threading.Event
+
+
+@dataclass(frozen=True)
+class StopLoop:
+    pass
+
+
+Event = Received | PeerLost | Started | SendError | EngineDone | Freeable | OutOfService | StopLoop
+
+
+@dataclass
+class _Request:
+    state: RequestState
+    conn: Connection
+    peer: str
 
 
 class PrefillWorker:
@@ -44,27 +120,33 @@ class PrefillWorker:
         self.engine = start_engine(config)
         self.vocab_size = self.engine.dims().vocab_size
         self.max_model_len = self.engine.max_model_len
-        self._owners: dict[str, Connection] = {}  # req_id -> the connection that asked for it
-        self._lock = threading.Lock()
-        self.server: MessengerServer | None = None
-        self.sender = NixlKVSender(self.engine, config.connector, name, self._on_send_error, self._on_started)
+        self.requests: dict[str, _Request] = {}  # the loop thread's alone
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self.sender = NixlKVSender(
+            self.engine,
+            config.connector,
+            name,
+            lambda req_id, reason: self._events.put(SendError(req_id, reason)),
+            lambda request: self._events.put(Started(request.req_id, request.generation)),
+        )
         self.loop = EngineLoop(self.engine, name=f"{name}-engine")
         c = config.connector
         self.server = MessengerServer(
             self.sender,
             c.messenger_host,
             c.messenger_port,
-            self._on_message,
-            self._on_peer_lost,
+            lambda peer, msg, conn: self._events.put(Received(peer, msg, conn)),
+            lambda peer, reason: self._events.put(PeerLost(peer, reason)),
             name,
             secret,
             max_connections=c.messenger_max_connections,
             handshake_timeout_s=c.messenger_handshake_timeout_s,
         )
-        self.engine.on_out_of_service(self._out_of_service)
-        self._stop = threading.Event()
-        self._reporter = threading.Thread(target=self._report_loop, name=f"{name}-cache-report", daemon=True)
-        self._reporter.start()
+        self.engine.on_out_of_service(self._on_out_of_service)
+        self._last_report: tuple | None = None
+        self._last_report_at, self._last_conns = 0.0, 0
+        self._loop_thread = threading.Thread(target=self._run, name=f"{name}-prefill-loop", daemon=True)
+        self._loop_thread.start()
 
     def describe(self) -> str:
         c = self.config.engine
@@ -74,14 +156,75 @@ class PrefillWorker:
             f"{'layer-wise streaming' if self.config.connector.stream_layers else 'send after prefill'}"
         )
 
-    # ------------------------------------------------------------ messenger (network threads)
-    def _on_message(self, peer: str, msg: Message, conn: Connection) -> None:
+    # ------------------------------------------------------------ the loop
+    def _run(self) -> None:
+        period = self.config.connector.cache_report_interval_s
+        next_report = time.monotonic() + period
+        while True:
+            try:
+                event: Event | None = self._events.get(timeout=max(0.0, next_report - time.monotonic()))
+            except queue.Empty:
+                event = None
+            if isinstance(event, StopLoop):
+                return
+            try:
+                if event is not None:
+                    self._handle(event)
+                if time.monotonic() >= next_report:
+                    next_report = time.monotonic() + period
+                    self._report()
+            except Exception:
+                log.exception("prefill loop: handling %s failed", type(event).__name__)
+
+    def _handle(self, event: Event) -> None:
+        match event:
+            case Received(peer, message, conn):
+                self._received(peer, message, conn)
+            case PeerLost(peer, reason):
+                lost = [req_id for req_id, r in self.requests.items() if r.peer == peer]
+                log.warning("decode instance %s lost (%s); cancelling %d prefill(s)", peer, reason, len(lost))
+                for req_id in lost:
+                    self._cancel(req_id, f"decode instance lost: {reason}")
+            case Started(req_id, generation):
+                r = self._apply(req_id, PrefillEvent.STARTED)
+                if r is not None:
+                    self._send(r.conn, PrefillStarted(req_id, generation))
+            case SendError(req_id, reason):
+                log.warning("prefill %s: transfer error %s", req_id, reason)
+                if self._apply(req_id, PrefillEvent.CANCEL) is not None:
+                    self.loop.cancel(req_id)
+            case EngineDone(output):
+                self._engine_done(output)
+            case Freeable(req_id):
+                self._apply(req_id, PrefillEvent.FREEABLE)
+            case OutOfService(reason, told):
+                try:
+                    self._out_of_service(reason)
+                finally:
+                    told.set()
+
+    def _apply(self, req_id: str, event: PrefillEvent) -> _Request | None:
+        r = self.requests.get(req_id)
+        if r is None:
+            log.debug("prefill %s: %s for %s, which is not here (any more)", self.name, event.name, req_id)
+            return None
+        try:
+            r.state.apply(event)
+        except IllegalTransition as e:
+            log.warning("prefill %s: %s", self.name, e)
+            return None
+        if r.state.state is PrefillState.FINISHED:
+            del self.requests[req_id]
+            self.loop.release(req_id)
+        return r
+
+    # ------------------------------------------------------------ transitions' work
+    def _received(self, peer: str, msg: Message, conn: Connection) -> None:
         if isinstance(msg, PrefillRequest):
             self._start(peer, msg, conn)
         elif isinstance(msg, Cancel):
-            with self._lock:
-                owner = self._owners.get(msg.req_id)
-            if owner is conn:
+            r = self.requests.get(msg.req_id)
+            if r is not None and r.conn is conn:
                 self._cancel(msg.req_id, "cancelled by decode instance")
             else:
                 log.warning("ignored a cancel of %s from %s: not its request", msg.req_id, peer)
@@ -103,8 +246,7 @@ class PrefillWorker:
             log.warning("refused prefill %s from %s (%s): %s", msg.req_id, peer, kind, e)
             self._send(conn, PrefillFailed(msg.req_id, kind, str(e)))
             return
-        with self._lock:
-            self._owners[msg.req_id] = conn
+        self.requests[msg.req_id] = _Request(RequestState.prefill(msg.req_id), conn, peer)
         log.debug("prefill %s: %d tokens -> %d pages of %s", msg.req_id, len(msg.tokens), len(msg.dst_pages), peer)
         self.loop.submit(msg.req_id, msg.tokens, SamplingParams(max_tokens=1), self._on_output, prefill_only=True)
 
@@ -118,15 +260,33 @@ class PrefillWorker:
             raise ValueError(f"token id {max(msg.tokens)} is outside the vocabulary of {self.vocab_size}")
 
     def _cancel(self, req_id: str, reason: str) -> None:
-        if self.sender.has(req_id):
+        if self._apply(req_id, PrefillEvent.CANCEL) is not None:
             self.loop.cancel(req_id)
             self.sender.cancel(req_id, reason)
 
-    def _on_peer_lost(self, peer: str, reason: str) -> None:
-        lost = self.sender.requests_of(peer)
-        log.warning("decode instance %s lost (%s); cancelling %d prefill(s)", peer, reason, len(lost))
-        for req_id in lost:
-            self._cancel(req_id, f"decode instance lost: {reason}")
+    def _engine_done(self, out: EngineOutput) -> None:
+        r = self._apply(out.req_id, PrefillEvent.ENGINE_FINISHED)
+        if r is not None and out.finish_reason == FinishReason.ERROR:
+            kind = out.error_kind or ErrorKind.ENGINE
+            self._send(r.conn, PrefillFailed(out.req_id, kind, out.error or "prefill failed"))
+
+    def _out_of_service(self, reason: str) -> None:
+        """Fail every request with ``reason`` and stop listening, so decode instances route elsewhere.
+        The reasons go out on the messenger before the requests are stopped here, so a decode
+        instance hears why before its receive sees the sender stop."""
+        log.error("prefill %s out of service: %s; failing %d request(s)", self.name, reason, len(self.requests))
+        for req_id, r in list(self.requests.items()):
+            self._send(r.conn, PrefillFailed(req_id, ErrorKind.OUT_OF_SERVICE, reason))
+        self.server.close()
+
+    def _on_out_of_service(self, reason: str) -> None:
+        """TP watcher or engine thread (the engine fails the requests only after this returns): wait
+        until the loop has told every decode instance why, so that reason reaches them before their
+        receives see the senders stop."""
+        told = threading.Event()
+        self._events.put(OutOfService(reason, told))
+        if not told.wait(timeout=5.0):
+            log.error("prefill %s: the loop did not report the loss of service within 5 s", self.name)
 
     @staticmethod
     def _send(conn: Connection, msg: Message) -> None:
@@ -135,78 +295,40 @@ class PrefillWorker:
         except ConnectionError:
             pass
 
-    # ------------------------------------------------------------ engine outputs (loop thread)
+    # ------------------------------------------------------------ engine outputs (engine thread)
     def _on_output(self, out: EngineOutput) -> None:
         if not out.finished:
             return
-        if out.finish_reason == FinishReason.ERROR:
-            with self._lock:
-                conn = self._owners.get(out.req_id)
-            if conn is not None:
-                self._send(
-                    conn, PrefillFailed(out.req_id, out.error_kind or ErrorKind.ENGINE, out.error or "prefill failed")
-                )
-        self.sender.request_finished(out, self._on_freeable)
+        self._events.put(EngineDone(out))  # before the sender can report it freeable
+        self.sender.request_finished(out, lambda req_id, ok, err: self._events.put(Freeable(req_id)))
 
-    def _on_freeable(self, req_id: str, ok: bool, err: str | None) -> None:
-        """Every write of the request is done (or it failed and nothing is in flight)."""
-        with self._lock:
-            self._owners.pop(req_id, None)
-        freed = self.loop.release(req_id)
-        log.debug("prefill %s: %d pages freed", req_id, freed)
-
-    def _on_started(self, request: SendRequest) -> None:
-        """Engine thread: the request's first chunk is scheduled; its receiver's deadline restarts."""
-        with self._lock:
-            conn = self._owners.get(request.req_id)
-        if conn is not None:
-            self._send(conn, PrefillStarted(request.req_id, request.generation))
-
-    def _on_send_error(self, req_id: str, err: str) -> None:
-        self.loop.cancel(req_id)
-
-    def _out_of_service(self, reason: str) -> None:
-        """Fail every request with ``reason`` and stop listening, so decode instances route elsewhere."""
-        with self._lock:
-            owners = list(self._owners.items())
-        for req_id, conn in owners:
-            self._send(conn, PrefillFailed(req_id, ErrorKind.OUT_OF_SERVICE, reason))
-        if owners:  # let the reasons land before the engine fails the jobs (their "sender stopped" races them)
-            time.sleep(0.5)
-        self.server.close()
-
-    # ------------------------------------------------------------ cache reports (own thread)
-    def _report_loop(self) -> None:
-        last, last_at, last_conns = None, 0.0, 0  # last: what the last report said (keys by version)
-        while not self._stop.wait(self.config.connector.cache_report_interval_s):
-            try:
-                conns = self.server.connections()
-                summary = self.engine.cache_summary()
-                with self._lock:
-                    summary = dataclasses.replace(summary, waiting=len(self._owners))
-                if len(summary.keys) > MAX_REPORT_KEYS:
-                    summary = dataclasses.replace(
-                        summary, keys=frozenset(itertools.islice(summary.keys, MAX_REPORT_KEYS))
-                    )
-                now = time.monotonic()
-                state = (summary.version, summary.free_pages, summary.running, summary.waiting)
-                if state != last or conns > last_conns or now - last_at >= REPORT_REFRESH_S:
-                    self.server.broadcast(CacheReport(summary))
-                    last, last_at = state, now
-                last_conns = conns
-            except Exception:
-                log.exception("cache report failed")
+    # ------------------------------------------------------------ cache reports (the loop)
+    def _report(self) -> None:
+        conns = self.server.connections()
+        summary = dataclasses.replace(self.engine.cache_summary(), waiting=len(self.requests))
+        if len(summary.keys) > MAX_REPORT_KEYS:
+            summary = dataclasses.replace(summary, keys=frozenset(itertools.islice(summary.keys, MAX_REPORT_KEYS)))
+        now = time.monotonic()
+        state = (summary.version, summary.free_pages, summary.running, summary.waiting)
+        if state != self._last_report or conns > self._last_conns or now - self._last_report_at >= REPORT_REFRESH_S:
+            self.server.broadcast(CacheReport(summary))
+            self._last_report, self._last_report_at = state, now
+        self._last_conns = conns
 
     # ------------------------------------------------------------ serving-layer interface
     def observations(self) -> dict[str, list[float]]:
         return {}  # the decode instances measure queue and transfer times per request
 
-    def stats(self) -> dict:
-        return {**pool_gauges(self.engine.pool_stats()), **self.sender.stats()}
+    def stats(self) -> PrefillStats:
+        s = PrefillStats()
+        s.set_pool(self.engine.pool_stats())
+        s.update(self.sender.stats())
+        return s
 
     def shutdown(self) -> None:
-        self._stop.set()
         self.server.close()
         self.loop.shutdown()
+        self._events.put(StopLoop())
+        self._loop_thread.join(timeout=5)
         self.sender.close()
         self.engine.close()

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from backend.engine.outputs import ErrorKind
 from backend.engine.sampling_params import DRAFT_METHODS, SamplingParams
 from backend.serving.tensors import INPUTS_BY_NAME
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 
 class RequestError(ValueError):
@@ -44,7 +48,7 @@ class ClientRequest:
     draft_method: str | None = None  # None: the model's default (parameter draft_method)
     guided_json: str | None = None
     guided_regex: str | None = None
-    grammar: object = None  # compiled from guided_json / guided_regex at admission
+    grammar: CompiledGrammar | None = None  # compiled from guided_json / guided_regex at admission
 
 
 Getter = Callable[[str], np.ndarray | None]

@@ -80,6 +80,7 @@ class GenerationSession:
             if self.t_first is None:
                 self.t_first = now
             else:  # a batch of k tokens (speculative decoding) after a gap: k tokens at gap/k each
+                assert self.t_last is not None  # set with t_first
                 self.token_gaps.extend([(now - self.t_last) / len(token_ids)] * len(token_ids))
             self.t_last = now
         self.n_output += len(token_ids)

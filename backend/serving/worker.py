@@ -13,6 +13,7 @@ from backend.engine.sampling_params import SamplingParams
 from backend.parallel.engine_factory import build_engine
 from backend.serving.config import InstanceConfig, ServingConfig
 from backend.serving.session import GenerationSession
+from backend.serving.stats import InstanceStats
 
 
 class Worker(Protocol):
@@ -27,7 +28,7 @@ class Worker(Protocol):
     def describe(self) -> str: ...
     def submit(self, session: GenerationSession) -> None: ...
     def cancel(self, req_id: str) -> None: ...
-    def stats(self) -> dict: ...
+    def stats(self) -> InstanceStats: ...
     def observations(self) -> dict[str, list[float]]: ...
     def health(self) -> str | None: ...
     def cache_summary(self) -> CacheSummary:
@@ -63,15 +64,3 @@ def sampling_params(session: GenerationSession, serving: ServingConfig) -> Sampl
 def deliver(session: GenerationSession, out: EngineOutput) -> None:
     """Hand one engine output to the session (engine loop thread)."""
     session.on_output(out.new_token_ids, out.finished, out.finish_reason, out.error, out.error_kind)
-
-
-def pool_gauges(pool: dict) -> dict:
-    return {
-        "kv_pages_total": pool["total"],
-        "kv_pages_free": pool["free"],
-        "kv_pages_used": pool["used"],
-        "prefix_cache_cached_pages": pool["cached"],
-        "prefix_cache_query_tokens_total": pool["prefix_query_tokens"],
-        "prefix_cache_hit_tokens_total": pool["prefix_hit_tokens"],
-        "prefix_cache_evictions_total": pool["prefix_evictions"],
-    }

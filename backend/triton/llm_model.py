@@ -23,6 +23,7 @@ from backend.serving.admission import Admission
 from backend.serving.config import InstanceConfig
 from backend.serving.roles import make_worker
 from backend.serving.session import GenerationSession
+from backend.serving.stats import InstanceStats
 from backend.serving.tensors import STATE_OUTPUT
 from backend.triton.lifecycle import DRAIN_MESSAGE, DrainWatch
 from backend.triton.metrics import InstanceMetrics
@@ -57,8 +58,10 @@ class TritonPythonModel:
             self.worker.describe(),
         )
 
-    def _stats(self) -> dict:
-        return {**self.worker.stats(), "requests_active": self.admission.active()}
+    def _stats(self) -> InstanceStats:
+        stats = self.worker.stats()
+        stats.requests_active = self.admission.active()
+        return stats
 
     def execute(self, requests):
         pb = self.pb

@@ -1,7 +1,10 @@
 """Triton custom metrics (``pb_utils.MetricFamily``) of one model instance, on the metrics port.
 
-A small background thread refreshes gauges from a ``stats()`` callable and advances counters
-that ``stats()`` reports as running totals; the serving code bumps the others with ``add``.
+A small background thread refreshes gauges from a ``stats()`` callable (the worker's typed stats,
+``backend/serving/stats.py``: one field per metric) and advances counters that ``stats()`` reports
+as running totals; the model bumps the others (``RequestTotals``) with ``add``. Every stat field has
+a metric here and every metric a field (a unit test checks it); a name without a metric is logged as
+an error, never dropped silently.
 Histograms (latencies, in seconds) take single observations: ``observe`` from the model, and
 whatever the worker's ``observations()`` hands over at each refresh. Names start with
 ``triton_disagg_``.
@@ -12,6 +15,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+
+from backend.serving.stats import InstanceStats
 
 log = logging.getLogger("triton_disagg.metrics")
 
@@ -71,12 +76,14 @@ class InstanceMetrics:
         self,
         pb_utils,
         labels: dict,
-        stats: Callable[[], dict],
+        stats: Callable[[], InstanceStats],
         period_s: float = 0.25,
         observations: Callable[[], dict[str, list[float]]] | None = None,
     ):
         self._families = []
-        self.gauges, self.counters, self.histograms = {}, {}, {}
+        self.gauges: dict = {}
+        self.counters: dict = {}
+        self.histograms: dict = {}
         for table, kind, store in (
             (GAUGES, pb_utils.MetricFamily.GAUGE, self.gauges),
             (COUNTERS, pb_utils.MetricFamily.COUNTER, self.counters),
@@ -94,6 +101,7 @@ class InstanceMetrics:
         self._stats = stats
         self._observations = observations
         self._last_totals: dict[str, float] = {}
+        self._unknown: set[str] = set()
         self._period = period_s
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -114,14 +122,18 @@ class InstanceMetrics:
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self._period):
             try:
-                stats = self._stats()
+                stats = self._stats().as_dict()
                 with self._lock:
                     for k, v in stats.items():
                         if k in self.gauges:
                             self.gauges[k].set(float(v))
-                        elif k in self.counters and v > self._last_totals.get(k, 0.0):
-                            self.counters[k].increment(float(v) - self._last_totals.get(k, 0.0))
-                            self._last_totals[k] = float(v)
+                        elif k in self.counters:
+                            if v > self._last_totals.get(k, 0.0):
+                                self.counters[k].increment(float(v) - self._last_totals.get(k, 0.0))
+                                self._last_totals[k] = float(v)
+                        elif k not in self._unknown:
+                            self._unknown.add(k)
+                            log.error("stat %r has no metric: add it to GAUGES or COUNTERS", k)
                 if self._observations is not None:
                     for name, values in self._observations().items():
                         self.observe(name, values)

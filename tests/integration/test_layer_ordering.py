@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from engine_helpers import build_tiny_llama
+from engine_helpers import admit_remote, build_tiny_llama
 
 from backend.engine.config import EngineConfig
 from backend.engine.llm_engine import LLMEngine
@@ -117,7 +117,7 @@ def _pair(tmp_path, device_timeout_s):
 
 def start(prefill, decode, sender, receiver, to_decode, to_prefill, req_id="r0"):
     prompt = [(7 * i + 3) % 250 + 3 for i in range(N_TOKENS + 1)]
-    dst = decode.reserve(req_id, N_TOKENS + 1)[: math.ceil(N_TOKENS / PAGE)]
+    dst = admit_remote(decode, req_id, prompt)[: math.ceil(N_TOKENS / PAGE)]
     ready, got = threading.Event(), {}
 
     def on_ready(rid, ok, err, meta):

@@ -8,6 +8,7 @@ import pytest
 import torch
 from engine_helpers import (
     Listener,
+    admit_remote,
     assert_pool_idle,
     build_tiny_llama,
     make_engine,
@@ -49,16 +50,16 @@ def disaggregated_generate(
     prefill, decode, streamer, requests: dict[str, tuple[list[int], SamplingParams]], before_decode=None
 ):
     """Run requests through prefill -> page copy -> decode; returns (decode outputs, prefill outputs)."""
-    for req_id, (prompt, _) in requests.items():
-        streamer.dst_pages[req_id] = decode.reserve(req_id, len(prompt))
+    for req_id, (prompt, params) in requests.items():
+        streamer.dst_pages[req_id] = admit_remote(decode, req_id, prompt, params)
         prefill.add_request(req_id, prompt[:-1], prefill_only=True)
     prefill_outputs = run_to_completion(prefill)
-    for req_id, (prompt, params) in requests.items():
+    for req_id, (prompt, _params) in requests.items():
         assert prefill_outputs[req_id][-1].finish_reason == FinishReason.PREFILL_DONE
         assert prefill.release(req_id) == -(-(len(prompt) - 1) // prefill.config.page_size)
         if before_decode is not None:
             before_decode(req_id, prompt)
-        decode.add_request(req_id, prompt, params, kv_ready_tokens=len(prompt) - 1)
+        assert decode.kv_loaded(req_id)
     return run_to_completion(decode), prefill_outputs
 
 
@@ -111,8 +112,8 @@ def test_prefill_only_abort_keeps_pages_until_release(tiny_dir):
     engine.step()
     assert engine.abort("pf").finish_reason == "abort"
     assert engine.pool_stats()["used"] > 0  # a transfer may still be reading these pages
-    with pytest.raises(ValueError, match="kv_ready_tokens and prefill_only"):
-        engine.add_request("x", [1, 2, 3], prefill_only=True, kv_ready_tokens=1)
+    with pytest.raises(ValueError, match="remote_kv and prefill_only"):
+        engine.add_request("x", [1, 2, 3], prefill_only=True, remote_kv=True)
     engine.release("pf")
     assert_pool_idle(engine)
 

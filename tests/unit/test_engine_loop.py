@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
-from engine_helpers import Listener, assert_pool_idle, build_tiny_llama, make_engine, run_to_completion, tokens_of
+from engine_helpers import (
+    Listener,
+    RemoteLoader,
+    assert_pool_idle,
+    build_tiny_llama,
+    make_engine,
+    run_to_completion,
+    tokens_of,
+)
 
 from backend.engine.engine_loop import EngineLoop
 from backend.engine.sampling_params import SamplingParams
@@ -162,7 +171,15 @@ def test_prefill_and_decode_roles_through_two_loops(tiny_dir):
     reference.add_request("r", prompt, params)
     expected = tokens_of(run_to_completion(reference)["r"])
 
-    dst_pages = decode.reserve("r", len(prompt))
+    loader = RemoteLoader()
+    decode.engine.set_kv_loader(loader)
+    tokens = Collector()
+    decode.submit("r", prompt, params, tokens, remote_kv=True)  # the decode side allocates first
+    deadline = time.monotonic() + 10
+    while "r" not in loader.pages:
+        assert time.monotonic() < deadline, "the decode loop never admitted the request"
+        time.sleep(0.01)
+    dst_pages = loader.pages["r"]
 
     def copy_layer(layer_idx, step_batch):
         for chunk in step_batch.prefill_only_chunks:
@@ -175,12 +192,10 @@ def test_prefill_and_decode_roles_through_two_loops(tiny_dir):
     prefill.submit("r", prompt[:-1], None, done, prefill_only=True)
     out = done.wait().last
     assert out.finish_reason == "prefill_done" and out.hidden_state is not None and out.new_token_ids == []
-    assert prefill.release("r") == 5
-    tokens = Collector()
-    decode.submit("r", prompt, params, tokens, kv_ready_tokens=len(prompt) - 1)
+    assert prefill.engine.pool_stats()["used"] == 5  # held until released
+    prefill.release("r")
+    decode.kv_loaded("r")
     assert tokens.wait().tokens == expected and tokens.last.finish_reason == "length"
-    decode.reserve("unused", 10)
-    decode.cancel_reservation("unused")
     for loop in (prefill, decode):
         loop.shutdown()
         assert_pool_idle(loop.engine)

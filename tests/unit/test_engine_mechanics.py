@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import TINY_VOCAB, assert_pool_idle, build_tiny_llama, make_engine, run_to_completion, tokens_of
+from engine_helpers import (
+    TINY_VOCAB,
+    RemoteLoader,
+    admit_remote,
+    assert_pool_idle,
+    build_tiny_llama,
+    make_engine,
+    run_to_completion,
+    tokens_of,
+)
 
-from backend.engine.page_allocator import PoolFullError
+from backend.engine.outputs import ErrorKind
 from backend.engine.sampling_params import SamplingParams
 
 
@@ -209,22 +218,34 @@ def test_exception_in_step_fails_its_requests_and_frees_pages(engine, monkeypatc
     assert len(tokens_of(run_to_completion(engine)["c"])) == 4
 
 
-def test_reservation_errors(engine):
-    pages = engine.reserve("r", 20)
-    assert len(pages) == 3 and engine.pool_stats()["used"] == 3
-    with pytest.raises(ValueError, match="still holds pages"):
+def test_remote_kv_admission_is_the_scheduler_s(engine):
+    """A remote-KV request is admitted like any other (pages, FIFO, commitments) and then waits
+    for its KV holding its pages; a failure while it waits keeps them until release."""
+    loader = RemoteLoader()
+    engine.set_kv_loader(loader)
+    pages = admit_remote(engine, "r", prompt_of(20), SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(pages) == 3 and loader.cached["r"] == 0 and engine.pool_stats()["used"] == 3
+    assert not engine.has_work()  # waiting for remote KV is not work for the step loop
+    with pytest.raises(ValueError, match="already active"):
         engine.add_request("r", prompt_of(21))
-    with pytest.raises(ValueError, match="kv_ready_tokens must be in"):
-        engine.add_request("r", prompt_of(20), kv_ready_tokens=20)
-    with pytest.raises(ValueError, match="no reserved pages"):
-        engine.add_request("q", prompt_of(20), kv_ready_tokens=19)
-    with pytest.raises(ValueError, match="n_tokens must be in"):
-        engine.reserve("huge", 1000)
-    engine.reserve("big1", 400)  # 50 pages each; the pool has 128
-    engine.reserve("big2", 400)
-    with pytest.raises(PoolFullError):
-        engine.reserve("big3", 400)
-    for req_id in ("r", "big1", "big2"):
-        engine.cancel_reservation(req_id)
-    with pytest.raises(KeyError):
-        engine.cancel_reservation("r")
+    with pytest.raises(ValueError, match="remote_kv and prefill_only"):
+        engine.add_request("q", prompt_of(5), prefill_only=True, remote_kv=True)
+    # the pool commits what each may grow into: a third big request waits in the queue, unparked
+    big = SamplingParams(max_tokens=200, ignore_eos=True)
+    admit_remote(engine, "big1", prompt_of(300), big)
+    engine.add_request("big2", prompt_of(300), big, remote_kv=True)
+    engine.step()
+    assert "big2" not in engine.scheduler.parked and engine.scheduler.waiting
+    assert engine.abort("big2").finish_reason == "abort" and not engine.pool_stats()["committed"] == 0
+    failed = engine.fail(["big1"], "no KV", ErrorKind.KV_TRANSFER_FAILED)
+    assert failed[0].pages_held and engine.allocator.has("big1")  # a late write may still land
+    assert not engine.kv_loaded("big1")  # ended: its KV arriving now changes nothing
+    assert engine.release("big1") > 0 and not engine.allocator.has("big1")
+    # the KV landed: it starts at its last prompt token
+    assert engine.kv_loaded("r") and engine.scheduler.running[0].num_computed == 19
+    assert len(tokens_of(run_to_completion(engine)["r"])) == 4
+    # a loader that keeps it here: the engine computes the prompt itself
+    engine.set_kv_loader(RemoteLoader(remote=False))
+    engine.add_request("local", prompt_of(20), SamplingParams(max_tokens=3, ignore_eos=True), remote_kv=True)
+    assert len(tokens_of(run_to_completion(engine)["local"])) == 3
+    engine.set_kv_loader(None)

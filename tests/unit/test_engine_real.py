@@ -113,10 +113,10 @@ def test_logits_match_transformers_forward(engine, hf_model, prompts):
     assert diff < LOGIT_TOLERANCE, diff
     engine.release("pf")
     # decode-path logits: the runner directly, a prefill then three single-token steps in reserved pages
-    pages = engine.reserve("dec", len(prompt))
+    pages = engine.allocator.allocate("dec", len(prompt))
     result = engine.runner.run([BatchEntry(prompt[:-3], 0, pages)])
     for pos in range(len(prompt) - 3, len(prompt)):
         result = engine.runner.run([BatchEntry([prompt[pos]], pos, pages)])
         diff = (result.logits[0] - reference[pos]).abs().max().item()
         assert diff < LOGIT_TOLERANCE, (pos, diff)
-    engine.cancel_reservation("dec")
+    engine.allocator.free("dec")

@@ -8,7 +8,7 @@ import collections
 
 import pytest
 import torch
-from engine_helpers import assert_pool_idle, make_engine, real_model_dir, run_to_completion, tokens_of
+from engine_helpers import admit_remote, assert_pool_idle, make_engine, real_model_dir, run_to_completion, tokens_of
 
 from backend.engine.outputs import FinishReason
 from backend.engine.sampling.drafters import HiddenStateDrafter, lookup_continuation
@@ -148,23 +148,17 @@ def test_decode_role_with_transferred_hidden_state_identical(model_dir, prompts,
             prefill.add_request(f"r{i}", prompt[:-1], prefill_only=True)
         done = run_to_completion(prefill)
         params = SamplingParams(max_tokens=24, ignore_eos=True, num_draft_tokens=4, draft_method=method)
+        dsts = [admit_remote(decode, f"r{i}", prompt, params) for i, prompt in enumerate(prompts)]
         for i, prompt in enumerate(prompts):
             out = done[f"r{i}"][-1]
             assert out.finish_reason == FinishReason.PREFILL_DONE
-            dst = decode.reserve(f"r{i}", len(prompt) + 24)
+            dst = dsts[i]
             src = prefill.allocator.page_table(f"r{i}")
             for layer in range(prefill.runner.hf_config.num_hidden_layers):
                 for s, d in zip(src, dst[: -(-(len(prompt) - 1) // page_size)]):
                     decode.pool.layer(layer)[d].copy_(prefill.pool.layer(layer)[s])
             prefill.release(f"r{i}")
-            decode.add_request(
-                f"r{i}",
-                prompt,
-                params,
-                kv_ready_tokens=len(prompt) - 1,
-                prefill_hidden=out.hidden_state.float(),
-                prefill_logits=out.logits.float(),
-            )
+            assert decode.kv_loaded(f"r{i}", out.hidden_state.float(), out.logits.float())
             assert torch.equal(decode._seqs[f"r{i}"].last_logits, out.logits.float())
         outs = run_to_completion(decode)
         assert [tokens_of(outs[f"r{i}"]) for i in range(len(prompts))] == plain, method
