@@ -55,6 +55,7 @@ class LLMEngine:
                 )
             runner = ModelRunner(config)
         self.runner = runner
+        assert config.num_pages is not None  # EngineConfig resolves it from kv_cache_tokens
         self.allocator = PageAllocator(
             config.num_pages, config.page_size, prefix_caching=config.enable_prefix_caching, salt=self._cache_salt()
         )
@@ -226,7 +227,7 @@ class LLMEngine:
         rows = [i for i, c in enumerate(chunks) if c.is_last_chunk and not c.seq.prefill_only]
         speculating = any(c.draft_token_ids for c in chunks)
         try:
-            if listener is not None and step_batch.prefill_only_chunks:
+            if listener is not None and step_batch is not None and step_batch.prefill_only_chunks:
                 listener.step_scheduled(step_batch)
             extra = {"num_logits": [1 + len(c.draft_token_ids) for c in chunks]} if speculating else {}
             result = self.runner.run(
