@@ -1,5 +1,7 @@
-"""Receiver-side completion tracking: per-request write counters, generations, timeouts,
-meta-buffer slots and page quarantine. No NIXL here; the agent feeds it notifications.
+"""CompletionTracker: the receiving side of a FabricAgent (the decode instance's role).
+
+Per-request write counters, generations, timeouts, meta-buffer slots and page quarantine. No
+NIXL here: the agent's progress thread feeds it the notifications that arrived.
 
 Life of a request on the receiver:
 
@@ -8,12 +10,24 @@ Life of a request on the receiver:
 2. Every notification ``(req_id, generation, n)`` adds ``n`` landed writes; notifications with
    any other generation are stale and ignored. When the count reaches the expected number
    (and the meta block arrived, if one is expected) ``on_done(req_id, True, None, meta)``
-   fires once and the slot is freed (``meta`` is a copy).
+   fires once and the slot is freed (``meta`` is a copy). Counting assumes NIXL delivers each
+   xfer's notification once (it does); a notification after completion is ignored.
 3. Timeout or :meth:`cancel`: ``on_done(req_id, False, reason, None)`` fires and the request is
    *quarantined*: writes the sender had in flight may still land in its pages and slot. Only
    when the sender confirms it stopped (:meth:`sender_stopped`) or ``quarantine_s`` passes is
    the slot reused and ``on_release(req_id, generation)`` called: only then may the caller
    give the destination pages to another request.
+
+Lock discipline -- the *tracker lock* (``self._lock``, a plain Lock, never re-entered):
+
+* It guards the active and quarantined entries, the free meta slots and the generation counter.
+* Threads that call in: the engine's threads (``expect``, ``rearm``, ``cancel``, ``counts``), the
+  agent's progress thread (``writes_landed``, ``meta_landed``, ``sender_stopped``, ``tick``) and
+  the Sender, for meta staging slots (``acquire_slot``, ``release_slot``), which may hold the
+  agent lock meanwhile: this lock is the innermost, nothing is called out of it.
+* Callbacks (``on_done``, ``on_release``) always run after the lock is released, on the thread
+  whose call decided the outcome; a handle's ``done`` is set before its ``on_done`` runs.
+* ``expecting()`` reads the active table without the lock (a hint for the poll rate).
 """
 
 from __future__ import annotations
@@ -174,15 +188,15 @@ class CompletionTracker:
         """The sender has no write in flight for (req_id, generation) and will post no more."""
         with self._lock:
             entry = self._active.get(req_id)
-            failed = entry is not None and entry.handle.generation == generation
-            if failed:
+            failed = entry if entry is not None and entry.handle.generation == generation else None
+            if failed is not None:
                 del self._active[req_id]
-                self._quarantine(entry)
+                self._quarantine(failed)
             released = self._quarantined.pop((req_id, generation), None)
             if released is not None:
                 self._free_slot(released)
-        if failed:
-            self._fire(entry, False, reason, None)
+        if failed is not None:
+            self._fire(failed, False, reason, None)
         if released is not None:
             self._release(released)
 
@@ -237,6 +251,7 @@ class CompletionTracker:
             )
         del self._active[entry.handle.req_id]
         if entry.with_meta:  # copy before the slot can be handed out again
+            assert self._meta is not None  # a slot was taken: there is a meta buffer
             entry.meta_out = self._meta[entry.handle.slot, : entry.meta_floats].clone()
         self._free_slot(entry)
         return entry

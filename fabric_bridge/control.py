@@ -12,6 +12,9 @@ After that both agents can write to each other and exchange notifications.
 :func:`send_msg` / :func:`recv_msg` (the framing) and :func:`offer_handshake` /
 :func:`answer_handshake` (the exchange) are public: the KV messenger
 (``backend/disagg/messenger.py``) speaks the same framing and handshake, with its own payload.
+
+Lock discipline: no lock here. A :class:`HandshakeServer` answers one handshake at a time on its
+own thread; ``agent.add_peer``, which it calls there, takes the agent lock itself.
 """
 
 from __future__ import annotations

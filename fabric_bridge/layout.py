@@ -14,6 +14,8 @@ Sharding: with ``tp_size <= num_kv_heads`` shard ``s`` holds heads
 cache is replicated: every shard holds one head, ``s * num_kv_heads // tp_size``.
 
 :func:`check_compatible` refuses a pair that cannot exchange pages and names the mismatch.
+
+Lock discipline: none needed; frozen values and pure functions.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ the request's source pages and destination pages, :func:`build_plan` returns a
 * Writes per layer = pages x segments; the receiver derives its expected count from
   :func:`expected_writes`, which depends only on the layouts and page counts, never on the
   replica choice, so both sides agree without talking.
+
+Lock discipline: none needed; frozen values and pure functions.
 """
 
 from __future__ import annotations

@@ -216,7 +216,9 @@ def check_engine_vs_transformers(args, workdir: Path) -> dict:
 def nixl_importable() -> str | None:
     """None when NIXL imports, else why not."""
     try:
-        from fabric_bridge import nixl_api  # noqa: F401
+        from fabric_bridge import nixl_api
+
+        nixl_api.load()  # NIXL itself is imported at first use
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return None

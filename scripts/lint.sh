@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Lint: ruff (rules and format) and the import-linter contracts of the layering (pyproject.toml).
+# Lint: ruff (rules and format), the import-linter contracts of the layering and mypy (config in pyproject.toml).
 # Needs the venv from scripts/setup.sh.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -7,3 +7,4 @@ cd "$root"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/lint-imports
+.venv/bin/mypy

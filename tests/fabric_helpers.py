@@ -106,7 +106,7 @@ class Side:
 
     def post(self, name, peer, req_id, gen, src_pages, dst_pages, layers, rng_seed=0, positions=None) -> list[bool]:
         agent = self.agents[name]
-        plan = build_plan(agent.layout, agent._peers[peer].layout, src_pages, dst_pages, random.Random(rng_seed))
+        plan = build_plan(agent.layout, agent.peer_layout(peer), src_pages, dst_pages, random.Random(rng_seed))
         return [agent.post_layer(peer, req_id, gen, plan, layer, positions) for layer in layers]
 
     def post_meta(self, name, peer, req_id, gen, slot, hidden, logits) -> bool:

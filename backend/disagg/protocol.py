@@ -125,8 +125,7 @@ def decode(obj) -> Message:
     if set(obj) == {"error"}:
         raise ProtocolError(f"refused by the peer: {obj['error']}")
     name = obj.get("type")
-    cls = TYPES.get(name) if isinstance(name, str) else None
-    if cls is None:
+    if not isinstance(name, str) or (cls := TYPES.get(name)) is None:
         raise ProtocolError(f"unknown message type {name!r}; known: {sorted(TYPES)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}

@@ -20,6 +20,9 @@ once; a model so changed runs through this loop only. Measured in ``perf/REPORT.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,6 +33,9 @@ _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 _LAYER_PARTS = {*_ATTENTION, *(f"mlp.{name}" for name in _MLP)}
 _LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+
+# A linear layer's product as a plain function of its input (see _product).
+_Product = Callable[[torch.Tensor], torch.Tensor]
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -82,21 +88,23 @@ def _fused(parts: list[nn.Linear]) -> nn.Linear:
 def fuse_projections(model: nn.Module) -> None:
     """Replace each layer's q/k/v projections by ``self_attn.qkv_proj`` and its gate/up ones by
     ``mlp.gate_up_proj`` (in place; run before any quantization, which then covers them)."""
-    for layer in model.model.layers:
+    inner: Any = model.model  # nn.Module types submodule attributes as Tensor | Module
+    for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj = _fused([attn.q_proj, attn.k_proj, attn.v_proj])
         mlp.gate_up_proj = _fused([mlp.gate_proj, mlp.up_proj])
         del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
 
 
-def _product(linear: nn.Module):
+def _product(linear: nn.Module) -> _Product:
     """A linear layer's product as a plain function of its input: for torch's dynamic int8 layers
     the quantized op itself (their module call adds as much Python as the op's own dispatch, 121
     times a step), for the others the module's ``forward`` without ``__call__``'s hook handling."""
     packed = getattr(linear, "_packed_params", None)
     if packed is not None and packed.dtype == torch.qint8:
         op, params = torch.ops.quantized.linear_dynamic.default, packed._packed_params
-        reduce_range = not (linear.version is None or linear.version < 4)  # as the module's forward
+        version = cast("int | None", linear.version)
+        reduce_range = not (version is None or version < 4)  # as the module's forward
         return lambda x: op(x, params, reduce_range)
     return linear.forward
 
@@ -106,14 +114,16 @@ class LeanDecoder:
     model whose projections :func:`fuse_projections` fused."""
 
     def __init__(self, model: nn.Module):
-        config = model.config
-        self.inner = model.model
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.eps = config.rms_norm_eps
+        # transformers' config and submodules (nn.Module types its attributes as Tensor | Module)
+        config: Any = model.config
+        inner: Any = model.model
+        self.inner = inner
+        self.num_heads: int = config.num_attention_heads
+        self.num_kv_heads: int = config.num_key_value_heads
+        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.eps: float = config.rms_norm_eps
         self.scaling = self.head_dim**-0.5
-        self.layers = [
+        self.layers: list[tuple[int, torch.Tensor, _Product, _Product, torch.Tensor, _Product, _Product]] = [
             (
                 i,
                 layer.input_layernorm.weight,
@@ -123,11 +133,11 @@ class LeanDecoder:
                 _product(layer.mlp.gate_up_proj),
                 _product(layer.mlp.down_proj),
             )
-            for i, layer in enumerate(self.inner.layers)
+            for i, layer in enumerate(inner.layers)
         ]
 
     def forward(self, batch: PagedBatch) -> torch.Tensor:
-        h = self.inner.embed_tokens(batch.input_ids)  # [1, T, hidden]
+        h: torch.Tensor = self.inner.embed_tokens(batch.input_ids)  # [1, T, hidden]
         cos, sin = self.inner.rotary_emb(h, batch.position_ids)  # [1, T, D]
         tokens, heads, kv_heads, dim = h.shape[1], self.num_heads, self.num_kv_heads, self.head_dim
         half = dim // 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -60,7 +61,8 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=self.dtype)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        self.model = model.to(self.device).eval()
+        # transformers wraps PreTrainedModel.to with functools.wraps, whose typeshed type does not bind self
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         self.decoder = self._choose_decoder(config)
         if self.decoder == "lean":
             fuse_projections(self.model)  # before quantization, which then covers the fused layers
@@ -76,6 +78,7 @@ class ModelRunner:
         self.on_layer_kv_written: Callable[[int, object], None] | None = None
         self.progress = progress if progress is not None else make_progress(self.device)
         self._lean = LeanDecoder(self.model) if self.decoder == "lean" else None
+        assert config.num_pages is not None  # set by EngineConfig.__post_init__
         log.info(
             "engine model=%s type=%s layers=%d device=%s weights=%s decoder=%s; KV pool %d pages x %d tokens "
             "= %d tokens, %.1f MiB (%s)",
@@ -105,6 +108,7 @@ class ModelRunner:
     def _make_pool(self, config: EngineConfig, head_dim: int) -> KVPool:
         """The KV pool this runner attends over (a tensor-parallel rank overrides it with its shard)."""
         hf_config = self.hf_config
+        assert config.num_pages is not None  # set by EngineConfig.__post_init__
         return KVPool(
             num_layers=hf_config.num_hidden_layers,
             num_pages=config.num_pages,
@@ -125,9 +129,10 @@ class ModelRunner:
             head_dim=self.pool.head_dim,
         )
 
-    def set_layer_hook(self, hook: Callable[[int, object, DeviceMark], None] | None) -> None:
+    def set_layer_hook(self, hook: Callable[[int, Any, DeviceMark], None] | None) -> None:
         """``hook(layer_idx, hook_arg, written)`` runs right after each layer queued the step's KV
-        write; ``written`` is done once the device has executed it."""
+        write; ``written`` is done once the device has executed it. ``hook_arg`` is what the caller
+        passed to :meth:`run` (opaque here, hence ``Any``)."""
         if hook is None:
             self.on_layer_kv_written = None
             return

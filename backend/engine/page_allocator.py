@@ -98,7 +98,8 @@ class PageAllocator:
                     f"request {req_id!r} needs {commit} pages; "
                     f"{self.num_pages - self._committed_total} of {self.num_pages} uncommitted"
                 )
-            table, last = [], None
+            table: list[int] = []
+            last: bytes | None = None
             if self.prefix_caching and token_ids is not None and len(token_ids) > 1:
                 self.counters["query_tokens"] += len(token_ids)
                 for h in page_hashes(token_ids[: len(token_ids) - 1], self.page_size, self.salt):

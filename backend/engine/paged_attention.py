@@ -192,6 +192,7 @@ def _as(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def _decode_attention(q: torch.Tensor, layer_pool: torch.Tensor, batch: PagedBatch, scaling):
     """q [H, B, D] (one token per sequence) -> [B, H, D]."""
     num_seqs = batch.num_decode
+    assert batch.decode_pages is not None  # set whenever num_decode > 0
     kv = _as(_gather_kv(layer_pool, batch.decode_pages), q)
     kv = kv.view(2, kv.shape[1], num_seqs, -1, kv.shape[-1]).transpose(1, 2)  # [2, B, Hkv, L, D]
     if batch.decode_mask is None:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 DRAFT_METHODS = ("lookup", "hidden")
 MAX_DRAFT_TOKENS = 16
@@ -33,7 +37,7 @@ class SamplingParams:
     min_tokens: int = 0
     num_draft_tokens: int = 0
     draft_method: str = "lookup"
-    grammar: object | None = None
+    grammar: CompiledGrammar | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.end_ids, int):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 import requests
 
@@ -38,7 +39,7 @@ class OpenAIFrontend:
         self.served_model_name = served_model_name or triton_model
         self.log_file = Path(log_file) if log_file else None
         self.proc: subprocess.Popen | None = None
-        self._log = None
+        self._log: IO[bytes] | None = None
 
     @property
     def url(self) -> str:
@@ -75,10 +76,12 @@ class OpenAIFrontend:
         ]
         root = Path(__file__).resolve().parents[2]
         env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        self._log = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=root)
+        self._log = open(self.log_file, "ab") if self.log_file else None  # noqa: SIM115
+        stdout = self._log if self._log is not None else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, env=env, cwd=root)
 
     def _wait(self, timeout_s: float, good, what: str) -> None:
+        assert self.proc is not None, "_launch() first"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -102,6 +105,6 @@ class OpenAIFrontend:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
-        if self._log not in (None, subprocess.DEVNULL):
+        if self._log is not None:
             self._log.close()
         self._log = None

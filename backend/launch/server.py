@@ -13,6 +13,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import requests
 
@@ -21,6 +22,9 @@ from backend.disagg.auth import SECRET_ENV
 from backend.launch.ports import free_port
 from backend.launch.triton_install import install_stub
 from backend.triton.lifecycle import drain_file
+
+if TYPE_CHECKING:
+    from backend.launch.supervisor import Supervisor
 
 log = logging.getLogger("triton_disagg.server")
 
@@ -55,7 +59,7 @@ class TritonServer:
         self.netns = netns
         self.supervise = supervise
         self.exit_timeout_s = exit_timeout_s
-        self.supervisor = None
+        self.supervisor: Supervisor | None = None
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -156,6 +160,7 @@ class TritonServer:
                     + (f"; see {self.log_file}" if self.log_file else "")
                 )
             if self.is_ready():
+                assert self.proc is not None
                 log.info("tritonserver ready (pid %d)", self.proc.pid)
                 return
             time.sleep(0.5)
@@ -214,7 +219,7 @@ class TritonServer:
         """Python-backend stub processes of this server: model instance name -> pid."""
         import psutil
 
-        out = {}
+        out: dict[str, int] = {}
         if self.proc is None:
             return out
         try:

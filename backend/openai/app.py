@@ -18,7 +18,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -39,7 +39,7 @@ from backend.openai.triton_stream import Delta, GenerationError, GenerationParam
 log = logging.getLogger("triton_disagg.openai")
 
 # our error kinds -> (HTTP status, OpenAI error type)
-_STATUS = {
+_STATUS: dict[ErrorKind | None, tuple[int, str]] = {
     ErrorKind.BAD_REQUEST: (400, "invalid_request_error"),
     ErrorKind.OVERLOADED: (429, "rate_limit_error"),
     ErrorKind.OUT_OF_SERVICE: (503, "service_unavailable"),
@@ -63,7 +63,7 @@ class FrontendConfig:
     max_tokens_default: int = 1024
 
 
-def _finish_reason(ours: str) -> str:
+def _finish_reason(ours: str | None) -> str:
     return "length" if ours == "length" else "stop"
 
 
@@ -242,7 +242,7 @@ def build_app(config: FrontendConfig) -> FastAPI:
     return app
 
 
-async def _cancel(task: asyncio.Future, deltas: AsyncIterator[Delta]) -> None:
+async def _cancel(task: asyncio.Future, deltas: AsyncGenerator[Delta, None]) -> None:
     """Stop waiting on Triton: the generation's iterator closes, which cancels its gRPC call."""
     task.cancel()
     with contextlib.suppress(BaseException):
@@ -250,7 +250,7 @@ async def _cancel(task: asyncio.Future, deltas: AsyncIterator[Delta]) -> None:
     await deltas.aclose()
 
 
-async def _first_or_disconnect(request: Request, deltas: AsyncIterator[Delta]) -> Delta | None:
+async def _first_or_disconnect(request: Request, deltas: AsyncGenerator[Delta, None]) -> Delta | None:
     """The first response, or None (request cancelled in Triton) if the client leaves first."""
     first = asyncio.ensure_future(deltas.__anext__())
     try:
@@ -268,7 +268,7 @@ async def _first_or_disconnect(request: Request, deltas: AsyncIterator[Delta]) -
         raise
 
 
-async def _whole(request: Request, answer: _Answer, first: Delta, deltas: AsyncIterator[Delta]):
+async def _whole(request: Request, answer: _Answer, first: Delta, deltas: AsyncGenerator[Delta, None]):
     """A non-streamed answer; a client that disconnects meanwhile cancels the request."""
     parts, last = [first.text], first
 
@@ -300,7 +300,7 @@ async def _whole(request: Request, answer: _Answer, first: Delta, deltas: AsyncI
     )
 
 
-async def _events(answer: _Answer, first: Delta, deltas: AsyncIterator[Delta], include_usage: bool):
+async def _events(answer: _Answer, first: Delta, deltas: AsyncGenerator[Delta, None], include_usage: bool):
     """Server-sent events; if the client disconnects, Starlette cancels this generator and
     closing ``deltas`` cancels the Triton request."""
     last = first

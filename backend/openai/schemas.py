@@ -30,7 +30,7 @@ class UnsupportedField(ValueError):
 
 
 # field -> (why it is refused, values that ask for nothing and are accepted)
-_REFUSED = {
+_REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
     "logprobs": ("logprobs are not supported", (None, False, 0)),
     "top_logprobs": ("logprobs are not supported", (None, 0)),
     "echo": ("echo is not supported", (None, False)),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 import grpc
@@ -100,7 +100,7 @@ class TritonStream:
         except InferenceServerException:
             return False
 
-    async def generate(self, model: str, prompt: str, params: GenerationParams) -> AsyncIterator[Delta]:
+    async def generate(self, model: str, prompt: str, params: GenerationParams) -> AsyncGenerator[Delta, None]:
         """Deltas until the one with a finish reason; :class:`GenerationError` for a refused or
         failed request. Closing the iterator early cancels the request in Triton."""
         request = {"model_name": model, "inputs": build_inputs(prompt, params), "request_id": uuid.uuid4().hex}

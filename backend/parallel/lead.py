@@ -54,6 +54,7 @@ class TPLeadRunner(TPModelRunner):
         hf = AutoConfig.from_pretrained(config.model_path)
         check_shardable(hf, world)
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        assert config.num_pages is not None  # set by EngineConfig.__post_init__
         shape = (hf.num_hidden_layers, config.num_pages, 2, hf.num_key_value_heads // world, config.page_size, head_dim)
         shards = SharedShards(shape, config.kv_torch_dtype, [rank_device(config, r) for r in range(world)])
         self._shard_tensors = list(shards.tensors)
@@ -98,15 +99,17 @@ class TPLeadRunner(TPModelRunner):
     def add_failure_callback(self, callback: Callable[[str], None]) -> None:
         self._on_failure.append(callback)
 
-    def run(self, entries: list[BatchEntry], hook_arg: object = None, **kwargs) -> StepResult:
+    def run(
+        self, entries: list[BatchEntry], hook_arg: object = None, num_logits: list[int] | None = None
+    ) -> StepResult:
         if self.failed:
             raise TPInstanceDown(self.failed)
         hook = self.on_layer_kv_written
         try:
-            self.ranks.send(("step", entries, kwargs))
+            self.ranks.send(("step", entries, {"num_logits": num_logits}))
             self.signal.hook, self.signal.arg = hook, hook_arg
             self.on_layer_kv_written = None  # fired by the o_proj reduction instead
-            return super().run(entries, hook_arg, **kwargs)
+            return super().run(entries, hook_arg, num_logits)
         except Exception as exc:
             # ranks may now be out of step: the whole instance goes out of service
             self._fail(self.ranks.exit_reason(wait_s=1.0) or f"step failed: {type(exc).__name__}: {exc}")

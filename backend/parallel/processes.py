@@ -91,6 +91,7 @@ class RankProcesses:
         """Ask every rank to stop; kill those still running after ``timeout_s``."""
         self._stopping.set()
         for p in self.procs:
+            assert p.stdin is not None  # started with stdin=PIPE
             try:
                 with self._lock:
                     write_step_message(p.stdin, ("stop",))

@@ -35,6 +35,7 @@ class TPModelRunner(ModelRunner):
     def _make_pool(self, config: EngineConfig, head_dim: int) -> KVPool:
         hf = self.hf_config
         check_shardable(hf, self.tp_size)
+        assert config.num_pages is not None  # set by EngineConfig.__post_init__
         return KVPool(
             num_layers=hf.num_hidden_layers,
             num_pages=config.num_pages,

@@ -16,6 +16,7 @@ has written the layer's KV into its shard of the pool.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -82,7 +83,8 @@ def check_shardable(hf_config, world: int) -> None:
 def shard_model(model: nn.Module, rank: int, world: int, group, signal: LayerSignal | None) -> None:
     """Replace each decoder layer's projections by this rank's shards (see module docstring)."""
     check_shardable(model.config, world)
-    for layer in model.model.layers:
+    decoder: Any = model.model  # nn.Module types submodule attributes as Tensor | Module
+    for layer in decoder.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for lin in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
             _column(lin, rank, world)

@@ -103,7 +103,8 @@ class _Instance:
         self.outstanding = 0
 
     def schedule(self) -> list[tuple[_Seq, int]]:
-        budget, chunks = self.spec.budget, []
+        budget = self.spec.budget
+        chunks: list[tuple[_Seq, int]] = []
         decoding = [s for s in self.running if s.total - s.computed == 1]
         prefilling = [s for s in self.running if s.total - s.computed > 1]
         for s in decoding + prefilling:

@@ -30,7 +30,7 @@ class DrainWatch:
     """Calls ``on_drain`` once, from its own thread, when the drain file appears in the
     repository that holds ``model_dir`` (``args["model_repository"]`` of a Python model)."""
 
-    def __init__(self, model_dir: str, on_drain: Callable[[], None], period_s: float = 0.2):
+    def __init__(self, model_dir: str, on_drain: Callable[[], object], period_s: float = 0.2):
         self.path = drain_file(Path(model_dir).parent)
         self._on_drain = on_drain
         self._period = period_s

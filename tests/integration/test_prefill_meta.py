@@ -62,13 +62,13 @@ def test_transferred_hidden_state_and_logits_equal_a_local_prefill(monkeypatch):
     )
     try:
         received = {}
-        forward = decode._on_kv_ready
+        forward = decode._kv_done  # the decode loop applying a KVDone event
 
         def spy(req_id, ok, err, state):
             received[req_id] = (ok, err, None if state is None else (state[0].clone(), state[1].clone()))
             forward(req_id, ok, err, state)
 
-        decode._on_kv_ready = spy
+        decode._kv_done = spy
         prompt = tokenizer.encode("Read the list and answer. " + " ".join(f"Item {i} is {i * 7}." for i in range(30)))
         sink = Sink()
         request = ClientRequest(text="-", max_tokens=8, ignore_eos=True, num_draft_tokens=3, draft_method="hidden")

@@ -1,13 +1,18 @@
-"""Agent set-up: transport selection, pool validation, handshake over the TCP control
-channel (framing, refusal of incompatible layouts)."""
+"""Agent set-up over the fake NIXL: transport selection, NIXL loaded lazily (and absent),
+pool validation, handshake over the TCP control channel (framing, refusal of incompatible
+layouts). The real-NIXL counterparts are in tests/integration/test_fabric_real_nixl.py."""
 
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
+import fake_nixl
 import pytest
 import torch
 from fabric_helpers import make_pools
 
-from fabric_bridge import control
+from fabric_bridge import control, nixl_api
 from fabric_bridge.agent import FabricAgent, TransportUnavailable
 from fabric_bridge.layout import KVLayout, LayoutMismatch
 
@@ -18,12 +23,38 @@ def lay(**kw):
     return KVLayout(**base)
 
 
-def test_libfabric_unavailable_is_a_clear_error():
+def test_backend_failures_are_clear(fabric):
+    pools = make_pools(lay(), 2)
     with pytest.raises(TransportUnavailable) as e:
-        FabricAgent("lf", lay(), make_pools(lay(), 2), backend="LIBFABRIC")
-    msg = str(e.value)
-    assert "LIBFABRIC" in msg and "failed to start" in msg
-    print("LIBFABRIC error as reported:", msg)
+        FabricAgent("lf", lay(), pools, backend="LIBFABRIC")  # the fake's LIBFABRIC finds no EFA
+    assert "LIBFABRIC" in str(e.value) and "failed to start" in str(e.value)
+    fabric.plugins = ["UCX"]
+    with pytest.raises(TransportUnavailable, match="no such plugin.*UCX"):
+        FabricAgent("lf2", lay(), pools, backend="LIBFABRIC")
+
+
+def test_nixl_absent_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(nixl_api, "_real", None)  # an earlier integration test may have loaded it
+    nixl_api.install(None)  # real NIXL, which this conftest blocks
+    with pytest.raises(TransportUnavailable, match="NIXL is not installed"):
+        FabricAgent("none", lay(), make_pools(lay(), 2))
+
+
+def test_unit_tests_run_without_real_nixl():
+    with pytest.raises(ImportError):
+        import nixl_cu12  # noqa: F401
+    assert nixl_api.load() is fake_nixl
+
+
+def test_modules_import_without_nixl():
+    code = (
+        "import sys; sys.modules['nixl_cu12'] = sys.modules['nixl_cu13'] = None\n"
+        "import fabric_bridge.agent, backend.disagg.nixl_connector\n"
+        "assert not [m for m, mod in sys.modules.items() if m.startswith('nixl_cu') and mod is not None]\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    assert r.returncode == 0, r.stderr
 
 
 def test_pool_validation():

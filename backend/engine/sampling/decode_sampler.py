@@ -41,6 +41,7 @@ class DecodeSampler:
         seq, drafts = chunk.seq, chunk.draft_token_ids
         if seq.grammar is not None:
             bitmask = seq.draft_bitmask if drafts else seq.grammar.check_drafts([])[1]
+            assert bitmask is not None  # propose() set draft_bitmask with the drafts
             logits = seq.grammar.mask(logits, bitmask[: len(drafts) + 1])
         tokens = verify(logits, drafts, seq.params, seq.generator)
         if drafts:

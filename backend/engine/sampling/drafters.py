@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -57,7 +58,7 @@ class HiddenStateDrafter:
         return [first] + lookup_continuation(seq.token_ids + [first], k - 1)
 
 
-DRAFTERS = {"lookup": PromptLookupDrafter, "hidden": HiddenStateDrafter}
+DRAFTERS: dict[str, Callable[[], Drafter]] = {"lookup": PromptLookupDrafter, "hidden": HiddenStateDrafter}
 
 
 def make_drafters() -> dict[str, Drafter]:

@@ -36,6 +36,7 @@ class GrammarCompiler:
             with self._lock:
                 if json_schema is not None:
                     return self._compiler.compile_json_schema(json_schema, any_whitespace=False)
+                assert regex is not None  # exactly one of them was given
                 return self._compiler.compile_regex(regex)
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError with the parser's message
             kind = "guided_json schema" if json_schema is not None else "guided_regex"

@@ -30,7 +30,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return tokens.tolist()
 
 
-def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     return torch.multinomial(token_probs(logits, params), 1, generator=generator)[0]
 
 
