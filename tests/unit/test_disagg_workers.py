@@ -199,6 +199,7 @@ def test_layer_completions_out_of_order_and_duplicated(pair, tiny_dir, fabric):
 
     pair.decode._events.put(KVDone("ooo", True, None, None))
     pair.decode._events.put(KVReleased("ooo"))
+    fabric.auto, fabric.notif_filter = True, None
     _, after = pair.run(ids, "after-duplicates", 6)
     wait_until(lambda: after.ended)
     assert after.tokens == sink.tokens

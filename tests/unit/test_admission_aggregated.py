@@ -1,0 +1,127 @@
+"""Admission in front of a worker (``backend/serving/admission.py``) with the aggregated worker
+(``aggregated_worker.py``, picked by ``roles.make_worker``) on a tiny random model: a request
+streams to the end, bad input is refused with its kind, the in-flight bound answers overloaded,
+a cancel by external id stops a stream, and a drain ends what is in flight and refuses the rest.
+The same paths run end to end against a real tritonserver in ``tests/integration``."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from engine_helpers import build_tiny_llama
+
+from backend.engine.outputs import ErrorKind
+from backend.serving.admission import Admission
+from backend.serving.config import InstanceConfig
+from backend.serving.roles import make_worker
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_admission"))
+
+
+class CharTokenizer:
+    """One token per character, inside the tiny model's vocabulary."""
+
+    eos_token_id = 2
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [3 + ord(c) % 250 for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+class Sink:
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.text = ""
+        self.failed: tuple[str, ErrorKind] | None = None
+        self.done = threading.Event()
+        self.cancelled = False
+
+    def send(self, text, token_ids, n_input, n_output, finish_reason, final) -> None:
+        self.tokens += token_ids
+        self.text += text
+        if final:
+            self.done.set()
+
+    def error(self, message, kind) -> None:
+        self.failed = (message, kind)
+        self.done.set()
+
+    def close(self) -> None:
+        self.done.set()
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled
+
+
+def getter(**inputs):
+    arrays = {
+        k: np.array([v.encode()] if isinstance(v, str) else [v], dtype=object if isinstance(v, str) else None)
+        for k, v in inputs.items()
+    }
+    return lambda name: arrays.get(name)
+
+
+@pytest.fixture
+def admission(tiny_dir):
+    config = InstanceConfig.from_parameters(
+        {"role": "aggregated", "model_path": str(tiny_dir), "kv_cache_tokens": "1024", "max_queue_size": "2"}
+    )
+    worker = make_worker(config, "unit-agg")
+    done = []
+    adm = Admission(config, worker, CharTokenizer(), "unit-agg", on_done=lambda s, reason: done.append(reason))
+    adm.done_reasons = done  # type: ignore[attr-defined]
+    yield adm
+    adm.close()
+    worker.shutdown()
+
+
+def test_a_request_streams_to_its_end(admission):
+    sink = Sink()
+    admission.admit(getter(text_input="hello there", max_tokens=np.int32(6), stream=True, ignore_eos=True), sink)
+    assert sink.done.wait(20) and sink.failed is None and len(sink.tokens) == 6
+    assert admission.active() == 0 and admission.done_reasons == ["length"]
+    stats = admission.worker.stats()
+    assert stats.kv_pages_free == stats.kv_pages_total and admission.worker.health() is None
+    assert "KV pool" in admission.worker.describe() and admission.worker.cache_summary().page_size > 0
+
+
+@pytest.mark.parametrize(
+    "inputs,message",
+    [
+        ({"max_tokens": np.int32(4)}, "'text_input' is required"),
+        ({"text_input": "hi"}, "'max_tokens' is required"),
+        ({"text_input": "hi", "max_tokens": np.int32(0)}, "must be > 0"),
+        ({"text_input": "hi", "max_tokens": np.int32(4), "top_p": np.float32(2.0)}, "top_p"),
+        ({"text_input": "x" * 600, "max_tokens": np.int32(4)}, "exceeds the model context"),
+    ],
+)
+def test_bad_input_is_refused_with_its_kind(admission, inputs, message):
+    sink = Sink()
+    admission.admit(getter(**inputs), sink)
+    assert sink.done.wait(5) and sink.failed is not None, inputs
+    assert message in sink.failed[0] and sink.failed[1] is ErrorKind.BAD_REQUEST, sink.failed
+
+
+def test_in_flight_bound_cancel_and_drain(admission):
+    long = dict(text_input="a long story", max_tokens=np.int32(200), stream=True, ignore_eos=True)
+    first, second, third = Sink(), Sink(), Sink()
+    admission.admit(getter(**long), first, "ext-1")
+    admission.admit(getter(**long), second, "ext-2")
+    admission.admit(getter(**long), third)  # max_queue_size 2
+    assert third.done.wait(5) and third.failed is not None and third.failed[1] is ErrorKind.OVERLOADED
+    admission.cancel_by_external_id("ext-1")
+    assert first.done.wait(20) and first.failed is None and len(first.tokens) < 200
+    assert admission.drain("the server is stopping") == 1
+    assert second.done.wait(20) and second.failed is not None and second.failed[1] is ErrorKind.OUT_OF_SERVICE
+    late = Sink()
+    admission.admit(getter(text_input="hi", max_tokens=np.int32(2)), late)
+    assert late.done.wait(5) and late.failed is not None and late.failed[1] is ErrorKind.OUT_OF_SERVICE
+    with pytest.raises(ValueError, match="no client-facing worker"):
+        make_worker(InstanceConfig.from_parameters({"role": "prefill", "model_path": "x"}), "p")
