@@ -326,14 +326,19 @@ class DecodeWorker:
         assert endpoint.peer is not None and endpoint.layout is not None
         first_page = r.cached_tokens // self.config.engine.page_size
         req_id = session.req_id
-        ticket = self.receiver.expect(
-            req_id,
-            n_remote,
-            (endpoint.peer, endpoint.layout),
-            on_ready=lambda rid, ok, err, meta: self._events.put(KVDone(rid, ok, err, meta)),
-            on_release=lambda rid: self._events.put(KVReleased(rid)),
-            first_page=first_page,
-        )
+        try:
+            ticket = self.receiver.expect(
+                req_id,
+                n_remote,
+                (endpoint.peer, endpoint.layout),
+                on_ready=lambda rid, ok, err, meta: self._events.put(KVDone(rid, ok, err, meta)),
+                on_release=lambda rid: self._events.put(KVReleased(rid)),
+                first_page=first_page,
+            )
+        except (RuntimeError, ValueError) as e:  # e.g. every meta slot in use: retry later
+            self.router.done(endpoint.address, req_id)
+            self._cancel(req_id, f"cannot receive the KV now: {e}", ErrorKind.OVERLOADED)
+            return
         r.endpoint, r.sent = endpoint, True
         endpoint.outstanding.add(req_id)
         try:
@@ -462,10 +467,12 @@ class DecodeWorker:
     def _tick(self, now: float) -> None:
         """Client cancels (polled: a waiting request sends nothing that would notice), requests
         waiting too long for pages or for a prefill instance to connect."""
+        unsent = False
         for req_id, r in list(self.requests.items()):
             state = r.state.state
             if r.cancelled or state is DecodeState.RUNNING or r.state.finished:
                 continue
+            unsent = unsent or (state is DecodeState.WAITING_KV and not r.sent)
             if r.session.is_cancelled():
                 self._cancel(req_id, None)
             elif state is DecodeState.QUEUED and now >= r.queued_until:
@@ -478,6 +485,8 @@ class DecodeWorker:
                 self._cancel(
                     req_id, f"no prefill instance reachable ({self._endpoint_errors()})", ErrorKind.PREFILL_UNAVAILABLE
                 )
+        if unsent and any(e.connected for e in self.endpoints):
+            self._send_unsent()  # one connected meanwhile
 
     # ------------------------------------------------------------ serving-layer interface
     def health(self) -> str | None:

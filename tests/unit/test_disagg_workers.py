@@ -384,3 +384,22 @@ def test_messenger_connection_lost_mid_transfer_frees_both_sides(pair, fabric):
     wait_until(lambda: again.ended)
     assert again.failed is None and len(again.tokens) == 8
     pair.assert_idle()
+
+
+def test_no_free_receive_slot_is_overloaded_not_stuck(tiny_dir, fabric):
+    p = Pair(tiny_dir, decode_overrides={"meta_slots": "1"})
+    try:
+        fabric.auto = False
+        _, first = p.run(prompt(40, 21), "slot")
+        wait_until(lambda: fabric.held, what="a write in flight")
+        _, second = p.run(prompt(40, 22), "no-slot")
+        wait_until(lambda: second.ended)
+        assert second.failed is not None and second.failed[1] is ErrorKind.OVERLOADED, second.failed
+        assert "meta slot" in second.failed[0]
+        fabric.auto = True
+        fabric.complete()
+        wait_until(lambda: first.ended)
+        assert first.failed is None and len(first.tokens) == 8
+        p.assert_idle()
+    finally:
+        p.close()
