@@ -26,7 +26,10 @@ Lock discipline -- the *tracker lock* (``self._lock``, a plain Lock, never re-en
   the Sender, for meta staging slots (``acquire_slot``, ``release_slot``), which may hold the
   agent lock meanwhile: this lock is the innermost, nothing is called out of it.
 * Callbacks (``on_done``, ``on_release``) always run after the lock is released, on the thread
-  whose call decided the outcome; a handle's ``done`` is set before its ``on_done`` runs.
+  whose call decided the outcome; a handle's ``done`` is set before its ``on_done`` runs, and a
+  failed request's ``on_release`` never runs before its ``on_done``: a sender's stop that arrives
+  on the progress thread while another thread is still running ``on_done`` is held back
+  (``stop_seen``) and released by that thread right after.
 * ``expecting()`` reads the active table without the lock (a hint for the poll rate).
 """
 
@@ -79,6 +82,8 @@ class _Entry:
     meta_out: torch.Tensor | None = None
     waiting_for: str = "transfer"  # what the deadline bounds, named in the timeout message
     renew_s: float | None = None  # set: each landed write moves the deadline this far ahead
+    failing: bool = False  # quarantined, its on_done(failure) not yet run: on_release must wait
+    stop_seen: bool = False  # the sender's stop arrived meanwhile: release once on_done has run
 
 
 class CompletionTracker:
@@ -140,6 +145,7 @@ class CompletionTracker:
                 return None
             self._quarantine(entry)
         self._fire(entry, False, reason, None)
+        self._after_failure(entry)
         return entry.peer, entry.handle.generation
 
     def acquire_slot(self) -> int:
@@ -192,11 +198,16 @@ class CompletionTracker:
             if failed is not None:
                 del self._active[req_id]
                 self._quarantine(failed)
-            released = self._quarantined.pop((req_id, generation), None)
-            if released is not None:
+            released = self._quarantined.get((req_id, generation))
+            if released is not None and released.failing and released is not failed:
+                released.stop_seen = True  # another thread runs its on_done now: it releases after
+                released = None
+            elif released is not None:
+                del self._quarantined[(req_id, generation)]
                 self._free_slot(released)
         if failed is not None:
             self._fire(failed, False, reason, None)
+            failed.failing = False
         if released is not None:
             self._release(released)
 
@@ -212,13 +223,14 @@ class CompletionTracker:
             for e in late:
                 del self._active[e.handle.req_id]
                 self._quarantine(e, now)
-            expired = [k for k, e in self._quarantined.items() if e.release_at <= now]
+            expired = [k for k, e in self._quarantined.items() if e.release_at <= now and not e.failing]
             released = [self._quarantined.pop(k) for k in expired]
             for e in released:
                 self._free_slot(e)
         for e in late:
             meta = "" if not e.with_meta else f", meta {'yes' if e.meta_floats is not None else 'no'}"
             self._fire(e, False, f"timeout ({e.waiting_for}): {e.landed}/{e.handle.expected} writes{meta}", None)
+            self._after_failure(e)
         for e in released:
             log.warning(
                 "request %s gen %d: quarantine ended without sender confirmation", e.handle.req_id, e.handle.generation
@@ -262,8 +274,22 @@ class CompletionTracker:
         return self._free_slots.pop(0)
 
     def _quarantine(self, entry: _Entry, now: float | None = None) -> None:
+        """Lock held; the caller fires on_done(failure) next, then calls :meth:`_after_failure`."""
         entry.release_at = (time.monotonic() if now is None else now) + self._quarantine_s
+        entry.failing = True
         self._quarantined[(entry.handle.req_id, entry.handle.generation)] = entry
+
+    def _after_failure(self, entry: _Entry) -> None:
+        """on_done(failure) has run: on_release may now fire, at once if the sender's stop
+        arrived meanwhile (so a caller always hears of the failure before the release)."""
+        with self._lock:
+            entry.failing = False
+            key = (entry.handle.req_id, entry.handle.generation)
+            released = self._quarantined.pop(key, None) if entry.stop_seen else None
+            if released is not None:
+                self._free_slot(released)
+        if released is not None:
+            self._release(released)
 
     def _free_slot(self, entry: _Entry) -> None:
         if entry.handle.slot is not None:

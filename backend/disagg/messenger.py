@@ -14,7 +14,9 @@ reported to the owner, who fails the requests that depended on it.
 from __future__ import annotations
 
 import logging
+import queue
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -40,7 +42,14 @@ log = logging.getLogger("triton_disagg.messenger")
 
 
 class Connection:
-    """A framed connection with a reader thread carrying protocol messages; ``send`` is thread-safe."""
+    """A framed connection with a reader thread carrying protocol messages and a writer thread
+    sending them: ``send`` only queues (thread-safe, never blocks on the network), so a worker
+    loop that sends is never held up by a peer that stops reading. A peer that lets
+    ``MAX_QUEUED_FRAMES`` pile up, or whose socket takes no bytes for ``SEND_TIMEOUT_S``, loses the
+    connection (its owner hears it as a lost peer)."""
+
+    MAX_QUEUED_FRAMES = 4096
+    SEND_TIMEOUT_S = 30
 
     def __init__(
         self, sock: socket.socket, on_message: Callable[[Message], None], on_closed: Callable[[str], None], name: str
@@ -48,14 +57,18 @@ class Connection:
         self.sock = sock
         self.name = name
         self._on_message, self._on_closed = on_message, on_closed
-        self._send_lock = threading.Lock()
         self._closed = threading.Event()
+        self._outbox: queue.Queue[dict | None] = queue.Queue(self.MAX_QUEUED_FRAMES)
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # a blocking send that makes no progress this long fails (the reader keeps no timeout)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", self.SEND_TIMEOUT_S, 0))
         self._thread = threading.Thread(target=self._read_loop, name=f"messenger-{name}", daemon=True)
+        self._writer = threading.Thread(target=self._write_loop, name=f"messenger-send-{name}", daemon=True)
 
     def start(self) -> "Connection":
         self._thread.start()
+        self._writer.start()
         return self
 
     @property
@@ -63,14 +76,37 @@ class Connection:
         return self._closed.is_set()
 
     def send(self, msg: Message) -> None:
+        """Queue ``msg`` (encoded and checked here); ConnectionError if the connection is closed
+        or the peer has stopped reading."""
         if self.closed:
             raise ConnectionError(f"connection {self.name} is closed")
+        frame = encode(msg)
         try:
-            with self._send_lock:
-                send_msg(self.sock, encode(msg))
-        except OSError as e:
-            self.close(f"send failed: {e}")
-            raise ConnectionError(f"connection {self.name}: {e}") from e
+            self._outbox.put_nowait(frame)
+        except queue.Full:
+            self.close(f"the peer reads nothing: {self.MAX_QUEUED_FRAMES} messages queued")
+            raise ConnectionError(f"connection {self.name}: the peer reads nothing") from None
+
+    def _write_loop(self) -> None:
+        while True:
+            frame = self._outbox.get()
+            if frame is None or self.closed:
+                self._outbox.task_done()
+                return
+            try:
+                send_msg(self.sock, frame)
+            except OSError as e:
+                self.close(f"send failed: {e}")
+                return
+            finally:
+                self._outbox.task_done()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until every queued message is handed to the socket."""
+        deadline = time.monotonic() + timeout_s
+        while self._outbox.unfinished_tasks and not self.closed and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return not self._outbox.unfinished_tasks
 
     def _read_loop(self) -> None:
         reason = "closed by peer"
@@ -92,6 +128,10 @@ class Connection:
         if self._closed.is_set():
             return
         self._closed.set()
+        try:
+            self._outbox.put_nowait(None)  # wakes the writer
+        except queue.Full:
+            pass  # the writer sees the connection closed at its next frame or failed send
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -135,6 +175,8 @@ class PrefillEndpoint:
         self._last_attempt = 0.0
         self.last_error: str | None = None
         self._on_connected = on_connected
+        self.generation = 0  # counts this endpoint's connections; the current one's number
+        self.lost_generation = 0  # the number of the connection last lost (read in on_lost)
         self._wake = threading.Event()
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
@@ -184,8 +226,10 @@ class PrefillEndpoint:
                     log.warning("prefill endpoint %s unavailable: %s", self.address, error)
                 self.last_error = error
                 return False
+            self.generation += 1
+            gen = self.generation
             self._conn = Connection(
-                sock, lambda m: self._on_message(self, m), self._closed, f"prefill@{self.address}"
+                sock, lambda m: self._on_message(self, m), lambda r: self._closed(r, gen), f"prefill@{self.address}"
             ).start()
             log.info("connected to prefill instance %s (agent %s)", self.address, self.peer)
             return True
@@ -210,8 +254,9 @@ class PrefillEndpoint:
             raise ConnectionError(f"prefill endpoint {self.address} is not connected")
         conn.send(msg)
 
-    def _closed(self, reason: str) -> None:
+    def _closed(self, reason: str, generation: int) -> None:
         self.last_error = reason
+        self.lost_generation = generation
         log.warning("lost prefill instance %s: %s", self.address, reason)
         self._on_lost(self, reason)
 
@@ -356,6 +401,7 @@ class MessengerServer:
         with self._lock:
             conns = list(self._conns.values())
         for c in conns:
+            c.flush(1.0)  # what was said last (a failure's reason) goes out before the connection ends
             c.close("shutdown")
 
 

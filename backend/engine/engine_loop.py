@@ -136,7 +136,8 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stopping.is_set():
             try:
-                self._apply_commands(block=not self.engine.has_work())
+                # nothing to run, or nothing that can run until a command frees pages or seats
+                self._apply_commands(block=not self.engine.has_work() or self.engine.stalled())
                 if self.engine.has_work():
                     self._emit(self._step())
             except Exception:

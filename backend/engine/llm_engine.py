@@ -185,6 +185,11 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def stalled(self) -> bool:
+        """The last step found nothing it could run (its queue waits for pages or seats that only
+        a command can free): the caller should wait for one rather than step again."""
+        return self.scheduler.stalled
+
     def pool_stats(self) -> dict:
         return self.allocator.stats()
 

@@ -11,18 +11,23 @@ in one chunk, the drafts cut to the budget left.
 Remote KV (decode role) goes through the same admission: a ``remote_kv`` sequence gets its pages
 (its cached prefix first) like any other, then the KV loader (``load_remote``) decides whether the
 rest of its prompt's KV comes from elsewhere; if so it waits, holding its pages, in
-``WAITING_REMOTE_KV`` (``parked``, counted against ``max_num_seqs``) until :meth:`kv_loaded`
-puts it in the running set at its last prompt token.
+``WAITING_REMOTE_KV`` (``parked``; it takes no seat of ``max_num_seqs``) until :meth:`kv_loaded`
+queues it in ``ready``: at its last prompt token, admitted before the waiting queue when a seat is
+free. ``stalled``: the last :meth:`schedule` found nothing to run (the engine loop then waits for
+a command instead of spinning: only a command can free pages or seats then).
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from backend.engine.page_allocator import PageAllocator, PoolFullError
 from backend.engine.sequence import SeqStatus, Sequence
+
+log = logging.getLogger("triton_disagg.engine")
 
 
 @dataclass
@@ -82,6 +87,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.parked: dict[str, Sequence] = {}  # WAITING_REMOTE_KV
+        self.ready: deque[Sequence] = deque()  # remote KV landed, waiting for a seat (pages held)
+        self.stalled = False
         # (seq) -> True when its prompt's KV will be loaded from elsewhere (it then waits)
         self.load_remote: Callable[[Sequence], bool] | None = None
 
@@ -90,11 +97,11 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Something to compute (waiting for remote KV is not)."""
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.ready)
 
     def remove(self, seq: Sequence) -> None:
         if seq.status is SeqStatus.WAITING:
-            self.waiting.remove(seq)
+            (self.ready if seq in self.ready else self.waiting).remove(seq)
         elif seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING_REMOTE_KV:
@@ -108,8 +115,8 @@ class Scheduler:
             raise ValueError(f"request {seq.req_id!r} is not waiting for remote KV ({seq.status.value})")
         del self.parked[seq.req_id]
         seq.num_computed = seq.num_tokens - 1
-        seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
+        seq.status = SeqStatus.WAITING
+        self.ready.append(seq)
 
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_num_batched_tokens
@@ -121,12 +128,18 @@ class Scheduler:
                 return chunks
             chunks.append(self._chunk(seq, budget))
             budget -= len(chunks[-1].input_token_ids)
-        while self.waiting and budget > 0 and len(self.running) + len(self.parked) < self.max_num_seqs:
+        while self.ready and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.ready.popleft()  # its pages are allocated and committed already
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(self._chunk(seq, budget))
+            budget -= len(chunks[-1].input_token_ids)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self._admit(seq):
                 break
             self.waiting.popleft()
-            if seq.remote_kv and self.load_remote is not None and self.load_remote(seq):
+            if seq.remote_kv and self._load_remote(seq):
                 seq.status = SeqStatus.WAITING_REMOTE_KV
                 self.parked[seq.req_id] = seq
                 continue
@@ -134,7 +147,18 @@ class Scheduler:
             self.running.append(seq)
             chunks.append(self._chunk(seq, budget))
             budget -= len(chunks[-1].input_token_ids)
+        self.stalled = not chunks
         return chunks
+
+    def _load_remote(self, seq: Sequence) -> bool:
+        """Ask the KV loader; one that raises leaves the request to be computed here."""
+        if self.load_remote is None:
+            return False
+        try:
+            return self.load_remote(seq)
+        except Exception:
+            log.exception("KV loader failed for %s; computing its prompt here", seq.req_id)
+            return False
 
     def _admit(self, seq: Sequence) -> bool:
         commit_tokens = seq.kv_tokens_needed(self.max_model_len)

@@ -101,6 +101,7 @@ class PrefillConnected:
 class PrefillLost:
     endpoint: PrefillEndpoint
     reason: str
+    connection: int  # which of the endpoint's connections (a later one may be up already)
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,7 @@ class _Request:
     cached_tokens: int = 0
     unsent_until: float = 0.0  # WAITING_KV before a prefill instance took it: until when to wait for one
     sent: bool = False
+    connection: int = 0  # the endpoint's connection (generation) the prefill request went on
     cancelled: bool = False  # by the client, or by this worker (page wait)
 
 
@@ -163,7 +165,7 @@ class DecodeWorker:
                 name,
                 secret,
                 lambda e, m: self._events.put(FromPrefill(e, m)),
-                lambda e, r: self._events.put(PrefillLost(e, r)),
+                lambda e, r: self._events.put(PrefillLost(e, r, e.lost_generation)),
                 on_connected=lambda e: self._events.put(PrefillConnected(e)),
             )
             for h, p in endpoints
@@ -247,8 +249,8 @@ class DecodeWorker:
             case PrefillConnected(endpoint):
                 log.info("decode %s: prefill instance %s connected", self.name, endpoint.address)
                 self._send_unsent()
-            case PrefillLost(endpoint, reason):
-                self._prefill_lost(endpoint, reason)
+            case PrefillLost(endpoint, reason, connection):
+                self._prefill_lost(endpoint, reason, connection)
             case EngineDone(output):
                 self._engine_done(output)
 
@@ -279,7 +281,7 @@ class DecodeWorker:
             return
         serving = self.config.serving
         queued = sum(r.state.state is DecodeState.QUEUED for r in self.requests.values())
-        if queued and queued >= serving.max_waiting_for_pages:
+        if queued and queued >= serving.max_waiting_for_pages and not self._pool_fits(session):
             session.fail(
                 f"decode KV pool is full and {serving.max_waiting_for_pages} requests are already waiting for pages",
                 ErrorKind.OVERLOADED,
@@ -291,11 +293,19 @@ class DecodeWorker:
         )
 
         def on_output(out: EngineOutput) -> None:  # engine thread
-            deliver(session, out)
-            if out.finished:
-                self._events.put(EngineDone(out))
+            try:
+                deliver(session, out)
+            finally:
+                if out.finished:
+                    self._events.put(EngineDone(out))
 
         self.loop.submit(req_id, session.prompt_ids, sampling_params(session, serving), on_output, remote_kv=True)
+
+    def _pool_fits(self, session: GenerationSession) -> bool:
+        """Whether the pool can commit the pages the request may grow into, now."""
+        pool, page = self.engine.pool_stats(), self.config.engine.page_size
+        tokens = min(len(session.prompt_ids) + session.request.max_tokens, self.max_model_len)
+        return pool["total"] - pool["committed"] >= -(-tokens // page)
 
     def _pages_ready(self, req_id: str, pages: list[int], cached: int, remote: bool) -> None:
         r = self._apply(req_id, DecodeEvent.KV_NEEDED if remote else DecodeEvent.LOCAL)
@@ -304,7 +314,6 @@ class DecodeWorker:
         if not remote:
             self.counters.prefill_local_total += 1
             return
-        self.counters.prefill_remote_total += 1
         r.pages, r.cached_tokens = pages, cached
         r.unsent_until = time.monotonic() + self.config.connector.prefill_connect_wait_s
         if r.cancelled:  # cancelled before it had pages (the engine ends it): nothing to ask for
@@ -339,8 +348,9 @@ class DecodeWorker:
             self.router.done(endpoint.address, req_id)
             self._cancel(req_id, f"cannot receive the KV now: {e}", ErrorKind.OVERLOADED)
             return
-        r.endpoint, r.sent = endpoint, True
+        r.endpoint, r.sent, r.connection = endpoint, True, endpoint.generation
         endpoint.outstanding.add(req_id)
+        self.counters.prefill_remote_total += 1
         try:
             endpoint.send(
                 PrefillRequest(
@@ -410,9 +420,13 @@ class DecodeWorker:
         if self._apply(msg.req_id, DecodeEvent.PREFILL_FAILED) and r.state.state is DecodeState.WAITING_KV:
             self.receiver.cancel(msg.req_id, f"prefill instance {endpoint.address}: {msg.message}")
 
-    def _prefill_lost(self, endpoint: PrefillEndpoint, reason: str) -> None:
-        self.router.forget(endpoint.address)  # it may come back empty
+    def _prefill_lost(self, endpoint: PrefillEndpoint, reason: str, connection: int) -> None:
+        if endpoint.generation == connection:
+            self.router.forget(endpoint.address)  # it may come back empty
         for req_id in list(endpoint.outstanding):
+            r = self.requests.get(req_id)
+            if r is None or r.connection != connection:
+                continue  # sent on a newer connection
             if self._apply(req_id, DecodeEvent.PREFILL_FAILED) is not None:
                 self.receiver.cancel(req_id, f"prefill instance {endpoint.address} lost ({reason})")
 
@@ -427,6 +441,10 @@ class DecodeWorker:
         self._apply(out.req_id, DecodeEvent.ENGINE_FINISHED)
         if state is DecodeState.WAITING_KV:  # the engine ended it (shut down, failed step)
             self._stop_prefill(r, out.error or "the decode engine ended the request")
+        elif state is DecodeState.RUNNING and out.pages_held:
+            # the engine ended it while it waited for KV that then landed whole (its KVLoaded came
+            # too late): nothing more can be written, so its pages go back now
+            self.loop.release(out.req_id)
 
     def _cancel(self, req_id: str, reason: str | None, kind: ErrorKind = ErrorKind.OVERLOADED) -> None:
         """End a request for the client (``reason`` None) or with an error of ``kind``."""
@@ -478,7 +496,8 @@ class DecodeWorker:
             elif state is DecodeState.QUEUED and now >= r.queued_until:
                 self._cancel(
                     req_id,
-                    f"no KV pages free on the decode instance within {self.config.serving.page_wait_timeout_s:.0f}s",
+                    f"no KV pages free on the decode instance within {self.config.serving.page_wait_timeout_s:.0f}s"
+                    " (page_wait_timeout_s)",
                     ErrorKind.OVERLOADED,
                 )
             elif state is DecodeState.WAITING_KV and not r.sent and now >= r.unsent_until:
@@ -498,7 +517,7 @@ class DecodeWorker:
         return None
 
     def cache_summary(self) -> CacheSummary:
-        waiting = sum(r.state.state is not DecodeState.RUNNING for r in list(self.requests.values()))
+        waiting = sum(r.state.state is DecodeState.WAITING_KV for r in list(self.requests.values()))
         return dataclasses.replace(self.engine.cache_summary(), waiting=waiting)
 
     def _endpoint_errors(self) -> str:

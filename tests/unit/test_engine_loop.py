@@ -199,3 +199,36 @@ def test_prefill_and_decode_roles_through_two_loops(tiny_dir):
     for loop in (prefill, decode):
         loop.shutdown()
         assert_pool_idle(loop.engine)
+
+
+def test_a_stalled_loop_waits_for_a_command_instead_of_spinning(tiny_dir):
+    """A request waiting for its KV holds the whole pool; the next one cannot be admitted until a
+    command frees pages: the loop waits (a few steps, not hundreds of thousands a second)."""
+    engine = make_engine(tiny_dir, max_num_batched_tokens=16, kv_cache_tokens=96, page_size=8)
+    loader = RemoteLoader()
+    engine.set_kv_loader(loader)
+    loop = EngineLoop(engine, name="stall-loop")
+    first, second = Collector(), Collector()
+    big = SamplingParams(max_tokens=60, ignore_eos=True)
+    loop.submit("holds", list(range(3, 33)), big, first, remote_kv=True)
+    deadline = time.monotonic() + 10
+    while "holds" not in loader.pages:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    loop.submit("waits", list(range(40, 70)), big, second, remote_kv=True)
+    time.sleep(0.2)
+    steps = loop.stats()["steps"]
+    time.sleep(0.5)
+    assert loop.stats()["steps"] - steps <= 3, "the stalled loop kept stepping"
+    loop.cancel("holds")
+    loop.release("holds")  # no transfer was started for it: its pages may go at once
+    assert first.wait().last.finish_reason == "abort"
+    deadline = time.monotonic() + 10
+    while "waits" not in loader.pages:  # admitted once the pages came back
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    loop.cancel("waits")
+    loop.release("waits")
+    assert second.wait().last.finish_reason == "abort"
+    loop.shutdown()
+    assert_pool_idle(engine)

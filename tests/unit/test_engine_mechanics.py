@@ -234,7 +234,7 @@ def test_remote_kv_admission_is_the_scheduler_s(engine):
     big = SamplingParams(max_tokens=200, ignore_eos=True)
     admit_remote(engine, "big1", prompt_of(300), big)
     engine.add_request("big2", prompt_of(300), big, remote_kv=True)
-    engine.step()
+    assert engine.step() == [] and engine.stalled()  # nothing can run until a command frees pages
     assert "big2" not in engine.scheduler.parked and engine.scheduler.waiting
     assert engine.abort("big2").finish_reason == "abort" and not engine.pool_stats()["committed"] == 0
     failed = engine.fail(["big1"], "no KV", ErrorKind.KV_TRANSFER_FAILED)
@@ -242,7 +242,7 @@ def test_remote_kv_admission_is_the_scheduler_s(engine):
     assert not engine.kv_loaded("big1")  # ended: its KV arriving now changes nothing
     assert engine.release("big1") > 0 and not engine.allocator.has("big1")
     # the KV landed: it starts at its last prompt token
-    assert engine.kv_loaded("r") and engine.scheduler.running[0].num_computed == 19
+    assert engine.kv_loaded("r") and engine.scheduler.ready[0].num_computed == 19  # it takes a seat next step
     assert len(tokens_of(run_to_completion(engine)["r"])) == 4
     # a loader that keeps it here: the engine computes the prompt itself
     engine.set_kv_loader(RemoteLoader(remote=False))

@@ -1,6 +1,7 @@
 """Unit tests of the receiver's completion tracker: counters, generations, meta slots,
 timeouts and quarantine (no NIXL; time is passed in explicitly)."""
 
+import threading
 import time
 
 import pytest
@@ -94,3 +95,26 @@ def test_a_deadline_renewed_on_writes_bounds_the_time_without_progress():
     assert t.tick(time.monotonic() + 0.1) == [] and t.counts("r") == (2, 3)
     assert t.tick(time.monotonic() + 0.5) == [("r", None, h.generation)]  # then no write for longer
     assert "timeout (prefill and transfer): 2/3 writes" in h.error
+
+
+def test_a_release_never_overtakes_the_failure_it_follows():
+    """cancel() runs on_done(failure) on its thread while the sender's stop arrives on another:
+    on_release waits until on_done has run, so the owner always hears of the failure first."""
+
+    order, in_done, go_on = [], threading.Event(), threading.Event()
+
+    def on_done(req_id, ok, err, meta):
+        in_done.set()
+        go_on.wait(5)
+        order.append(("done", ok))
+
+    t = CompletionTracker(None, quarantine_s=60)
+    h = t.expect("r", 4, on_done=on_done, peer="p", on_release=lambda rid, gen: order.append(("released", rid)))
+    canceller = threading.Thread(target=t.cancel, args=("r", "client went away"))
+    canceller.start()
+    assert in_done.wait(5)
+    t.sender_stopped("r", h.generation)  # the progress thread, while on_done still runs
+    assert order == []
+    go_on.set()
+    canceller.join(5)
+    assert order == [("done", False), ("released", "r")] and t.pending() == 0
