@@ -213,6 +213,26 @@ def check_engine_vs_transformers(args, workdir: Path) -> dict:
 
 
 # ---------------------------------------------------------------- 2./3. the two processes
+class _AllRemote:
+    """A KV loader taking every ``remote_kv`` request (its KV comes from the prefill child)."""
+
+    def load(self, req_id: str, token_ids: list[int], page_table: list[int], cached_tokens: int) -> bool:
+        return True
+
+
+def admit_for_remote_kv(engine, req_id: str, prompt: list[int], params=None) -> list[int]:
+    """Decode role: admit a ``remote_kv`` request (the scheduler gives it its pages) and return
+    its page table, where the prefill child writes its KV."""
+    if engine.kv_loader is None:
+        engine.set_kv_loader(_AllRemote())
+    engine.add_request(req_id, prompt, params, remote_kv=True)
+    for _ in range(100):
+        if req_id in engine.scheduler.parked:
+            return engine.allocator.page_table(req_id)
+        engine.step()
+    raise RuntimeError(f"{req_id}: the decode engine did not admit it")
+
+
 def nixl_importable() -> str | None:
     """None when NIXL imports, else why not."""
     try:
@@ -320,13 +340,14 @@ class PrefillChild:
             raise RuntimeError("prefill process failed:\n" + msg["fatal"])
         return msg
 
-    def prefill(self, req_id: str, prompt: list[int]) -> dict:
-        """Reserve pages for the prompt, have the child prefill all but its last token into them;
-        returns the child's report plus the received pages' hash, the meta and the times here."""
+    def prefill(self, req_id: str, prompt: list[int], params=None) -> dict:
+        """Admit the request on the decode engine (its pages), have the child prefill all but its
+        last token into them; returns the child's report plus the received pages' hash, the meta
+        and the times here. The request then waits for ``engine.kv_loaded`` (or abort + release)."""
         import threading
 
         n = len(prompt) - 1
-        pages = self.engine.reserve(req_id, len(prompt))
+        pages = admit_for_remote_kv(self.engine, req_id, prompt, params)
         dst = pages[: math.ceil(n / self.engine.kv_cache().page_size)]
         ready, got = threading.Event(), {}
 
@@ -388,16 +409,9 @@ def check_disagg_transfer(args, workdir: Path) -> dict:
     try:
         for i, prompt in enumerate(prompts):
             req_id = f"r{i}"
-            rep = child.prefill(req_id, prompt)
+            rep = child.prefill(req_id, prompt, SamplingParams(max_tokens=n_new, ignore_eos=True))
             hidden, logits = rep["meta"]
-            decode.add_request(
-                req_id,
-                prompt,
-                SamplingParams(max_tokens=n_new, ignore_eos=True),
-                kv_ready_tokens=len(prompt) - 1,
-                prefill_hidden=hidden,
-                prefill_logits=logits,
-            )
+            assert decode.kv_loaded(req_id, hidden, logits)
             tokens = []
             while decode.has_work():
                 for out in decode.step():
@@ -500,7 +514,8 @@ def measure_figures(args, workdir: Path) -> dict:
             reps = []
             for rep in range(3):
                 r = child.prefill(f"t{rep}", prompt)
-                decode.cancel_reservation(f"t{rep}")
+                decode.abort(f"t{rep}")
+                decode.release(f"t{rep}")
                 reps.append(r)
             steady = reps[1:]
             key = "layer_by_layer" if stream_layers else "after_prefill"
