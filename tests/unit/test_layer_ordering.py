@@ -2,9 +2,10 @@
 
 The prefill engine runs with a device stand-in (``GatedProgress``): its marks (one per layer
 of each step, one when the sender asks for the step's end) complete only when the test
-releases them, as a GPU would finish queued kernels late. A real NIXL (UCX) sender and
-receiver in this process move the pages. The posts must wait for the marks, in order, the
-meta block must wait for the step-end mark, the prefill's pages must stay unfreeable until
+releases them, as a GPU would finish queued kernels late. A sender and receiver in this
+process move the pages over the fake NIXL of ``tests/fake_nixl.py``, which copies the bytes
+(real NIXL moves them in the disaggregated server tests). The posts must wait for the marks, in
+order, the meta block must wait for the step-end mark, the prefill's pages must stay unfreeable until
 every write is done, and the bytes that land in the decode pool must equal the prefill pool's.
 """
 
@@ -18,16 +19,13 @@ import pytest
 import torch
 from engine_helpers import admit_remote, build_tiny_llama
 
+from backend.disagg.config import ConnectorConfig  # noqa: E402
+from backend.disagg.connector import SendRequest  # noqa: E402
+from backend.disagg.nixl_connector import NixlKVReceiver, NixlKVSender
 from backend.engine.config import EngineConfig
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.model_runner import ModelRunner
 from backend.engine.outputs import FinishReason
-
-pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
-
-from backend.disagg.config import ConnectorConfig  # noqa: E402
-from backend.disagg.connector import SendRequest  # noqa: E402
-from backend.disagg.nixl_connector import NixlKVReceiver, NixlKVSender  # noqa: E402
 
 PAGE = 8
 N_TOKENS = 40  # prefilled (the prompt is one longer): 5 pages, computed in two chunks (24 + 16)
