@@ -37,6 +37,11 @@ def test_aggregated_latency_histograms(aggregated_server):
     for prompt in ("Hello there", "Count to five:"):
         res = stream_generate(aggregated_server.grpc_url, prompt, 8, ignore_eos=True, temperature=0.0)
         assert res.error is None and len(res.token_ids) == 8
+    # a request is observed just after its final response is sent: give the last one a moment
+    deadline = time.monotonic() + 5
+    while _hist(url, "e2e_request_latency_seconds", model="llm")[0] < before["e2e_request_latency_seconds"] + 2:
+        assert time.monotonic() < deadline, "the requests were not observed"
+        time.sleep(0.05)
     for name, n0 in before.items():
         count, total, buckets = _hist(url, name, model="llm")
         assert count == n0 + 2, name
