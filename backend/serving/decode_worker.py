@@ -42,7 +42,7 @@ from backend.serving.kv_router import KVRouter
 from backend.serving.request_state import DecodeEvent, DecodeState, IllegalTransition, RequestState
 from backend.serving.session import GenerationSession
 from backend.serving.stats import DecodeStats
-from backend.serving.worker import deliver, sampling_params, start_engine
+from backend.serving.worker import EngineDone, StopLoop, deliver, sampling_params, start_engine
 
 log = logging.getLogger("triton_disagg.decode")
 TICK_S = 0.05  # client cancels and deadlines are checked this often
@@ -102,18 +102,6 @@ class PrefillLost:
     endpoint: PrefillEndpoint
     reason: str
     connection: int  # which of the endpoint's connections (a later one may be up already)
-
-
-@dataclass(frozen=True)
-class EngineDone:
-    """Engine thread: the request's final output."""
-
-    output: EngineOutput
-
-
-@dataclass(frozen=True)
-class StopLoop:
-    pass
 
 
 Event = (

@@ -38,7 +38,7 @@ from backend.engine.sampling_params import SamplingParams
 from backend.serving.config import InstanceConfig
 from backend.serving.request_state import IllegalTransition, PrefillEvent, PrefillState, RequestState
 from backend.serving.stats import PrefillStats
-from backend.serving.worker import start_engine
+from backend.serving.worker import EngineDone, StopLoop, start_engine
 
 log = logging.getLogger("triton_disagg.prefill")
 REPORT_REFRESH_S = 5.0
@@ -78,11 +78,6 @@ class SendError:
 
 
 @dataclass(frozen=True)
-class EngineDone:
-    output: EngineOutput
-
-
-@dataclass(frozen=True)
 class Freeable:
     """Fabric thread: no write reads the request's pages any more."""
 
@@ -95,11 +90,6 @@ class OutOfService:
 
     reason: str
     told: threading.Event
-
-
-@dataclass(frozen=True)
-class StopLoop:
-    pass
 
 
 Event = Received | PeerLost | Started | SendError | EngineDone | Freeable | OutOfService | StopLoop

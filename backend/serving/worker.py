@@ -4,6 +4,7 @@ handing engine outputs to the session, the KV-pool gauges)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from backend.engine.cache_summary import CacheSummary
@@ -64,3 +65,15 @@ def sampling_params(session: GenerationSession, serving: ServingConfig) -> Sampl
 def deliver(session: GenerationSession, out: EngineOutput) -> None:
     """Hand one engine output to the session (engine loop thread)."""
     session.on_output(out.new_token_ids, out.finished, out.finish_reason, out.error, out.error_kind)
+
+
+@dataclass(frozen=True)
+class EngineDone:
+    """A worker loop's event (engine thread): a request's final engine output."""
+
+    output: EngineOutput
+
+
+@dataclass(frozen=True)
+class StopLoop:
+    """A worker loop's event: stop (shutdown)."""
