@@ -123,11 +123,10 @@ class _Request:
     session: GenerationSession
     state: RequestState
     queued_until: float  # QUEUED: when waiting for pages turns into "overloaded"
-    endpoint: PrefillEndpoint | None = None
+    endpoint: PrefillEndpoint | None = None  # the prefill instance asked (None: none yet)
     pages: list[int] = field(default_factory=list)
     cached_tokens: int = 0
     unsent_until: float = 0.0  # WAITING_KV before a prefill instance took it: until when to wait for one
-    sent: bool = False
     connection: int = 0  # the endpoint's connection (generation) the prefill request went on
     cancelled: bool = False  # by the client, or by this worker (page wait)
 
@@ -336,7 +335,7 @@ class DecodeWorker:
             self.router.done(endpoint.address, req_id)
             self._cancel(req_id, f"cannot receive the KV now: {e}", ErrorKind.OVERLOADED)
             return
-        r.endpoint, r.sent, r.connection = endpoint, True, endpoint.generation
+        r.endpoint, r.connection = endpoint, endpoint.generation
         endpoint.outstanding.add(req_id)
         self.counters.prefill_remote_total += 1
         try:
@@ -355,7 +354,7 @@ class DecodeWorker:
 
     def _send_unsent(self) -> None:
         for r in list(self.requests.values()):
-            if r.state.state is DecodeState.WAITING_KV and not r.sent and not r.cancelled:
+            if r.state.state is DecodeState.WAITING_KV and r.endpoint is None and not r.cancelled:
                 self._ask_prefill(r)
 
     def _pick_endpoint(self, req_id: str, tokens: list[int], n_send: int) -> PrefillEndpoint | None:
@@ -423,7 +422,7 @@ class DecodeWorker:
         if r is None:
             return
         state = r.state.state
-        if state is DecodeState.WAITING_KV and not r.sent:  # nothing asked yet: nothing can land
+        if state is DecodeState.WAITING_KV and r.endpoint is None:  # nothing asked yet: nothing can land
             self._apply(out.req_id, DecodeEvent.NO_PREFILL)
             return
         self._apply(out.req_id, DecodeEvent.ENGINE_FINISHED)
@@ -441,7 +440,7 @@ class DecodeWorker:
             return
         r.cancelled = True
         state = r.state.state
-        if state is DecodeState.WAITING_KV and not r.sent:  # no prefill instance was asked
+        if state is DecodeState.WAITING_KV and r.endpoint is None:  # no prefill instance was asked
             self._end_in_engine(req_id, reason, kind)
             self._apply(req_id, DecodeEvent.NO_PREFILL)
             return
@@ -478,7 +477,7 @@ class DecodeWorker:
             state = r.state.state
             if r.cancelled or state is DecodeState.RUNNING or r.state.finished:
                 continue
-            unsent = unsent or (state is DecodeState.WAITING_KV and not r.sent)
+            unsent = unsent or (state is DecodeState.WAITING_KV and r.endpoint is None)
             if r.session.is_cancelled():
                 self._cancel(req_id, None)
             elif state is DecodeState.QUEUED and now >= r.queued_until:
@@ -488,7 +487,7 @@ class DecodeWorker:
                     " (page_wait_timeout_s)",
                     ErrorKind.OVERLOADED,
                 )
-            elif state is DecodeState.WAITING_KV and not r.sent and now >= r.unsent_until:
+            elif state is DecodeState.WAITING_KV and r.endpoint is None and now >= r.unsent_until:
                 self._cancel(
                     req_id, f"no prefill instance reachable ({self._endpoint_errors()})", ErrorKind.PREFILL_UNAVAILABLE
                 )
