@@ -1,7 +1,7 @@
 """EngineLoop: runs an LLMEngine in a background thread behind a thread-safe API.
 
 Every call only enqueues a typed command (:class:`Submit`, :class:`Cancel`, :class:`KVLoaded`,
-:class:`Fail`, :class:`Release`, :class:`Stop`); the loop thread applies them between steps,
+:class:`ComputeHere`, :class:`Fail`, :class:`Release`, :class:`Stop`); the loop thread applies them between steps,
 so the engine (its scheduler, allocator and sequences) is touched by that thread alone. Each
 request's ``on_output(EngineOutput)`` is called on the loop thread for every new token and once
 at the end. A failing step fails the requests it touched (finish_reason "error", pages freed);
@@ -57,6 +57,13 @@ class KVLoaded:
 
 
 @dataclass(frozen=True)
+class ComputeHere:
+    """A request waiting for remote KV will not get it: compute its prompt here."""
+
+    req_id: str
+
+
+@dataclass(frozen=True)
 class Fail:
     """End a request with this error (one waiting for remote KV keeps its pages: ``pages_held``)."""
 
@@ -77,7 +84,7 @@ class Stop:
     pass
 
 
-Command = Submit | Cancel | KVLoaded | Fail | Release | Stop
+Command = Submit | Cancel | KVLoaded | ComputeHere | Fail | Release | Stop
 
 
 class EngineLoop:
@@ -109,6 +116,9 @@ class EngineLoop:
 
     def kv_loaded(self, req_id: str, hidden: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> None:
         self._commands.put(KVLoaded(req_id, hidden, logits))
+
+    def compute_here(self, req_id: str) -> None:
+        self._commands.put(ComputeHere(req_id))
 
     def fail(self, req_id: str, message: str, kind: ErrorKind) -> None:
         self._commands.put(Fail(req_id, message, kind))
@@ -194,6 +204,9 @@ class EngineLoop:
             case KVLoaded(req_id, hidden, logits):
                 if not self.engine.kv_loaded(req_id, hidden, logits):
                     log.debug("KV of %s landed after it ended", req_id)
+            case ComputeHere(req_id):
+                if not self.engine.compute_here(req_id):
+                    log.debug("%s ended before it could be computed here", req_id)
             case Fail(req_id, message, kind):
                 self._emit(self.engine.fail([req_id], message, kind))
             case Release(req_id):

@@ -162,6 +162,10 @@ class LLMEngine:
             from backend.engine.sampling.grammar import GrammarState  # xgrammar only when used
 
             seq.grammar = GrammarState(params.grammar)
+            try:
+                seq.grammar.advance(list(params.grammar_prefix))
+            except RuntimeError:
+                raise ValueError("the resumed output does not follow the request's grammar") from None
         self._seqs[req_id] = seq
         self.scheduler.add(seq)
 
@@ -180,6 +184,14 @@ class LLMEngine:
             return False
         seq.last_hidden, seq.last_logits = hidden, logits
         self.scheduler.kv_loaded(seq)
+        return True
+
+    def compute_here(self, req_id: str) -> bool:
+        """A request waiting for remote KV computes its prompt here instead (see ``Engine``)."""
+        seq = self._seqs.get(req_id)
+        if seq is None or seq.status is not SeqStatus.WAITING_REMOTE_KV:
+            return False
+        self.scheduler.compute_here(seq)
         return True
 
     def has_work(self) -> bool:

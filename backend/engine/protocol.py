@@ -99,6 +99,11 @@ class Engine(Protocol):
         """A request waiting for remote KV has it (with the prefill's last hidden state and
         logits, if sent): it runs its last prompt token next. False if it is not waiting."""
 
+    def compute_here(self, req_id: str) -> bool:
+        """A request waiting for remote KV will not get it (its load failed, and no write can
+        land any more): compute the uncached part of its prompt here, with the pages it holds.
+        False if it is not waiting."""
+
     def step(self) -> list[EngineOutput]: ...
     def has_work(self) -> bool: ...
     def stalled(self) -> bool:

@@ -23,7 +23,9 @@ class SamplingParams:
     masked) and never end it. ``seed`` makes random sampling reproducible. ``temperature == 0`` is greedy.
     ``num_draft_tokens`` > 0 turns on speculative decoding with up to that many draft tokens per
     step, proposed by ``draft_method`` (see ``backend/engine/sampling/drafters.py``). ``grammar``: a compiled
-    grammar (``backend/engine/sampling/grammar.py``) constraining the output, or None.
+    grammar (``backend/engine/sampling/grammar.py``) constraining the output, or None;
+    ``grammar_prefix``: output tokens generated before (a migrated request continues after them)
+    that the grammar replays first.
     """
 
     max_tokens: int = 16
@@ -38,6 +40,7 @@ class SamplingParams:
     num_draft_tokens: int = 0
     draft_method: str = "lookup"
     grammar: CompiledGrammar | None = None
+    grammar_prefix: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.end_ids, int):

@@ -118,6 +118,16 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.ready.append(seq)
 
+    def compute_here(self, seq: Sequence) -> None:
+        """A parked sequence's remote KV will not come: it prefills here from its cached prefix
+        (pages a failed transfer may have written into are recomputed), with the pages it holds."""
+        if seq.status is not SeqStatus.WAITING_REMOTE_KV:
+            raise ValueError(f"request {seq.req_id!r} is not waiting for remote KV ({seq.status.value})")
+        del self.parked[seq.req_id]
+        seq.num_computed = self.allocator.cached_tokens(seq.req_id)
+        seq.status = SeqStatus.WAITING
+        self.ready.append(seq)
+
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []

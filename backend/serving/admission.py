@@ -77,14 +77,17 @@ class Admission:
                     ErrorKind.OVERLOADED,
                 )
             req_id = f"{self.name}-{self._tag}-{next(self._ids)}"
+            detok = IncrementalDetokenizer(self.tokenizer, req.stop_words)
+            detok.add(req.resume_ids)  # sent before (migration): only what follows is new text
             session = GenerationSession(
                 req_id,
                 req,
-                prompt_ids,
+                prompt_ids + req.resume_ids,
                 sink,
-                IncrementalDetokenizer(self.tokenizer, req.stop_words),
+                detok,
                 cancel_engine=self.worker.cancel,
                 on_done=self._on_done,
+                resumed=len(req.resume_ids),
             )
             session.triton_id = external_id
             self.sessions[req_id] = session
@@ -194,6 +197,8 @@ class Admission:
                 f"prompt of {len(ids)} tokens plus max_tokens {req.max_tokens} exceeds "
                 f"the model context of {max_model_len} tokens"
             )
+        if any(t >= self.worker.vocab_size for t in req.resume_ids):
+            raise RequestError(f"'resume_token_ids' holds a token outside the vocabulary of {self.worker.vocab_size}")
         if req.end_id is None:
             req.end_id = self.tokenizer.eos_token_id
         elif not 0 <= req.end_id < self.worker.vocab_size:

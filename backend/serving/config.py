@@ -16,6 +16,7 @@ from backend.engine.sampling_params import DRAFT_METHODS, MAX_DRAFT_TOKENS
 ROLES = ("aggregated", "prefill", "decode")
 # measured on the development machine (perf/REPORT.md, "Conditional disaggregation")
 LOCAL_PREFILL_MAX_TOKENS = 32
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,11 @@ class ServingConfig:
     disaggregation: a request whose prompt part not in this instance's prefix cache is at most
     ``local_prefill_max_tokens`` tokens is prefilled here (chunked, between decode steps)
     instead of by a prefill instance; so is any request while every prefill instance has at
-    least ``local_prefill_queue_bound`` requests outstanding (0: never by queue length)."""
+    least ``local_prefill_queue_bound`` requests outstanding (0: never by queue length). Decode
+    role, ``kv_load_failure_policy``: when a remote prefill fails or its instance is lost during
+    the transfer, ``recompute`` (once no late write can land in the request's pages) asks a
+    prefill instance not tried yet for it, else computes the prompt here; ``fail`` ends the
+    request with ``kv_transfer_failed``."""
 
     max_queue_size: int = 256
     speculative_k: int = 0
@@ -47,6 +52,7 @@ class ServingConfig:
     max_input_bytes: int = 1 << 20
     local_prefill_max_tokens: int = LOCAL_PREFILL_MAX_TOKENS
     local_prefill_queue_bound: int = 0
+    kv_load_failure_policy: str = "recompute"
 
     def __post_init__(self) -> None:
         if self.max_queue_size < 1:
@@ -66,6 +72,11 @@ class ServingConfig:
         for name in ("max_grammar_bytes", "grammar_cache_bytes", "max_input_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(
+                f"kv_load_failure_policy must be one of {list(KV_LOAD_FAILURE_POLICIES)}, "
+                f"got {self.kv_load_failure_policy!r}"
+            )
         self.cores()
 
     def cores(self) -> set[int]:

@@ -26,6 +26,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -129,6 +130,7 @@ class _Request:
     unsent_until: float = 0.0  # WAITING_KV before a prefill instance took it: until when to wait for one
     connection: int = 0  # the endpoint's connection (generation) the prefill request went on
     cancelled: bool = False  # by the client, or by this worker (page wait)
+    tried: set[str] = field(default_factory=set)  # prefill instances whose KV load failed (recompute)
 
 
 class DecodeWorker:
@@ -230,7 +232,9 @@ class DecodeWorker:
             case KVDone(req_id, ok, error, meta):
                 self._kv_done(req_id, ok, error, meta)
             case KVReleased(req_id):
-                self._apply(req_id, DecodeEvent.KV_RELEASED)
+                r = self._apply(req_id, DecodeEvent.KV_RELEASED)
+                if r is not None and r.state.state is DecodeState.WAITING_KV:
+                    self._load_again(r)
             case FromPrefill(endpoint, message):
                 self._from_prefill(endpoint, message)
             case PrefillConnected(endpoint):
@@ -291,7 +295,7 @@ class DecodeWorker:
     def _pool_fits(self, session: GenerationSession) -> bool:
         """Whether the pool can commit the pages the request may grow into, now."""
         pool, page = self.engine.pool_stats(), self.config.engine.page_size
-        tokens = min(len(session.prompt_ids) + session.request.max_tokens, self.max_model_len)
+        tokens = min(len(session.prompt_ids) + session.request.remaining_tokens, self.max_model_len)
         return pool["total"] - pool["committed"] >= -(-tokens // page)
 
     def _pages_ready(self, req_id: str, pages: list[int], cached: int, remote: bool) -> None:
@@ -314,7 +318,12 @@ class DecodeWorker:
         session = r.session
         n = len(session.prompt_ids)
         n_remote = self.receiver.num_external_tokens(n)
-        endpoint = self._pick_endpoint(session.req_id, session.prompt_ids[:n_remote], n_remote - r.cached_tokens)
+        endpoint = self._pick_endpoint(
+            session.req_id, session.prompt_ids[:n_remote], n_remote - r.cached_tokens, exclude=r.tried
+        )
+        if endpoint is None and r.tried:  # recomputing a failed load, and no other prefill instance is up
+            self._compute_here(r)
+            return
         if endpoint is None:
             for e in self.endpoints:
                 e.wake()
@@ -333,6 +342,9 @@ class DecodeWorker:
             )
         except (RuntimeError, ValueError) as e:  # e.g. every meta slot in use: retry later
             self.router.done(endpoint.address, req_id)
+            if r.tried:
+                self._compute_here(r)
+                return
             self._cancel(req_id, f"cannot receive the KV now: {e}", ErrorKind.OVERLOADED)
             return
         r.endpoint, r.connection = endpoint, endpoint.generation
@@ -357,11 +369,13 @@ class DecodeWorker:
             if r.state.state is DecodeState.WAITING_KV and r.endpoint is None and not r.cancelled:
                 self._ask_prefill(r)
 
-    def _pick_endpoint(self, req_id: str, tokens: list[int], n_send: int) -> PrefillEndpoint | None:
-        """The connected prefill instance with the lowest routing cost for the prefill of
-        ``tokens``; its ``n_send`` tokens (the part to send) count as queued there until the KV
-        has arrived."""
-        by_address = {e.address: e for e in self.endpoints if e.connected}
+    def _pick_endpoint(
+        self, req_id: str, tokens: list[int], n_send: int, exclude: Collection[str] = ()
+    ) -> PrefillEndpoint | None:
+        """The connected prefill instance (not in ``exclude``) with the lowest routing cost for
+        the prefill of ``tokens``; its ``n_send`` tokens (the part to send) count as queued there
+        until the KV has arrived."""
+        by_address = {e.address: e for e in self.endpoints if e.connected and e.address not in exclude}
         if not by_address:
             return None
         pages = -(-n_send // self.config.engine.page_size)
@@ -388,7 +402,36 @@ class DecodeWorker:
             return
         address = r.endpoint.address if r.endpoint is not None else "?"
         message = f"KV transfer from prefill instance {address} failed: {error}"
+        if self.config.serving.kv_load_failure_policy == "recompute":
+            r.tried.add(address)
+            self._apply(req_id, DecodeEvent.RECOMPUTE)
+            self.counters.kv_loads_recomputed_total += 1
+            log.warning(
+                "decode %s: request %s: %s; it is computed again once no late write can land in its pages",
+                self.name,
+                req_id,
+                message,
+            )
+            return
         self.loop.fail(req_id, message, ErrorKind.KV_TRANSFER_FAILED)
+
+    def _load_again(self, r: _Request) -> None:
+        """A failed load's pages are safe again: ask a prefill instance not tried yet, else
+        compute the prompt here."""
+        if r.cancelled or r.session.is_cancelled():
+            self._cancel(r.session.req_id, None)
+            return
+        r.endpoint = None
+        r.unsent_until = time.monotonic() + self.config.connector.prefill_connect_wait_s
+        self._ask_prefill(r)
+
+    def _compute_here(self, r: _Request) -> None:
+        req_id = r.session.req_id
+        if self._apply(req_id, DecodeEvent.LOCAL) is None:
+            return
+        log.warning("decode %s: request %s: computing its prompt here (tried %s)", self.name, req_id, sorted(r.tried))
+        self.counters.prefill_local_total += 1
+        self.loop.compute_here(req_id)
 
     def _from_prefill(self, endpoint: PrefillEndpoint, msg: Message) -> None:
         if isinstance(msg, CacheReport):

@@ -49,6 +49,12 @@ class ClientRequest:
     guided_json: str | None = None
     guided_regex: str | None = None
     grammar: CompiledGrammar | None = None  # compiled from guided_json / guided_regex at admission
+    resume_ids: list[int] = field(default_factory=list)  # output the client has already (migration)
+
+    @property
+    def remaining_tokens(self) -> int:
+        """Output tokens still to generate here (``max_tokens`` less the resumed ones)."""
+        return self.max_tokens - len(self.resume_ids)
 
 
 Getter = Callable[[str], np.ndarray | None]
@@ -141,8 +147,26 @@ def parse_request(get: Getter, *, max_tokens_limit: int, max_input_bytes: int = 
             raise RequestError(f"a stop word is longer than {MAX_STOP_WORD_BYTES} bytes")
         req.stop_words = [s for s in stops if s]
     _parse_decode_options(get, req)
+    _parse_resume(get, req)
     _check_sampling(req)
     return req
+
+
+def _parse_resume(get: Getter, req: ClientRequest) -> None:
+    arr = get("resume_token_ids")
+    if arr is None:
+        return
+    arr = np.asarray(arr)
+    if arr.size and arr.dtype.kind not in INPUTS_BY_NAME["resume_token_ids"].numpy_kinds:
+        raise RequestError(f"input 'resume_token_ids' has data type {arr.dtype}, expected int32")
+    ids = [int(v) for v in arr.reshape(-1)]
+    if any(v < 0 for v in ids):
+        raise RequestError("'resume_token_ids' holds a negative token id")
+    if len(ids) >= req.max_tokens:
+        raise RequestError(
+            f"'resume_token_ids' has {len(ids)} tokens: max_tokens {req.max_tokens} leaves nothing to generate"
+        )
+    req.resume_ids = ids
 
 
 def prompt_token_ids(tokenizer, text: str, apply_chat_template: bool) -> list[int]:

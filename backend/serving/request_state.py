@@ -12,8 +12,10 @@ Decode role (the decode instance allocates first, then asks for the prefill)::
     WAITING_KV --KV_FAILED--> RELEASING --KV_RELEASED--> FINISHED
     WAITING_KV --CANCEL / ENGINE_FINISHED--> CANCELLING --KV_FAILED--> RELEASING
                                              CANCELLING --KV_LANDED--> FINISHED
+    RELEASING --RECOMPUTE--> RECOVERING --KV_RELEASED--> WAITING_KV (asks another prefill
+                                                         instance, or --LOCAL--> RUNNING)
 
-RELEASING and CANCELLING hold the request's pages: a write may still land in them until the
+RELEASING, CANCELLING and RECOVERING hold the request's pages: a write may still land in them until the
 receiver says none can (KV_RELEASED) or the KV landed whole.
 
 Prefill role::
@@ -33,6 +35,7 @@ class DecodeState(enum.Enum):
     RUNNING = "running"  # decoding (or prefilling here: conditional disaggregation)
     CANCELLING = "cancelling"  # ended while waiting for KV; the receiver's verdict is pending
     RELEASING = "releasing"  # ended; its pages wait until no late write can land
+    RECOVERING = "recovering"  # its KV load failed; it waits until no late write can land, then recomputes
     FINISHED = "finished"  # pages freed or owned by the engine again; the record is dropped
 
 
@@ -47,6 +50,7 @@ class DecodeEvent(enum.Enum):
     PREFILL_FAILED = "prefill_failed"  # messenger: the prefill instance refused or failed it, or was lost
     CANCEL = "cancel"  # client (session) or admission (page wait timeout)
     ENGINE_FINISHED = "engine_finished"  # engine: the request's final output
+    RECOMPUTE = "recompute"  # worker: a failed KV load is computed again (kv_load_failure_policy)
 
 
 class PrefillState(enum.Enum):
@@ -70,6 +74,7 @@ DECODE_TRANSITIONS: dict[tuple[DecodeState, DecodeEvent], DecodeState] = {
     (D.QUEUED, DE.CANCEL): D.QUEUED,  # the engine aborts it; ENGINE_FINISHED follows
     (D.QUEUED, DE.ENGINE_FINISHED): D.FINISHED,
     (D.WAITING_KV, DE.NO_PREFILL): D.FINISHED,  # nothing was sent: its pages go back at once
+    (D.WAITING_KV, DE.LOCAL): D.RUNNING,  # a failed load is recomputed here
     (D.WAITING_KV, DE.PREFILL_STARTED): D.WAITING_KV,
     (D.WAITING_KV, DE.PREFILL_FAILED): D.WAITING_KV,  # the receive is cancelled; KV_FAILED follows
     (D.WAITING_KV, DE.KV_LANDED): D.RUNNING,
@@ -87,6 +92,12 @@ DECODE_TRANSITIONS: dict[tuple[DecodeState, DecodeEvent], DecodeState] = {
     (D.RELEASING, DE.CANCEL): D.RELEASING,
     (D.RELEASING, DE.PREFILL_STARTED): D.RELEASING,
     (D.RELEASING, DE.PREFILL_FAILED): D.RELEASING,
+    (D.RELEASING, DE.RECOMPUTE): D.RECOVERING,  # the load failed, the request lives on
+    (D.RECOVERING, DE.KV_RELEASED): D.WAITING_KV,  # no write can land: ask another prefill instance, or compute here
+    (D.RECOVERING, DE.CANCEL): D.RELEASING,
+    (D.RECOVERING, DE.ENGINE_FINISHED): D.RELEASING,
+    (D.RECOVERING, DE.PREFILL_STARTED): D.RECOVERING,
+    (D.RECOVERING, DE.PREFILL_FAILED): D.RECOVERING,
     (D.RUNNING, DE.CANCEL): D.RUNNING,  # the engine aborts it; ENGINE_FINISHED follows
     (D.RUNNING, DE.PREFILL_STARTED): D.RUNNING,  # a late message: the KV landed first
     (D.RUNNING, DE.PREFILL_FAILED): D.RUNNING,  # its prefill instance was lost after the KV landed

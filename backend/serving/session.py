@@ -37,6 +37,7 @@ class GenerationSession:
     detok: IncrementalDetokenizer
     cancel_engine: Callable[[str], None]
     on_done: Callable[["GenerationSession", str], None] | None = None
+    resumed: int = 0  # the last ``resumed`` prompt ids are output the client has already (migration)
     t_start: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
     t_last: float | None = None  # when the last token batch arrived
@@ -48,6 +49,14 @@ class GenerationSession:
     triton_id: str = ""  # the Triton request id, when the sender set one
     _pending_text: list = field(default_factory=list)
     _pending_ids: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.n_output = self.resumed  # num_output_tokens counts the whole output
+
+    @property
+    def n_input(self) -> int:
+        """The client's prompt tokens (without the resumed output)."""
+        return len(self.prompt_ids) - self.resumed
 
     def is_cancelled(self) -> bool:
         return self.cancelled or self.sink.is_cancelled()
@@ -91,7 +100,7 @@ class GenerationSession:
         try:
             if self.request.stream:
                 if delta or token_ids or finished:
-                    self.sink.send(delta, token_ids, len(self.prompt_ids), self.n_output, finish_reason or "", finished)
+                    self.sink.send(delta, token_ids, self.n_input, self.n_output, finish_reason or "", finished)
             else:
                 self._pending_text.append(delta)
                 self._pending_ids.extend(token_ids)
@@ -99,7 +108,7 @@ class GenerationSession:
                     self.sink.send(
                         "".join(self._pending_text),
                         self._pending_ids,
-                        len(self.prompt_ids),
+                        self.n_input,
                         self.n_output,
                         finish_reason or "",
                         True,

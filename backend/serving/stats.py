@@ -55,6 +55,7 @@ class DecodeStats(InstanceStats):
     prefill_endpoints_connected: int = 0
     prefill_local_total: int = 0
     prefill_remote_total: int = 0
+    kv_loads_recomputed_total: int = 0
     kv_transfer_seconds_total: float = 0.0
     kv_transfer_bytes_total: int = 0
     kv_writes_total: int = 0

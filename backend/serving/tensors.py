@@ -54,6 +54,10 @@ INPUTS = (
     TensorSpec("draft_method", "TYPE_STRING"),
     TensorSpec("guided_json", "TYPE_STRING"),
     TensorSpec("guided_regex", "TYPE_STRING"),
+    # A request that continues elsewhere (request migration): the output tokens its client has
+    # already received; they follow the prompt and count toward max_tokens and min_length, the
+    # grammar replays them, and only what comes after them is sent.
+    TensorSpec("resume_token_ids", "TYPE_INT32"),
 )
 # Sent by the front model to a decode model: cancel the request with this Triton request id.
 CANCEL_INPUT = TensorSpec("cancel_request_id", "TYPE_STRING")

@@ -48,17 +48,18 @@ def sampling_params(session: GenerationSession, serving: ServingConfig) -> Sampl
     r = session.request
     k = serving.speculative_k if r.num_draft_tokens is None else r.num_draft_tokens
     return SamplingParams(
-        max_tokens=r.max_tokens,
+        max_tokens=r.remaining_tokens,
         temperature=r.temperature,
         top_k=r.top_k,
         top_p=r.top_p,
         seed=r.seed,
         end_ids=(r.end_id,) if r.end_id is not None else (),
         ignore_eos=r.ignore_eos,
-        min_tokens=r.min_length,
+        min_tokens=max(0, r.min_length - len(r.resume_ids)),
         num_draft_tokens=k,
         draft_method=r.draft_method or serving.draft_method,
         grammar=r.grammar,
+        grammar_prefix=tuple(r.resume_ids) if r.grammar is not None else (),
     )
 
 

@@ -38,7 +38,10 @@ def queue_server(model_dir, tmp_path_factory):
             "kv_transfer_timeout_s": str(TRANSFER_TIMEOUT_S),
             "kv_quarantine_s": "4",
         },
-        per_model={"prefill": {"max_num_seqs": "1"}, "decode_1": {"prefill_queue_timeout_s": "1"}},
+        per_model={
+            "prefill": {"max_num_seqs": "1"},
+            "decode_1": {"prefill_queue_timeout_s": "1", "kv_load_failure_policy": "fail"},
+        },
     ) as server:
         yield server
 

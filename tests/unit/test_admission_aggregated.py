@@ -60,11 +60,24 @@ class Sink:
         return self.cancelled
 
 
+class CountingSink(Sink):
+    def __init__(self):
+        super().__init__()
+        self.counts: list[tuple[int, int]] = []  # (num_input_tokens, num_output_tokens) of each response
+
+    def send(self, text, token_ids, n_input, n_output, finish_reason, final) -> None:
+        self.counts.append((n_input, n_output))
+        super().send(text, token_ids, n_input, n_output, finish_reason, final)
+
+
 def getter(**inputs):
     arrays = {
-        k: np.array([v.encode()] if isinstance(v, str) else [v], dtype=object if isinstance(v, str) else None)
+        k: v
+        if isinstance(v, list)
+        else np.array([v.encode()] if isinstance(v, str) else [v], dtype=object if isinstance(v, str) else None)
         for k, v in inputs.items()
     }
+    arrays = {k: np.array(v, dtype=np.int32) if isinstance(v, list) else v for k, v in arrays.items()}
     return lambda name: arrays.get(name)
 
 
@@ -100,6 +113,9 @@ def test_a_request_streams_to_its_end(admission):
         ({"text_input": "hi", "max_tokens": np.int32(0)}, "must be > 0"),
         ({"text_input": "hi", "max_tokens": np.int32(4), "top_p": np.float32(2.0)}, "top_p"),
         ({"text_input": "x" * 600, "max_tokens": np.int32(4)}, "exceeds the model context"),
+        ({"text_input": "hi", "max_tokens": np.int32(2), "resume_token_ids": [5, 6]}, "leaves nothing to generate"),
+        ({"text_input": "hi", "max_tokens": np.int32(4), "resume_token_ids": [-1]}, "negative token id"),
+        ({"text_input": "hi", "max_tokens": np.int32(4), "resume_token_ids": [1 << 20]}, "outside the vocabulary"),
     ],
 )
 def test_bad_input_is_refused_with_its_kind(admission, inputs, message):
@@ -125,3 +141,26 @@ def test_in_flight_bound_cancel_and_drain(admission):
     assert late.done.wait(5) and late.failed is not None and late.failed[1] is ErrorKind.OUT_OF_SERVICE
     with pytest.raises(ValueError, match="no client-facing worker"):
         make_worker(InstanceConfig.from_parameters({"role": "prefill", "model_path": "x"}), "p")
+
+
+def test_a_resumed_request_continues_where_the_output_stopped(admission):
+    """Request migration's decode side: given the output a client already has
+    (``resume_token_ids``), the request sends exactly what an uninterrupted run sends after it,
+    counting the whole output."""
+    whole = Sink()
+    admission.admit(getter(text_input="resume me", max_tokens=np.int32(12), stream=True, ignore_eos=True), whole)
+    assert whole.done.wait(20) and whole.failed is None and len(whole.tokens) == 12
+    for k in (1, 5, 11):
+        rest = CountingSink()
+        inputs = getter(
+            text_input="resume me",
+            max_tokens=np.int32(12),
+            stream=True,
+            ignore_eos=True,
+            resume_token_ids=whole.tokens[:k],
+        )
+        admission.admit(inputs, rest)
+        assert rest.done.wait(20) and rest.failed is None
+        assert rest.tokens == whole.tokens[k:]
+        assert rest.counts[-1] == (len("resume me"), 12)  # the client's prompt; the whole output
+        assert whole.text == CharTokenizer().decode(whole.tokens[:k]) + rest.text

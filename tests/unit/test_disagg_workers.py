@@ -140,6 +140,13 @@ class Pair:
         self.decode.submit(s)
         return s, sink
 
+    def run_all(self, prompts: list[list[int]], tag: str, max_tokens: int) -> list[Sink]:
+        """Submit every prompt at once; wait until each has ended."""
+        sinks = [self.run(x, f"{tag}{i}", max_tokens)[1] for i, x in enumerate(prompts)]
+        for sink in sinks:
+            wait_until(lambda sink=sink: sink.ended)
+        return sinks
+
     def assert_idle(self, timeout: float = 20.0) -> None:
         wait_until(lambda: pool_free(self.decode) and pool_free(self.prefill), timeout, "both pools to be free")
         wait_until(lambda: not self.decode.requests and not self.prefill.requests, timeout, "no request state left")
@@ -285,8 +292,11 @@ def test_waiting_for_pages_has_a_bound_and_a_deadline(tiny_dir, fabric):
         p.close()
 
 
+FAIL = {"kv_load_failure_policy": "fail"}
+
+
 def test_prefill_instance_lost_while_the_kv_is_in_flight(tiny_dir, fabric):
-    p = Pair(tiny_dir)
+    p = Pair(tiny_dir, decode_overrides=FAIL)
     try:
         fabric.auto = False
         _, sink = p.run(prompt(60, 12), "lost")
@@ -304,7 +314,7 @@ def test_prefill_instance_lost_while_the_kv_is_in_flight(tiny_dir, fabric):
 
 def test_a_refused_prefill_fails_its_request_alone(tiny_dir):
     # a prefill instance configured for shorter contexts refuses what it cannot hold
-    p = Pair(tiny_dir, prefill_overrides={"max_model_len": "32"})
+    p = Pair(tiny_dir, decode_overrides=FAIL, prefill_overrides={"max_model_len": "32"})
     try:
         _, ok = p.run(prompt(20, 17), "fits")
         _, sink = p.run(prompt(40, 18), "too-long")
@@ -355,10 +365,8 @@ def test_short_prompts_are_prefilled_here(tiny_dir):
     p = Pair(tiny_dir, decode_overrides={"local_prefill_max_tokens": "32"})
     try:
         ids = [prompt(20, 15), prompt(60, 16)]
-        runs = [p.run(x, f"l{i}", 5) for i, x in enumerate(ids)]
-        for _, sink in runs:
-            wait_until(lambda sink=sink: sink.ended)
-        assert [sink.tokens for _, sink in runs] == reference(tiny_dir, ids, 5)
+        sinks = p.run_all(ids, "l", 5)
+        assert [sink.tokens for sink in sinks] == reference(tiny_dir, ids, 5)
         stats = p.decode.stats()
         assert (stats.prefill_local_total, stats.prefill_remote_total) == (1, 1)
         p.assert_idle()
@@ -366,7 +374,15 @@ def test_short_prompts_are_prefilled_here(tiny_dir):
         p.close()
 
 
-def test_messenger_connection_lost_mid_transfer_frees_both_sides(pair, fabric):
+def test_messenger_connection_lost_mid_transfer_frees_both_sides(tiny_dir, fabric):
+    pair = Pair(tiny_dir, decode_overrides=FAIL)
+    try:
+        _messenger_cut(pair, fabric)
+    finally:
+        pair.close()
+
+
+def _messenger_cut(pair, fabric):
     fabric.auto = False
     _, sink = pair.run(prompt(60, 19), "cut")
     wait_until(lambda: fabric.held, what="a write in flight")
@@ -403,3 +419,51 @@ def test_no_free_receive_slot_is_overloaded_not_stuck(tiny_dir, fabric):
         p.assert_idle()
     finally:
         p.close()
+
+
+# ---------------------------------------------------------------- kv_load_failure_policy=recompute (the default)
+def test_a_lost_prefill_instance_is_recomputed_here(tiny_dir, fabric):
+    p = Pair(tiny_dir)
+    try:
+        ids = prompt(60, 23)
+        fabric.auto = False
+        _, sink = p.run(ids, "recomputed", 8)
+        wait_until(lambda: fabric.held, what="a write in flight")
+        fabric.kill("unit-prefill")  # its process dies mid-transfer
+        p.prefill.server.close()
+        wait_until(lambda: "recomputed" in p.decode.requests and p.decode.requests["recomputed"].tried)
+        assert p.decode.requests["recomputed"].state.state is DecodeState.RECOVERING  # pages still quarantined
+        wait_until(lambda: sink.ended)
+        assert sink.failed is None, sink.failed
+        assert sink.tokens == reference(tiny_dir, [ids], 8)[0]
+        stats = p.decode.stats()
+        assert stats.kv_loads_recomputed_total == 1 and stats.prefill_local_total == 1
+        wait_until(lambda: pool_free(p.decode) and not p.decode.requests, what="the decode pool to be free")
+    finally:
+        p.close()
+
+
+def test_a_refused_prefill_is_recomputed_here(tiny_dir):
+    p = Pair(tiny_dir, prefill_overrides={"max_model_len": "32"})
+    try:
+        ids = [prompt(20, 24), prompt(40, 25)]
+        sinks = p.run_all(ids, "r", 6)
+        assert [sink.failed for sink in sinks] == [None, None]
+        assert [sink.tokens for sink in sinks] == reference(tiny_dir, ids, 6)
+        assert p.decode.stats().kv_loads_recomputed_total == 1
+        p.assert_idle()
+    finally:
+        p.close()
+
+
+def test_a_cut_messenger_connection_is_recomputed(tiny_dir, pair, fabric):
+    fabric.auto = False
+    ids = prompt(60, 26)
+    _, sink = pair.run(ids, "cut-recompute")
+    wait_until(lambda: fabric.held, what="a write in flight")
+    pair.decode.endpoints[0]._conn.close("cut by the test")
+    fabric.complete()  # late writes land in the quarantined pages, then get recomputed over
+    fabric.auto = True
+    wait_until(lambda: sink.ended)
+    assert sink.failed is None and sink.tokens == reference(tiny_dir, [ids], 8)[0]
+    pair.assert_idle()
