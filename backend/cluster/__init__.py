@@ -1,0 +1,1 @@
+"""Cluster membership: instances register signed records in etcd under leases; routers watch them."""
