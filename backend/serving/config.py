@@ -164,7 +164,11 @@ class FrontConfig:
     decode model's cache summary; a request goes to the serving decode model with the lowest
     ``kv_routing_weight`` x (prompt pages not cached there) + (pages of the front's requests in
     flight there); 0: least loaded. ``model_path``: the tokenizer that makes the prompt's token
-    ids (the decode models' own); empty: routed by load alone."""
+    ids (the decode models' own); empty: routed by load alone. ``migration_limit``: how many
+    times one request may move to another decode model when its decode model goes down, fails
+    it as out of service or stops in the middle of its stream (request migration: the prompt
+    plus the tokens already sent go to another decode model, which continues the stream); past
+    it the request fails with an error that says so; 0: never moved."""
 
     decode_models: str = "decode"
     health_probe_interval_s: float = 1.0
@@ -172,8 +176,11 @@ class FrontConfig:
     health_probe_failures: int = 2
     kv_routing_weight: float = 1.0
     model_path: str = ""
+    migration_limit: int = 3
 
     def __post_init__(self) -> None:
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if not self.targets():
             raise ValueError("parameter 'decode_models' lists no decode model")
         for name in ("health_probe_interval_s", "health_probe_timeout_s", "health_probe_failures"):

@@ -7,9 +7,17 @@ routing cost: prompt pages it does not cache, and load; the decode models are li
 ``decode_models`` parameter) with a decoupled BLS call and streams the responses back as they arrive. A
 response whose ``finish_reason`` is set is the last one. A client that cancels gets its
 request cancelled on the decode model by a control request (``cancel_request_id``), so the
-decode instance (and the prefill instance working for it) stop and free their pages. When a
-decode model goes down, its requests fail here at once; when the deployment stops
-(``backend/triton/lifecycle.py``), every request does.
+decode instance (and the prefill instance working for it) stop and free their pages.
+
+Request migration: when a decode model goes down (its health probes fail), answers a request
+as out of service, fails in a way that is not the request's fault (Triton's error for a dead
+stub) or ends its stream early, the request moves to another serving decode model with the
+output its client already has (``resume_token_ids``); that model computes or fetches the KV of
+prompt plus output (its prefix cache, a prefill instance, or itself) and continues the stream
+where it stopped: the client sees one stream, no token repeated or lost (greedy output equals
+an uninterrupted run; a guided request's grammar replays the sent tokens; a sampled one goes on
+with its parameters). At most ``migration_limit`` moves per request. When the deployment stops
+(``backend/triton/lifecycle.py``), every request fails with the drain message.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,7 +41,7 @@ from backend.triton.model_args import init_model
 from backend.triton.sender import GuardedSender, triton_error
 
 log = logging.getLogger("triton_disagg.front")
-MAX_ATTEMPTS = 2  # decode models a request without output is tried on
+RESUME = "resume_token_ids"
 
 
 class TritonPythonModel:
@@ -41,6 +50,8 @@ class TritonPythonModel:
         config = FrontConfig.from_parameters(params)
         self.outputs = [o.name for o in OUTPUTS]
         self.draining = False
+        self.config = config
+        self.migrations: Counter[str] = Counter()  # requests moved to another decode model, by reason
         self.targets = DecodeTargets(self.pb, config, self._fail_lost)
         self.tokenizer = None
         if config.model_path.strip():
@@ -49,7 +60,7 @@ class TritonPythonModel:
             self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         else:
             log.warning("front model %s: no model_path, so no tokenizer: routing by load alone", cfg["name"])
-        self.metrics = FrontMetrics(self.pb, cfg["name"], self.targets)
+        self.metrics = FrontMetrics(self.pb, cfg["name"], self.targets, self.migrations)
         self.drain = DrainWatch(args["model_repository"], self._drain)
         self.targets.start()
         log.info("front model %s: routing to %s", cfg["name"], config.targets())
@@ -59,14 +70,16 @@ class TritonPythonModel:
         for request in requests:
             sender = GuardedSender(pb, request.get_response_sender())
             arrays = {t.name(): t.as_numpy() for t in request.inputs()}
-            fwd = Forwarding(sender, [pb.Tensor(name, arr) for name, arr in arrays.items()])
+            fwd = Forwarding(sender, [pb.Tensor(name, arr) for name, arr in arrays.items() if name != RESUME])
             fwd.token_ids, fwd.pages = self._route_key(arrays)
-            target = None if self.draining else self.targets.pick(fwd, fwd.token_ids, fwd.pages)
+            fwd.sent = _resume_ids(arrays)
+            target = None if self.draining else self.targets.pick(fwd, fwd.token_ids + fwd.sent, fwd.pages)
             if target is None:
                 why = DRAIN_MESSAGE if self.draining else f"no decode model is serving ({self.targets.down_reasons()})"
                 _send_error(pb, sender, ErrorKind.OUT_OF_SERVICE, why)
                 continue
-            self._start(fwd, target)
+            with fwd.lock:
+                self._start(fwd, target)
         return None
 
     def _route_key(self, arrays: dict) -> tuple[list[int], int]:
@@ -82,32 +95,58 @@ class TritonPythonModel:
         return ids, -(-(len(ids) + req.max_tokens) // self.targets.page_size())
 
     def _start(self, fwd: "Forwarding", target: str) -> None:
-        with fwd.lock:
-            fwd.attempt += 1
-            attempt = fwd.attempt
-        threading.Thread(target=self._forward, args=(fwd, target, attempt), daemon=True).start()
+        """Forward ``fwd`` to ``target`` as a new attempt (the caller holds ``fwd.lock``); the
+        output already sent goes along as ``resume_token_ids``."""
+        fwd.attempt += 1
+        fwd.target = target
+        inputs = list(fwd.inputs)
+        if fwd.sent:
+            inputs.append(self.pb.Tensor(RESUME, np.array(fwd.sent, dtype=np.int32)))
+        threading.Thread(target=self._forward, args=(fwd, target, fwd.attempt, inputs), daemon=True).start()
 
-    def _reroute(self, fwd: "Forwarding", target: str, reason: str) -> None:
-        """``target`` did not serve a request that has no output yet: send it to another
-        serving decode model (once), else fail it."""
-        retry = None
-        if not self.draining and fwd.attempt < MAX_ATTEMPTS:
-            retry = self.targets.pick(fwd, fwd.token_ids, fwd.pages, exclude=target)
-        if retry is None:
-            _send_error(self.pb, fwd.sender, ErrorKind.OUT_OF_SERVICE, f"decode model {target}: {reason}")
-            return
-        log.warning("decode model %s did not serve a request (%s); sending it to %s", target, reason, retry)
-        self._start(fwd, retry)
+    def _move(self, fwd: "Forwarding", attempt: int, target: str, why: str, reason: str) -> None:
+        """Attempt ``attempt`` of ``fwd`` on ``target`` ended without finishing the request: send
+        it (the prompt plus the tokens its client has) to another serving decode model, at most
+        ``migration_limit`` times; else fail it, saying why."""
+        limit = self.config.migration_limit
+        with fwd.lock:
+            if fwd.attempt != attempt or fwd.target != target or fwd.sender.closed:
+                return  # moved or answered already
+            if fwd.sender.is_cancelled():
+                return
+            retry = None
+            if not self.draining and fwd.moves < limit:
+                retry = self.targets.pick(fwd, fwd.token_ids + fwd.sent, fwd.pages, exclude=target)
+            if retry is None:
+                fwd.attempt += 1  # no relay of the old attempt may follow the error
+                if self.draining:
+                    message = DRAIN_MESSAGE
+                elif fwd.moves >= limit:
+                    message = f"decode model {target}: {why}; the request was not moved again (migration_limit {limit})"
+                else:
+                    message = f"decode model {target}: {why}; no other decode model is serving"
+                _send_error(self.pb, fwd.sender, ErrorKind.OUT_OF_SERVICE, message)
+                return
+            fwd.moves += 1
+            self.migrations[reason] += 1
+            log.warning(
+                "decode model %s stopped a request after %d output token(s) (%s); moving it to %s (move %d of %d)",
+                target,
+                len(fwd.sent),
+                why,
+                retry,
+                fwd.moves,
+                limit,
+            )
+            self._start(fwd, retry)
 
     def _fail_lost(self, target: str, reason: str, lost: list) -> None:
-        """``target`` went down: its requests without output yet go elsewhere; the others fail
-        now (a dead instance would never finish them)."""
+        """``target`` went down: its requests move to another decode model (a dead instance
+        would never finish them)."""
         for fwd in lost:
-            if not fwd.relayed:
-                self._reroute(fwd, target, f"stopped serving ({reason})")
-            else:
-                message = f"decode model {target} stopped serving ({reason}); request lost"
-                _send_error(self.pb, fwd.sender, ErrorKind.OUT_OF_SERVICE, message)
+            with fwd.lock:
+                attempt = fwd.attempt
+            self._move(fwd, attempt, target, f"stopped serving ({reason})", "instance_down")
 
     def _drain(self) -> None:
         self.draining = True
@@ -115,17 +154,18 @@ class TritonPythonModel:
         for fwd in self.targets.all_inflight():
             _send_error(self.pb, fwd.sender, ErrorKind.OUT_OF_SERVICE, DRAIN_MESSAGE)
 
-    def _forward(self, fwd: "Forwarding", target: str, attempt: int) -> None:
-        refused = self._forward_once(fwd, target, attempt)
+    def _forward(self, fwd: "Forwarding", target: str, attempt: int, inputs: list) -> None:
+        ended = self._forward_once(fwd, target, attempt, inputs)
         self.targets.done(target, fwd)
-        if refused is not None and fwd.attempt == attempt:
-            self.targets.mark_failed(target, refused)
-            self._reroute(fwd, target, refused)
+        if ended is not None:
+            self.targets.mark_failed(target, ended)
+            self._move(fwd, attempt, target, ended, "stream_error")
 
-    def _forward_once(self, fwd: "Forwarding", target: str, attempt: int):
-        """Relay one attempt. Returns why the decode model did not take the request (its
-        out-of-service error, or an error that is not ours, e.g. Triton's for a dead stub; the
-        caller sends it elsewhere), or None when it is answered or failed for good."""
+    def _forward_once(self, fwd: "Forwarding", target: str, attempt: int, inputs: list):
+        """Relay one attempt. Returns why the decode model stopped serving the request before
+        its end (its out-of-service error, an error that is not ours, e.g. Triton's for a dead
+        stub, or a stream that ended without a final response; the caller moves it elsewhere),
+        or None when it is answered or failed for good."""
         pb = self.pb
         stop = threading.Event()
         request_id = f"front-{uuid.uuid4().hex}"
@@ -133,18 +173,16 @@ class TritonPythonModel:
         threading.Thread(target=self._watch_cancel, args=(fwd.sender, target, request_id, stop), daemon=True).start()
         try:
             responses = pb.InferenceRequest(
-                model_name=target, inputs=fwd.inputs, request_id=request_id, requested_output_names=self.outputs
+                model_name=target, inputs=inputs, request_id=request_id, requested_output_names=self.outputs
             ).exec(decoupled=True)
-            return self._relay(fwd, attempt, responses, target)
+            return self._relay(fwd, attempt, responses)
         except Exception as e:
-            if fwd.attempt == attempt and not fwd.sender.closed:
-                log.exception("forwarding to %s failed", target)
-                _send_error(pb, fwd.sender, ErrorKind.INTERNAL, f"front model: {e}")
-            return None
+            log.warning("forwarding to %s failed: %s", target, e)
+            return f"{type(e).__name__}: {e}"
         finally:
             stop.set()
 
-    def _relay(self, fwd: "Forwarding", attempt: int, responses, target: str):
+    def _relay(self, fwd: "Forwarding", attempt: int, responses):
         pb = self.pb
         final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         sender = fwd.sender
@@ -156,8 +194,8 @@ class TritonPythonModel:
                     return None
                 if resp.has_error():
                     kind, message = parse_error(resp.error().message())
-                    if not fwd.relayed and kind in (None, ErrorKind.OUT_OF_SERVICE):
-                        return message  # not taken: Triton's answer for a dead stub, or ours
+                    if kind in (None, ErrorKind.OUT_OF_SERVICE):
+                        return message  # Triton's answer for a dead stub, or ours: moved elsewhere
                     sender.send(pb.InferenceResponse(error=resp.error()), flags=final)
                     return None
                 tensors = resp.output_tensors()
@@ -166,13 +204,16 @@ class TritonPythonModel:
                 reason = pb.get_output_tensor_by_name(resp, "finish_reason")
                 last = reason is not None and reason.as_numpy().reshape(-1)[0] not in (b"", "")
                 sender.send(pb.InferenceResponse(output_tensors=tensors), flags=final if last else 0)
+                ids = pb.get_output_tensor_by_name(resp, "output_token_ids")
+                if ids is not None:
+                    fwd.sent.extend(int(t) for t in ids.as_numpy().reshape(-1))
                 fwd.relayed = True
                 if last:
                     return None
         with fwd.lock:
-            if fwd.attempt == attempt and not sender.closed and not sender.is_cancelled():
-                sender.send(flags=final)
-        return None
+            if fwd.attempt != attempt or sender.closed or sender.is_cancelled():
+                return None
+        return "its stream ended before the request finished"
 
     def _watch_cancel(self, sender, target: str, request_id: str, stop: threading.Event) -> None:
         """When the client cancels, tell the decode model to cancel ``request_id`` at once, even
@@ -202,16 +243,29 @@ class TritonPythonModel:
 @dataclass(eq=False)
 class Forwarding:
     """One client request on its way through the front. ``attempt``: the forwarding that owns
-    the client's sender (a newer one supersedes an attempt stuck on a dead decode model);
-    ``relayed``: some output reached the client (from then on it cannot move)."""
+    the client's sender (a newer one supersedes an attempt on a decode model that stopped
+    serving it) and ``target`` where it runs; ``sent``: the output tokens its client has (they
+    go along when it moves); ``moves``: how often it moved (``migration_limit``)."""
 
     sender: GuardedSender
-    inputs: list
+    inputs: list  # the client's tensors, without resume_token_ids
     token_ids: list = field(default_factory=list)  # the prompt, for routing
     pages: int = 1  # the pages it will hold on a decode model
+    sent: list = field(default_factory=list)
     attempt: int = 0
+    target: str = ""
+    moves: int = 0
     relayed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _resume_ids(arrays: dict) -> list[int]:
+    """Output a client says it has already (``resume_token_ids``; checked by the decode model)."""
+    arr = arrays.get(RESUME)
+    try:
+        return [] if arr is None else [int(v) for v in np.asarray(arr).reshape(-1)]
+    except (TypeError, ValueError):
+        return []
 
 
 def _send_error(pb, sender: GuardedSender, kind: ErrorKind, message: str) -> None:
@@ -227,10 +281,22 @@ class FrontMetrics:
     """``triton_disagg_decode_target_up{model, target}``: 1 while the front routes to that decode
     model; ``triton_disagg_requests_active{model}``: requests the front is relaying;
     ``triton_disagg_router_query_tokens_total`` / ``_router_predicted_hit_tokens_total``: prompt
-    tokens routed, and how many of them the chosen decode model was judged to cache."""
+    tokens routed, and how many of them the chosen decode model was judged to cache;
+    ``triton_disagg_migrations_total{model, reason}``: requests moved to another decode model
+    (``instance_down``: its probes failed; ``stream_error``: its stream failed or stopped)."""
 
-    def __init__(self, pb, model: str, targets: DecodeTargets, period_s: float = 0.25):
+    REASONS = ("instance_down", "stream_error")
+
+    def __init__(self, pb, model: str, targets: DecodeTargets, migrations: Counter, period_s: float = 0.25):
         self._targets = targets
+        self._migrations = migrations
+        self._migration_family = pb.MetricFamily(
+            name="triton_disagg_migrations_total",
+            description="requests the front moved to another decode model, by reason",
+            kind=pb.MetricFamily.COUNTER,
+        )
+        self._migrated = {r: self._migration_family.Metric(labels={"model": model, "reason": r}) for r in self.REASONS}
+        self._migrated_seen = dict.fromkeys(self.REASONS, 0)
         self._up_family = pb.MetricFamily(
             name="triton_disagg_decode_target_up",
             description="1 while the front model routes to this decode model (its health probes pass)",
@@ -267,6 +333,10 @@ class FrontMetrics:
             for name, metric in self._router.items():
                 metric.increment(counters[name] - self._router_seen[name])
                 self._router_seen[name] = counters[name]
+            for reason, metric in self._migrated.items():
+                n = self._migrations[reason]
+                metric.increment(n - self._migrated_seen[reason])
+                self._migrated_seen[reason] = n
 
     def close(self) -> None:
         self._stop.set()

@@ -1,0 +1,200 @@
+"""Requests that outlive their instance, on a real tritonserver (2 prefill + 2 decode instances,
+the front model ``llm``), real NIXL and the real model:
+
+- kill -9 of the decode instance serving half of 8 greedy streams after about 30 tokens: every
+  stream completes, each equal to transformers' greedy output (no token repeated or missing),
+  the pools come back to free and ``triton_disagg_migrations_total`` counts the moves;
+- the same for a ``guided_json`` request: valid against its schema and equal to an
+  uninterrupted run;
+- kill -9 of a prefill instance while it prefills 4 long prompts: all 4 complete with the
+  output of an uninterrupted run (the decode instances compute the failed loads again).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from backend.client import stream_generate
+from backend.serving.request import prompt_token_ids
+from tests.conftest import PROMPTS, deployment_server, hf_greedy, metric_values, wait_pool_free
+
+pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+
+MODELS = ["prefill_0", "prefill_1", "decode_0", "decode_1"]
+N_TOKENS = 160
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    with deployment_server(
+        tmp_path_factory,
+        "migration",
+        timeout_s=400,
+        mode="disagg",
+        model_path=str(model_dir),
+        prefill_instances=2,
+        decode_instances=2,
+        overrides={
+            "kv_cache_tokens": "8192",
+            "num_threads": "1",
+            "max_num_batched_tokens": "256",
+            "kv_transfer_timeout_s": "15",
+            "kv_quarantine_s": "3",
+        },
+        per_model={"front": {"health_probe_interval_s": "0.5"}},
+    ) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
+
+
+class Streams:
+    """Concurrent streamed requests through the front; counts what each has received."""
+
+    def __init__(self, url: str, prompts: list[str], n: int, **kw):
+        self.received = [0] * len(prompts)
+        self.results: list = [None] * len(prompts)
+
+        def run(i):
+            def on_text(_delta, i=i):
+                self.received[i] += 1
+
+            self.results[i] = stream_generate(url, prompts[i], n, on_text=on_text, timeout_s=300, **kw)
+
+        self.threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in self.threads:
+            t.start()
+
+    def join(self) -> list:
+        for t in self.threads:
+            t.join(300)
+        return self.results
+
+
+def active(server, model: str) -> int:
+    return int(sum(metric_values(server.metrics_url, "triton_disagg_requests_active", model=model)))
+
+
+def migrations(server) -> float:
+    return sum(metric_values(server.metrics_url, "triton_disagg_migrations_total", model="llm"))
+
+
+def wait_serving(server, model: str, old_pid: int, timeout_s: float = 240) -> None:
+    """Until the supervisor has reloaded ``model`` (a new stub) and the front routes to it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pid = server.instance_pids().get(f"{model}_0_0")
+        # a prefill model has no such gauge: its reload is enough
+        up = metric_values(server.metrics_url, "triton_disagg_decode_target_up", target=model) or [1.0]
+        if pid not in (None, old_pid) and min(up) == 1.0:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{model} was not reloaded within {timeout_s}s")
+
+
+def kill_when(server, model: str, cond, timeout_s: float = 120) -> int:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"never ready to kill {model}"
+        time.sleep(0.05)
+    pid = server.instance_pids()[f"{model}_0_0"]
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def test_streams_move_when_their_decode_instance_is_killed(server, tokenizer, hf_model):
+    prompts = PROMPTS[:8]
+    before = migrations(server)
+    streams = Streams(server.grpc_url, prompts, N_TOKENS, ignore_eos=True)
+    deadline = time.monotonic() + 120
+    while active(server, "decode_0") == 0 or min(streams.received) < 30:
+        assert time.monotonic() < deadline, (streams.received, active(server, "decode_0"))
+        time.sleep(0.05)
+    on_victim = active(server, "decode_0")
+    pid = kill_when(server, "decode_0", lambda: True)
+    results = streams.join()
+    assert [r.error for r in results] == [None] * 8
+    for prompt, r in zip(prompts, results):
+        want = hf_greedy(hf_model, prompt_token_ids(tokenizer, prompt, False), N_TOKENS)
+        assert r.token_ids == want, prompt
+        assert r.text == tokenizer.decode(want, skip_special_tokens=True), prompt
+    time.sleep(0.6)  # the front's metrics refresh
+    moved = migrations(server) - before
+    print(f"{on_victim} of 8 streams were on decode_0 when it was killed; {moved:.0f} moved")
+    assert moved >= on_victim >= 1
+    for m in ("prefill_0", "prefill_1", "decode_1"):
+        wait_pool_free(server.metrics_url, m, timeout_s=30)
+    wait_serving(server, "decode_0", pid)
+    wait_pool_free(server.metrics_url, "decode_0", timeout_s=30)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "cities": {"type": "array", "items": {"type": "string", "maxLength": 30}, "minItems": 6, "maxItems": 6},
+        "coastal": {"type": "boolean"},
+    },
+    "required": ["name", "cities", "coastal"],
+}
+
+
+def test_a_guided_stream_moves_and_keeps_its_grammar(server):
+    schema = json.dumps(SCHEMA)
+    extra = {"guided_json": (np.array([schema.encode()], dtype=object), "BYTES")}
+    prompt = "Describe France as JSON with six of its cities."
+    whole = stream_generate(server.grpc_url, prompt, 300, extra=extra, chat=True, timeout_s=300)
+    assert whole.error is None and len(whole.token_ids) > 25, whole.error
+    before = migrations(server)
+    # a second request with the same prompt: it lands where the cache is (KV-aware routing)
+    streams = Streams(server.grpc_url, [prompt], 300, extra=extra, chat=True)
+    deadline = time.monotonic() + 120
+    while streams.received[0] < 12:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    victim = next(m for m in ("decode_0", "decode_1") if active(server, m))
+    pid = kill_when(server, victim, lambda: True)
+    (r,) = streams.join()
+    assert r.error is None, r.error
+    assert r.token_ids == whole.token_ids and r.text == whole.text
+    document = json.loads(r.text)
+    assert set(document) == {"name", "cities", "coastal"} and len(document["cities"]) == 6
+    time.sleep(0.6)
+    assert migrations(server) - before >= 1
+    wait_serving(server, victim, pid)
+    for m in MODELS:
+        wait_pool_free(server.metrics_url, m, timeout_s=30)
+
+
+def test_a_killed_prefill_instance_is_recomputed_elsewhere(server, tokenizer, hf_model):
+    prompts = [
+        f"Case {k}. Summarise the ledger: " + " ".join(f"row {i} holds {i * (k + 3)} units;" for i in range(120))
+        for k in range(4)
+    ]
+    before = sum(metric_values(server.metrics_url, "triton_disagg_kv_loads_recomputed_total"))
+    streams = Streams(server.grpc_url, prompts, 8, ignore_eos=True)
+    depth = "triton_disagg_prefill_queue_depth"
+    pid = kill_when(server, "prefill_0", lambda: sum(metric_values(server.metrics_url, depth, model="prefill_0")) > 0)
+    results = streams.join()
+    assert [r.error for r in results] == [None] * 4
+    for prompt, r in zip(prompts, results):
+        assert r.token_ids == hf_greedy(hf_model, prompt_token_ids(tokenizer, prompt, False), 8)
+    time.sleep(0.6)
+    recomputed = sum(metric_values(server.metrics_url, "triton_disagg_kv_loads_recomputed_total")) - before
+    print(f"{recomputed:.0f} KV load(s) recomputed after prefill_0 was killed")
+    assert recomputed >= 1
+    wait_serving(server, "prefill_0", pid)
+    for m in MODELS:
+        wait_pool_free(server.metrics_url, m, timeout_s=30)
