@@ -129,8 +129,9 @@ def test_prefill_model_refuses_direct_requests(disagg_server):
 
 
 def test_prefill_killed_mid_transfer(disagg_server, request):
-    """Runs last: kills a prefill instance while it serves; its requests fail fast and clearly,
-    decode pages are freed, and later requests succeed on the remaining prefill instance."""
+    """Runs last: kills a prefill instance while it serves; its requests are computed again
+    (another prefill instance, or the decode instance) and complete, decode pages are freed, and
+    later requests succeed on the remaining prefill instance."""
     url = disagg_server.metrics_url
     long_prompt = "Describe this list. " + " ".join(f"entry {i}" for i in range(500))
     results = [None, None]
@@ -154,9 +155,9 @@ def test_prefill_killed_mid_transfer(disagg_server, request):
     os.kill(pid, signal.SIGKILL)
     request.node.killed_models = {victim}
     [t.join(120) for t in threads]
-    failed = [r for r in results if r.error]
-    assert failed, "a request on the killed prefill instance should fail"
-    assert all("lost" in r.error or "failed" in r.error for r in failed), [r.error for r in failed]
+    # the decode instances compute the lost loads again (kv_load_failure_policy=recompute)
+    assert [r.error for r in results] == [None, None]
+    assert results[0].token_ids == results[1].token_ids and len(results[0].token_ids) == 8
     assert time.monotonic() - t_kill < 30
     for m in DISAGG_MODELS:
         if m != victim:
