@@ -42,9 +42,18 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
         "--messenger-host", default="127.0.0.1", help="prefill side: address decode instances reach its KV messenger on"
     )
     p.add_argument(
-        "--prefill-endpoints",
+        "--discovery",
         default=None,
-        help="decode side: comma-separated host:port of the prefill instances' messengers",
+        metavar="etcd://HOST:PORT",
+        help="join the deployment whose membership is in this etcd (needed by --mode prefill/decode; "
+        "--mode disagg without it starts a private etcd)",
+    )
+    p.add_argument("--deployment", default="default", help="the deployment's name in etcd")
+    p.add_argument(
+        "--etcd-host",
+        default=None,
+        help="--mode disagg: address the private etcd listens on (default: --messenger-host), for instances "
+        "on other hosts that join with --discovery",
     )
     p.add_argument("--with-aggregated", action="store_true", help="also serve llm_aggregated for comparison")
     p.add_argument(
@@ -109,12 +118,28 @@ def start_server(args):
             f"--mode {args.mode}: both sides of a split deployment must share the KV messenger's secret: "
             f"give --messenger-secret-file FILE (or set {SECRET_ENV}) on every server"
         )
+    if args.mode in ("prefill", "decode") and not args.discovery:
+        raise SystemExit(
+            f"--mode {args.mode}: give --discovery etcd://HOST:PORT, the etcd of the deployment to join "
+            "(`serve --mode disagg` prints it)"
+        )
     if args.openai_port and args.mode == "prefill":
         raise SystemExit("--openai-port: a prefill-only server has no model that answers requests")
     per_model = {role: _overrides(getattr(args, f"{role}_set")) for role in ("prefill", "decode")}
     if any(per_model.values()) and args.mode == "aggregated":
         raise SystemExit("--prefill-set/--decode-set: an aggregated deployment has no prefill or decode models")
     model_dir = ensure_model(args.model)
+    etcd = None
+    discovery = args.discovery or ""
+    if args.mode == "disagg" and not discovery:
+        from backend.launch.etcd_server import EtcdServer, etcd_binary
+
+        if etcd_binary() is None:
+            raise SystemExit("--mode disagg keeps its membership in etcd, which is not installed (scripts/setup.sh)")
+        etcd = EtcdServer(host=args.etcd_host or args.messenger_host).start()
+        discovery = etcd.url
+    if args.mode != "aggregated":
+        log.info("membership: %s (deployment %r)", discovery, args.deployment)
     repo = render_deployment(
         Path(tempfile.mkdtemp(prefix="triton-disagg-repo-")),
         mode=args.mode,
@@ -123,8 +148,9 @@ def start_server(args):
         prefill_instances=args.prefill_instances,
         decode_instances=args.decode_instances,
         messenger_host=args.messenger_host,
-        prefill_endpoints=args.prefill_endpoints.split(",") if args.prefill_endpoints else None,
         with_aggregated=args.with_aggregated,
+        discovery=discovery,
+        deployment=args.deployment,
         per_model={k: v for k, v in per_model.items() if v},
     )
     server = TritonServer(
@@ -135,12 +161,20 @@ def start_server(args):
         metrics_port=args.metrics_port,
         log_file=args.log_file,
     )
+    server.etcd = etcd
     log.info("serving %s in %s mode from %s", model_dir, args.mode, repo)
-    server.start()
-    if args.mode in ("disagg", "prefill"):
-        from backend.launch.deployment import prefill_endpoints_of
-
-        print(f"prefill messenger endpoints: {','.join(prefill_endpoints_of(repo))}", flush=True)
+    try:
+        server.start()
+    except BaseException:
+        if etcd is not None:
+            etcd.stop()
+        raise
+    if args.mode != "aggregated":
+        print(
+            f"membership: {discovery} (deployment {args.deployment!r}); other servers join with "
+            f"--discovery {discovery} --deployment {args.deployment}",
+            flush=True,
+        )
     frontend = None
     if args.openai_port:
         from backend.launch.openai_frontend import OpenAIFrontend
@@ -150,7 +184,7 @@ def start_server(args):
         try:
             frontend.start()
         except Exception:
-            server.stop()
+            stop_server(server, None)
             raise
     return server, frontend
 
@@ -159,6 +193,8 @@ def stop_server(server, frontend) -> None:
     if frontend is not None:
         frontend.stop()
     server.stop()
+    if server.etcd is not None:
+        server.etcd.stop()  # last: the instances deregister while they stop
 
 
 def cmd_prepare(args) -> int:

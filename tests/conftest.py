@@ -78,17 +78,36 @@ REMOTE_PREFILL = {"local_prefill_max_tokens": "0"}
 
 
 @contextlib.contextmanager
+def private_etcd(tmp: Path):
+    """A real etcd for one deployment's membership, stopped however the block ends."""
+    from backend.launch.etcd_server import EtcdServer, etcd_binary
+
+    if etcd_binary() is None:
+        pytest.skip("etcd is not installed (scripts/setup.sh installs Debian's etcd-server as root)")
+    with EtcdServer(data_dir=tmp / "etcd", log_file=tmp / "etcd.log") as etcd:
+        yield etcd
+
+
+@contextlib.contextmanager
 def deployment_server(tmp_path_factory, name: str, timeout_s: float = 400, **render_kwargs):
     """Render a deployment (``render_deployment`` arguments) into a fresh temporary folder and
-    run a real tritonserver on it, stopped however the block ends."""
+    run a real tritonserver on it, stopped however the block ends. A disaggregated deployment
+    gets a private etcd for its membership (``server.etcd``), as ``triton-disagg serve`` does."""
     from backend.launch.deployment import render_deployment
 
     tmp = tmp_path_factory.mktemp(name)
     # every prefill crosses the fabric unless a test asks otherwise (test_conditional_disagg.py):
     # the tests of the disaggregated path must not be answered by a local prefill
     render_kwargs["overrides"] = {**REMOTE_PREFILL, **(render_kwargs.get("overrides") or {})}
-    repo = render_deployment(tmp / "repo", **render_kwargs)
-    with running_server(repo, tmp / "tritonserver.log", timeout_s=timeout_s) as server:
+    with contextlib.ExitStack() as stack:
+        etcd = None
+        split = render_kwargs.get("mode", "aggregated") != "aggregated"
+        if split and not render_kwargs.get("discovery") and not render_kwargs.get("prefill_endpoints"):
+            etcd = stack.enter_context(private_etcd(tmp))
+            render_kwargs["discovery"] = etcd.url
+        repo = render_deployment(tmp / "repo", **render_kwargs)
+        server = stack.enter_context(running_server(repo, tmp / "tritonserver.log", timeout_s=timeout_s))
+        server.etcd = etcd
         yield server
 
 

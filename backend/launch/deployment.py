@@ -4,8 +4,10 @@ Modes:
 - ``aggregated``: the ``llm`` model alone.
 - ``disagg``: front model ``llm`` -> decode models ``decode_<j>`` -> prefill models
   ``prefill_<i>`` (each prefill model one instance with its own messenger port).
-- ``prefill`` / ``decode``: one side of a split deployment across servers or hosts; the decode
-  side lists the prefill side's messenger endpoints.
+- ``prefill`` / ``decode``: one side of a split deployment across servers or hosts.
+Decode instances find prefill instances in the deployment's membership (``discovery``: the
+etcd every instance registers in, ``backend/cluster/``); ``prefill_endpoints`` (a fixed list)
+is the alternative for a deployment without etcd.
 With ``with_aggregated`` a disaggregated repository also serves ``llm_aggregated``.
 """
 
@@ -22,6 +24,7 @@ SPLIT_DEFAULTS = {"num_threads": "1"}
 
 
 def _prefill_models(n: int, common: dict, host: str, bind: str, per_model: dict) -> tuple[dict, list[str]]:
+    advertise = {"messenger_advertise": host} if host != bind else {}
     models, endpoints = {}, []
     for i in range(n):
         port = free_port()  # picked here; the bind address may belong to another host/namespace
@@ -34,6 +37,7 @@ def _prefill_models(n: int, common: dict, host: str, bind: str, per_model: dict)
                 **common,
                 "messenger_host": bind,
                 "messenger_port": port,
+                **advertise,
                 **per_model.get("prefill", {}),
                 **per_model.get(name, {}),
             },
@@ -43,6 +47,7 @@ def _prefill_models(n: int, common: dict, host: str, bind: str, per_model: dict)
 
 
 def _decode_models(n: int, common: dict, endpoints: list[str], per_model: dict) -> dict:
+    found = {} if common.get("discovery") else {"prefill_endpoints": ",".join(endpoints)}
     return {
         f"decode_{j}": {
             "source": "decode",
@@ -50,7 +55,7 @@ def _decode_models(n: int, common: dict, endpoints: list[str], per_model: dict) 
             "params": {
                 **SPLIT_DEFAULTS,
                 **common,
-                "prefill_endpoints": ",".join(endpoints),
+                **found,
                 **per_model.get("decode", {}),
                 **per_model.get(f"decode_{j}", {}),
             },
@@ -72,10 +77,16 @@ def render_deployment(
     messenger_host: str = "127.0.0.1",
     messenger_bind: str | None = None,
     with_aggregated: bool = False,
+    discovery: str = "",
+    deployment: str = "",
 ) -> Path:
     """Render ``out_dir`` for ``mode``. ``overrides`` apply to every model; ``per_model`` maps a
-    model name or a role (``llm``, ``prefill``, ``decode``, ``front``) to extra parameters."""
+    model name or a role (``llm``, ``prefill``, ``decode``, ``front``) to extra parameters.
+    ``discovery``: the deployment's etcd (``etcd://HOST:PORT``), ``deployment`` its name there."""
     common = {"model_path": model_path, **(overrides or {})}
+    if mode != "aggregated":
+        common.update({"discovery": discovery} if discovery else {})
+        common.update({"deployment": deployment} if deployment else {})
     per_model = per_model or {}
     agg = {"params": {**common, **per_model.get("llm", {})}, "count": 1, "source": "llm"}
     if mode == "aggregated":
@@ -89,9 +100,9 @@ def render_deployment(
         )
         models.update(prefills)
     if mode == "decode":
-        if not prefill_endpoints:
-            raise ValueError("decode mode needs prefill_endpoints (host:port of each prefill instance)")
-        endpoints = prefill_endpoints
+        if not prefill_endpoints and not discovery:
+            raise ValueError("decode mode needs the deployment's discovery URL (or a fixed prefill_endpoints list)")
+        endpoints = prefill_endpoints or []
     if mode in ("disagg", "decode"):
         decodes = _decode_models(decode_instances, common, endpoints, per_model)
         models.update(decodes)

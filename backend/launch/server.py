@@ -21,9 +21,11 @@ from backend.disagg import auth
 from backend.disagg.auth import SECRET_ENV
 from backend.launch.ports import free_port
 from backend.launch.triton_install import install_stub
+from backend.serving.discovery import GRPC_URL_ENV
 from backend.triton.lifecycle import drain_file
 
 if TYPE_CHECKING:
+    from backend.launch.etcd_server import EtcdServer
     from backend.launch.supervisor import Supervisor
 
 log = logging.getLogger("triton_disagg.server")
@@ -60,6 +62,7 @@ class TritonServer:
         self.supervise = supervise
         self.exit_timeout_s = exit_timeout_s
         self.supervisor: Supervisor | None = None
+        self.etcd: EtcdServer | None = None  # the deployment's private etcd, if its launcher started one
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -115,6 +118,7 @@ class TritonServer:
         env.update(self.extra_env)
         # the KV messenger's deployment secret: one per server unless the caller shares one
         env.setdefault(SECRET_ENV, auth.new_secret())
+        env.setdefault(GRPC_URL_ENV, self.grpc_url)  # what the instances register for routers
         self.messenger_secret = env[SECRET_ENV]
         drain_file(self.repo).unlink(missing_ok=True)  # left by a stop that was cut short
         out = open(self.log_file, "ab") if self.log_file else None

@@ -85,9 +85,10 @@ def node_candidates(
             pre = tuple(InstanceSpec(node_threads, b, max_num_seqs, kv_tokens, machine=i) for i in range(p))
             dec = tuple(InstanceSpec(node_threads, b, max_num_seqs, kv_tokens, machine=p + i) for i in range(nodes - p))
             cmd = (
-                f"on each of {p} prefill nodes: triton-disagg serve --mode prefill --messenger-host NODE_ADDRESS "
-                f"--messenger-secret-file SECRET {sets}; on each of {nodes - p} decode nodes: triton-disagg serve "
-                f"--mode decode --prefill-endpoints PREFILL_ENDPOINTS --messenger-secret-file SECRET {sets}"
+                f"on each of {p} prefill nodes: triton-disagg serve --mode prefill --discovery ETCD_URL "
+                f"--messenger-host NODE_ADDRESS --messenger-secret-file SECRET {sets}; on each of {nodes - p} "
+                f"decode nodes: triton-disagg serve --mode decode --discovery ETCD_URL "
+                f"--messenger-secret-file SECRET {sets}"
             )
             out.append(
                 Candidate(

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from backend.cluster.records import InstanceRecord
 from backend.disagg import auth
 from backend.disagg.messenger import PrefillEndpoint
 from backend.disagg.nixl_connector import NixlKVReceiver
@@ -39,6 +40,7 @@ from backend.engine.cache_summary import CacheSummary
 from backend.engine.engine_loop import EngineLoop
 from backend.engine.outputs import EngineOutput, ErrorKind
 from backend.serving.config import InstanceConfig
+from backend.serving.discovery import PrefillDirectory, register
 from backend.serving.kv_router import KVRouter
 from backend.serving.request_state import DecodeEvent, DecodeState, IllegalTransition, RequestState
 from backend.serving.session import GenerationSession
@@ -105,8 +107,18 @@ class PrefillLost:
     connection: int  # which of the endpoint's connections (a later one may be up already)
 
 
+@dataclass(frozen=True)
+class PrefillsChanged:
+    """Membership (etcd watcher thread, or the fixed list at start): prefill instances that
+    joined (or changed: ``draining``) and left."""
+
+    joined: list[InstanceRecord]
+    left: list[InstanceRecord]
+
+
 Event = (
     Submitted
+    | PrefillsChanged
     | ClientCancel
     | PagesReady
     | KVDone
@@ -134,11 +146,12 @@ class _Request:
 
 
 class DecodeWorker:
-    def __init__(self, config: InstanceConfig, name: str):
+    def __init__(self, config: InstanceConfig, name: str, model: str = ""):
         self.name = name
         self.config = config
-        endpoints = config.connector.endpoints()  # refuses a decode model without prefill endpoints
-        secret = auth.load_secret(config.connector.messenger_secret_file)  # none: refuse to start
+        if not config.connector.discovery:
+            config.connector.endpoints()  # refuses a decode model without prefill instances
+        self._secret = auth.load_secret(config.connector.messenger_secret_file)  # none: refuse to start
         self.engine = start_engine(config)
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.dims().vocab_size
@@ -146,32 +159,26 @@ class DecodeWorker:
         self.engine.set_kv_loader(self)
         self.loop = EngineLoop(self.engine, name=f"{name}-engine")
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        self.endpoints = [
-            PrefillEndpoint(
-                h,
-                p,
-                self.receiver,
-                name,
-                secret,
-                lambda e, m: self._events.put(FromPrefill(e, m)),
-                lambda e, r: self._events.put(PrefillLost(e, r, e.lost_generation)),
-                on_connected=lambda e: self._events.put(PrefillConnected(e)),
-            )
-            for h, p in endpoints
-        ]
+        # the prefill instances known (joined the membership); replaced, never changed in place,
+        # by the loop thread, so other threads may read it
+        self.endpoints: list[PrefillEndpoint] = []
+        self._retired: set[str] = set()  # addresses that left or drain: no new requests, closed once idle
         self.router = KVRouter(config.connector.kv_routing_weight)
         self.requests: dict[str, _Request] = {}  # the loop thread's alone
         self.counters = DecodeStats()
+        dims = self.engine.dims()
+        self.directory = PrefillDirectory(
+            config, self._secret, dims, lambda joined, left: self._events.put(PrefillsChanged(joined, left))
+        )
+        self.registration = register(config, self._secret, dims, "decode", model) if model else None
         self._loop_thread = threading.Thread(target=self._run, name=f"{name}-decode-loop", daemon=True)
         self._loop_thread.start()
-        for e in self.endpoints:
-            e.start()
 
     def describe(self) -> str:
         c = self.config.engine
         return (
             f"decode on {c.torch_device}, KV pool {c.num_pages} pages x {c.page_size} tokens (HND), "
-            f"prefill endpoints {[e.address for e in self.endpoints]}, "
+            f"prefill instances from {self.directory.source}, "
             f"KV timeout {self.config.connector.kv_transfer_timeout_s}s"
         )
 
@@ -225,6 +232,8 @@ class DecodeWorker:
         match event:
             case Submitted(session):
                 self._submitted(session)
+            case PrefillsChanged(joined, left):
+                self._prefills_changed(joined, left)
             case ClientCancel(req_id):
                 self._cancel(req_id, None)
             case PagesReady(req_id, pages, cached, remote):
@@ -375,12 +384,63 @@ class DecodeWorker:
         """The connected prefill instance (not in ``exclude``) with the lowest routing cost for
         the prefill of ``tokens``; its ``n_send`` tokens (the part to send) count as queued there
         until the KV has arrived."""
-        by_address = {e.address: e for e in self.endpoints if e.connected and e.address not in exclude}
+        by_address = {
+            e.address: e
+            for e in self.endpoints
+            if e.connected and e.address not in exclude and e.address not in self._retired
+        }
         if not by_address:
             return None
         pages = -(-n_send // self.config.engine.page_size)
         picked = self.router.pick(req_id, tokens, list(by_address), pages)
         return by_address[picked] if picked is not None else None
+
+    def _prefills_changed(self, joined: list[InstanceRecord], left: list[InstanceRecord]) -> None:
+        """Connect to prefill instances that joined; stop sending to those that left or drain
+        (their requests in flight finish, or are recomputed if their connection drops), and
+        close them once nothing waits on them."""
+        for record in joined:
+            address = record.messenger
+            known = any(e.address == address for e in self.endpoints)
+            if record.draining:
+                self._retire(address, f"prefill instance {record.name} drains")
+                continue
+            if known:
+                if address in self._retired:
+                    log.info("decode %s: prefill instance %s (%s) serves again", self.name, record.name, address)
+                self._retired.discard(address)
+                continue
+            host, _, port = address.rpartition(":")
+            endpoint = PrefillEndpoint(
+                host,
+                int(port),
+                self.receiver,
+                self.name,
+                self._secret,
+                lambda e, m: self._events.put(FromPrefill(e, m)),
+                lambda e, r: self._events.put(PrefillLost(e, r, e.lost_generation)),
+                on_connected=lambda e: self._events.put(PrefillConnected(e)),
+            )
+            self.endpoints = [*self.endpoints, endpoint]
+            log.info("decode %s: prefill instance %s joined at %s; connecting", self.name, record.name, address)
+            endpoint.start()
+        for record in left:
+            self._retire(record.messenger, f"prefill instance {record.name} left the membership")
+
+    def _retire(self, address: str, why: str) -> None:
+        if address in self._retired or not any(e.address == address for e in self.endpoints):
+            return
+        log.warning("decode %s: %s (%s): no new requests go there", self.name, why, address)
+        self._retired.add(address)
+        self._close_retired()
+
+    def _close_retired(self) -> None:
+        for e in self.endpoints:
+            if e.address in self._retired and not e.outstanding:
+                self.endpoints = [x for x in self.endpoints if x is not e]
+                self._retired.discard(e.address)
+                self.router.forget(e.address)
+                threading.Thread(target=e.close, name=f"close-{e.address}", daemon=True).start()
 
     def _kv_done(self, req_id: str, ok: bool, error: str | None, meta) -> None:
         r = self.requests.get(req_id)
@@ -536,13 +596,15 @@ class DecodeWorker:
                 )
         if unsent and any(e.connected for e in self.endpoints):
             self._send_unsent()  # one connected meanwhile
+        if self._retired:
+            self._close_retired()
 
     # ------------------------------------------------------------ serving-layer interface
     def health(self) -> str | None:
         down = self.engine.health()
         if down:
             return f"decode instance {self.name}: {down}"
-        if not any(e.connected for e in self.endpoints):
+        if not any(e.connected and e.address not in self._retired for e in self.endpoints):
             return f"decode instance {self.name}: no prefill instance connected ({self._endpoint_errors()})"
         return None
 
@@ -551,7 +613,10 @@ class DecodeWorker:
         return dataclasses.replace(self.engine.cache_summary(), waiting=waiting)
 
     def _endpoint_errors(self) -> str:
-        return "; ".join(f"{e.address}: {e.last_error}" for e in self.endpoints)
+        endpoints = self.endpoints
+        if not endpoints:
+            return f"none known yet, from {self.directory.source}"
+        return "; ".join(f"{e.address}: {e.last_error}" for e in endpoints)
 
     def stats(self) -> DecodeStats:
         s = dataclasses.replace(self.counters)
@@ -567,6 +632,9 @@ class DecodeWorker:
         return self.receiver.observations()
 
     def shutdown(self) -> None:
+        if self.registration is not None:
+            self.registration.close()  # deregister first: routers stop sending here
+        self.directory.close()
         for e in self.endpoints:
             e.close()
         self.loop.shutdown()

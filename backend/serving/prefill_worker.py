@@ -36,6 +36,7 @@ from backend.engine.engine_loop import EngineLoop
 from backend.engine.outputs import EngineOutput, ErrorKind, FinishReason
 from backend.engine.sampling_params import SamplingParams
 from backend.serving.config import InstanceConfig
+from backend.serving.discovery import register
 from backend.serving.request_state import IllegalTransition, PrefillEvent, PrefillState, RequestState
 from backend.serving.stats import PrefillStats
 from backend.serving.worker import EngineDone, StopLoop, start_engine
@@ -103,7 +104,7 @@ class _Request:
 
 
 class PrefillWorker:
-    def __init__(self, config: InstanceConfig, name: str):
+    def __init__(self, config: InstanceConfig, name: str, model: str = ""):
         self.name = name
         self.config = config
         secret = auth.load_secret(config.connector.messenger_secret_file)  # none: refuse to start
@@ -133,6 +134,10 @@ class PrefillWorker:
             handshake_timeout_s=c.messenger_handshake_timeout_s,
         )
         self.engine.on_out_of_service(self._on_out_of_service)
+        advertise = c.messenger_advertise or c.messenger_host
+        self.registration = register(
+            config, secret, self.engine.dims(), "prefill", model or name, messenger=f"{advertise}:{self.server.port}"
+        )
         self._last_report: tuple | None = None
         self._last_report_at, self._last_conns = 0.0, 0
         self._loop_thread = threading.Thread(target=self._run, name=f"{name}-prefill-loop", daemon=True)
@@ -316,6 +321,8 @@ class PrefillWorker:
         return s
 
     def shutdown(self) -> None:
+        if self.registration is not None:
+            self.registration.close()  # deregister first: decode instances stop sending here
         self.server.close()
         self.loop.shutdown()
         self._events.put(StopLoop())

@@ -41,7 +41,7 @@ class TritonPythonModel:
         self.pb = pb_utils
         config = InstanceConfig.from_parameters(params)  # an unknown or bad parameter fails the load
         tokenizer = AutoTokenizer.from_pretrained(config.engine.model_path)
-        self.worker = make_worker(config, self.instance)
+        self.worker = make_worker(config, self.instance, cfg["name"])
         self.admission = Admission(config, self.worker, tokenizer, self.instance, on_done=self._on_done)
         self.metrics = InstanceMetrics(
             pb_utils,

@@ -26,7 +26,7 @@ class TritonPythonModel:
         config = InstanceConfig.from_parameters(params)
         if config.role != "prefill":
             raise ValueError(f"the prefill model needs role 'prefill', got {config.role!r}")
-        self.worker = PrefillWorker(config, self.instance)
+        self.worker = PrefillWorker(config, self.instance, cfg["name"])
         self.metrics = InstanceMetrics(pb_utils, {"model": cfg["name"], "instance": self.instance}, self.worker.stats)
         log.info("instance %s ready: %s", self.instance, self.worker.describe())
 

@@ -1,6 +1,8 @@
 """Prefill and decode in different Triton servers on different "hosts": two network
 namespaces' worth of separation made by the test (the root namespace and a new one, joined
-by a veth pair), KV over NIXL/UCX TCP on the veth, the client talking only to the decode side."""
+by a veth pair), KV over NIXL/UCX TCP on the veth, the client talking only to the decode side.
+The decode side finds the prefill instance in the deployment's membership (a real etcd on the
+decode host's address; nothing lists the prefill instance's address by hand)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ def _ip(*args, check=True):
 
 @pytest.fixture(scope="module")
 def two_hosts():
-    """Yield (prefill_ip, prefill_netns, prefill_dev, decode_dev), or loopback when netns can't be made."""
+    """Yield (prefill_ip, prefill_netns, prefill_dev, decode_ip, decode_dev), or loopback when netns can't be made."""
     tag = uuid.uuid4().hex[:6]
     ns, dev_root, dev_ns = f"tdis-{tag}", f"tdr{tag}", f"tdn{tag}"
     octet = int(tag[:2], 16) % 200 + 20
@@ -32,7 +34,7 @@ def two_hosts():
     except (OSError, subprocess.CalledProcessError) as e:
         reason = getattr(e, "stderr", None) or str(e)
         print(f"network namespaces unavailable ({reason.strip()}); running both servers on loopback")
-        yield ("127.0.0.1", None, None, None)
+        yield ("127.0.0.1", None, None, "127.0.0.1", None)
         return
     try:
         _ip("link", "add", dev_root, "type", "veth", "peer", "name", dev_ns)
@@ -43,7 +45,7 @@ def two_hosts():
         _ip("netns", "exec", ns, "ip", "link", "set", dev_ns, "up")
         _ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
         print(f"prefill host: netns {ns} at {ip_ns} ({dev_ns}); decode host: root namespace at {ip_root} ({dev_root})")
-        yield (ip_ns, ns, dev_ns, dev_root)
+        yield (ip_ns, ns, dev_ns, ip_root, dev_root)
     finally:
         _ip("link", "del", dev_root, check=False)
         _ip("netns", "del", ns, check=False)
@@ -51,9 +53,12 @@ def two_hosts():
 
 @pytest.fixture(scope="module")
 def split_servers(two_hosts, model_dir, tmp_path_factory):
-    from backend.launch.deployment import prefill_endpoints_of, render_deployment
+    from backend.launch.deployment import render_deployment
+    from backend.launch.etcd_server import EtcdServer, etcd_binary
 
-    ip_ns, ns, dev_ns, dev_root = two_hosts
+    if etcd_binary() is None:
+        pytest.skip("etcd is not installed (scripts/setup.sh installs Debian's etcd-server as root)")
+    ip_ns, ns, dev_ns, ip_root, dev_root = two_hosts
     tmp = tmp_path_factory.mktemp("xhost")
     common = {
         "kv_cache_tokens": "2048",
@@ -62,8 +67,14 @@ def split_servers(two_hosts, model_dir, tmp_path_factory):
         "kv_transfer_timeout_s": "20",
         "local_prefill_max_tokens": "0",  # every prefill crosses the namespaces
     }
+    etcd = EtcdServer(host=ip_root, data_dir=tmp / "etcd", log_file=tmp / "etcd.log")
     prefill_repo = render_deployment(
-        tmp / "prefill", mode="prefill", model_path=str(model_dir), overrides=common, messenger_host=ip_ns
+        tmp / "prefill",
+        mode="prefill",
+        model_path=str(model_dir),
+        overrides=common,
+        messenger_host=ip_ns,
+        discovery=etcd.url,
     )
     decode_repo = render_deployment(
         tmp / "decode",
@@ -71,12 +82,13 @@ def split_servers(two_hosts, model_dir, tmp_path_factory):
         model_path=str(model_dir),
         overrides=common,
         decode_instances=2,
-        prefill_endpoints=prefill_endpoints_of(prefill_repo),
+        discovery=etcd.url,
     )
     secret = {SECRET_ENV: new_secret()}  # two servers: one deployment secret
     env_p = {"UCX_TLS": "tcp", **secret} | ({"UCX_NET_DEVICES": dev_ns} if dev_ns else {})
     env_d = {"UCX_TLS": "tcp", **secret} | ({"UCX_NET_DEVICES": dev_root} if dev_root else {})
     with (
+        etcd,
         running_server(prefill_repo, tmp / "prefill.log", host=ip_ns, netns=ns, extra_env=env_p) as prefill,
         running_server(decode_repo, tmp / "decode.log", extra_env=env_d) as decode,
     ):
