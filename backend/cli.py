@@ -5,6 +5,7 @@ triton-disagg serve [--mode aggregated|disagg] [--host H] [--http-port P] ...   
 triton-disagg demo                 serve, answer a sample prompt through Triton, stop
 triton-disagg generate "prompt"    stream an answer from a running server
 triton-disagg openai --triton-url HOST:PORT   the OpenAI-compatible API in front of a running deployment
+triton-disagg drain INSTANCE --discovery etcd://HOST:PORT   take one instance out without failing a request
 triton-disagg plan [--profile FILE] [--cores N | --nodes N]   recommend a deployment for an SLO
 """
 
@@ -111,8 +112,18 @@ def start_server(args):
     overrides = _overrides(args.set)
     if args.fabric_device:
         overrides["fabric_device"] = args.fabric_device
+    repo_dir = Path(tempfile.mkdtemp(prefix="triton-disagg-repo-"))
     if args.messenger_secret_file:
         overrides["messenger_secret_file"] = str(Path(args.messenger_secret_file).resolve())
+    elif args.mode == "disagg" and not os.environ.get(SECRET_ENV):
+        # the deployment secret, in a file the operator can hand to servers that join and to
+        # `triton-disagg drain` (readable by this user only)
+        from backend.disagg.auth import new_secret
+
+        secret_file = repo_dir.with_name(repo_dir.name + ".secret")
+        secret_file.write_text(new_secret())
+        secret_file.chmod(0o600)
+        overrides["messenger_secret_file"] = str(secret_file)
     elif args.mode in ("prefill", "decode") and not os.environ.get(SECRET_ENV):
         raise SystemExit(
             f"--mode {args.mode}: both sides of a split deployment must share the KV messenger's secret: "
@@ -141,7 +152,7 @@ def start_server(args):
     if args.mode != "aggregated":
         log.info("membership: %s (deployment %r)", discovery, args.deployment)
     repo = render_deployment(
-        Path(tempfile.mkdtemp(prefix="triton-disagg-repo-")),
+        repo_dir,
         mode=args.mode,
         model_path=str(model_dir),
         overrides=overrides,
@@ -172,7 +183,12 @@ def start_server(args):
     if args.mode != "aggregated":
         print(
             f"membership: {discovery} (deployment {args.deployment!r}); other servers join with "
-            f"--discovery {discovery} --deployment {args.deployment}",
+            f"--discovery {discovery} --deployment {args.deployment}"
+            + (
+                f" --messenger-secret-file {overrides['messenger_secret_file']}"
+                if "messenger_secret_file" in overrides
+                else ""
+            ),
             flush=True,
         )
     frontend = None
@@ -266,6 +282,24 @@ def cmd_generate(args) -> int:
     if res.error:
         print(f"error: {res.error}", file=sys.stderr)
         return 1
+    return 0
+
+
+def cmd_drain(args) -> int:
+    from backend.disagg.auth import AuthError, load_secret
+    from backend.launch.drain import drain, find, members
+
+    secret = load_secret(str(Path(args.messenger_secret_file).resolve()) if args.messenger_secret_file else "")
+    try:
+        record = find(members(args.discovery, args.deployment, secret), args.instance)
+        drain(record, secret)
+    except (LookupError, RuntimeError, ConnectionError, AuthError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"draining {record.role} instance {record.name} ({record.model} at {record.grpc_url}): it takes no new "
+        "requests, lets those in flight finish (drain_timeout_s), moves the rest and leaves the membership"
+    )
     return 0
 
 
@@ -400,6 +434,14 @@ def main(argv=None) -> int:
 
     add_args(sp)
     sp.set_defaults(fn=run)
+    sp = sub.add_parser("drain", help="take one instance of a deployment out without failing a request")
+    sp.add_argument("instance", help="its name in the membership, or its Triton model name (e.g. decode_1)")
+    sp.add_argument("--discovery", required=True, metavar="etcd://HOST:PORT", help="the deployment's etcd")
+    sp.add_argument("--deployment", default="default")
+    sp.add_argument(
+        "--messenger-secret-file", default=None, help="the deployment secret (default: $TRITON_DISAGG_MESSENGER_SECRET)"
+    )
+    sp.set_defaults(fn=cmd_drain)
     sp = sub.add_parser("plan", help="recommend a deployment for an SLO from an engine profile and a simulation")
     _add_plan_args(sp)
     sp.set_defaults(fn=cmd_plan)

@@ -23,6 +23,7 @@ class ErrorKind(enum.StrEnum):
     BAD_REQUEST = "bad_request"  # the request itself is invalid
     OVERLOADED = "overloaded"  # queue or KV pool full: retry later
     OUT_OF_SERVICE = "out_of_service"  # the instance is down (e.g. lost a TP rank)
+    DRAINING = "draining"  # the instance takes no new requests; the ones it has go on
     PREFILL_UNAVAILABLE = "prefill_unavailable"  # no prefill instance reachable
     KV_TRANSFER_FAILED = "kv_transfer_failed"  # the prompt's KV did not arrive
     ENGINE = "engine"  # a model step failed

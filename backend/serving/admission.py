@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +47,7 @@ class Admission:
         self._ids = itertools.count()
         self._tag = uuid.uuid4().hex[:6]  # request ids stay unique across servers and restarts
         self._draining: str | None = None  # set once: why new requests are refused
+        self._drain_kind = ErrorKind.OUT_OF_SERVICE  # DRAINING while in-flight requests may finish
 
     def admit(self, get: Getter, sink: ResponseSink, external_id: str = "") -> None:
         """Start one request; every failure is answered through ``sink`` with its kind. A request
@@ -70,7 +72,7 @@ class Admission:
         prompt_ids = self._tokenize(req)
         with self._lock:
             if self._draining is not None:
-                raise RequestError(self._draining, ErrorKind.OUT_OF_SERVICE)
+                raise RequestError(self._draining, self._drain_kind)
             if len(self.sessions) >= self.max_in_flight:
                 raise RequestError(
                     f"{len(self.sessions)} requests in flight (max_queue_size {self.max_in_flight}); retry later",
@@ -161,11 +163,53 @@ class Admission:
     def close(self) -> None:
         self._compile_pool.shutdown(wait=False, cancel_futures=True)
 
+    @property
+    def draining(self) -> str | None:
+        """Why new requests are refused (None: they are not)."""
+        return self._draining
+
+    def drain_gracefully(self, reason: str, timeout_s: float) -> threading.Thread | None:
+        """Take this instance out without failing a request: refuse new requests with kind
+        ``draining`` (routers send them elsewhere), mark it draining in the membership, let the
+        requests in flight finish for up to ``timeout_s``, then end the rest as out of service
+        (routers move them, with the output already sent) and leave the membership. Runs on a
+        thread of its own (returned; None if a drain began already)."""
+        with self._lock:
+            if self._draining is not None:
+                return None
+            self._draining, self._drain_kind = reason, ErrorKind.DRAINING
+        self.worker.leave(final=False)
+        log.warning("%s: draining (%s): no new requests; %d in flight may finish", self.name, reason, self.active())
+
+        def finish() -> None:
+            deadline = time.monotonic() + timeout_s
+            while self.active() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            with self._lock:
+                sessions = list(self.sessions.values())
+            for session in sessions:
+                session.cancelled = True
+                self.worker.cancel(session.req_id)
+                session.fail(
+                    f"{reason}; not finished within drain_timeout_s ({timeout_s:g} s)", ErrorKind.OUT_OF_SERVICE
+                )
+            self.worker.leave(final=True)
+            log.warning(
+                "%s: drained (%s): %d request(s) ended unfinished; left the membership",
+                self.name,
+                reason,
+                len(sessions),
+            )
+
+        thread = threading.Thread(target=finish, name=f"{self.name}-drain", daemon=True)
+        thread.start()
+        return thread
+
     def drain(self, reason: str) -> int:
         """Refuse every new request with ``reason`` and end every one in flight with it (their
         work stops as for a client cancel, so their pages come back). Returns how many ended."""
         with self._lock:
-            self._draining = reason
+            self._draining, self._drain_kind = reason, ErrorKind.OUT_OF_SERVICE
             sessions = list(self.sessions.values())
         for session in sessions:
             session.cancelled = True

@@ -52,6 +52,12 @@ class AggregatedWorker:
     def cache_summary(self) -> CacheSummary:
         return self.engine.cache_summary()
 
+    def leave(self, final: bool) -> None:
+        """An aggregated instance has no membership record."""
+
+    def member_name(self) -> str | None:
+        return None
+
     def shutdown(self) -> None:
         self.loop.shutdown()
         self.engine.close()

@@ -38,7 +38,9 @@ class ServingConfig:
     role, ``kv_load_failure_policy``: when a remote prefill fails or its instance is lost during
     the transfer, ``recompute`` (once no late write can land in the request's pages) asks a
     prefill instance not tried yet for it, else computes the prompt here; ``fail`` ends the
-    request with ``kv_transfer_failed``."""
+    request with ``kv_transfer_failed``. ``drain_timeout_s``: a draining instance (``triton-disagg
+    drain``, or its server stopping) takes no new requests and lets the ones in flight finish
+    for this long; then it ends the rest as out of service, and routers move them elsewhere."""
 
     max_queue_size: int = 256
     speculative_k: int = 0
@@ -53,6 +55,7 @@ class ServingConfig:
     local_prefill_max_tokens: int = LOCAL_PREFILL_MAX_TOKENS
     local_prefill_queue_bound: int = 0
     kv_load_failure_policy: str = "recompute"
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.max_queue_size < 1:
@@ -63,7 +66,7 @@ class ServingConfig:
             raise ValueError(f"draft_method must be one of {list(DRAFT_METHODS)}, got {self.draft_method!r}")
         if self.max_waiting_for_pages < 0:
             raise ValueError(f"max_waiting_for_pages must be >= 0, got {self.max_waiting_for_pages}")
-        for name in ("page_wait_timeout_s", "max_grammar_compile_s"):
+        for name in ("page_wait_timeout_s", "max_grammar_compile_s", "drain_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("local_prefill_max_tokens", "local_prefill_queue_bound"):

@@ -26,6 +26,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -148,6 +149,9 @@ class _Request:
 class DecodeWorker:
     def __init__(self, config: InstanceConfig, name: str, model: str = ""):
         self.name = name
+        # its name to prefill instances (messenger peer, NIXL agent): unique across the servers of
+        # a deployment, where model instance names repeat
+        self.peer_name = f"{name}-{uuid.uuid4().hex[:8]}"
         self.config = config
         if not config.connector.discovery:
             config.connector.endpoints()  # refuses a decode model without prefill instances
@@ -155,7 +159,7 @@ class DecodeWorker:
         self.engine = start_engine(config)
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.dims().vocab_size
-        self.receiver = NixlKVReceiver(self.engine, config.connector, name)
+        self.receiver = NixlKVReceiver(self.engine, config.connector, self.peer_name)
         self.engine.set_kv_loader(self)
         self.loop = EngineLoop(self.engine, name=f"{name}-engine")
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
@@ -415,7 +419,7 @@ class DecodeWorker:
                 host,
                 int(port),
                 self.receiver,
-                self.name,
+                self.peer_name,
                 self._secret,
                 lambda e, m: self._events.put(FromPrefill(e, m)),
                 lambda e, r: self._events.put(PrefillLost(e, r, e.lost_generation)),
@@ -630,6 +634,17 @@ class DecodeWorker:
 
     def observations(self) -> dict[str, list[float]]:
         return self.receiver.observations()
+
+    def leave(self, final: bool) -> None:
+        if self.registration is None:
+            return
+        if final:
+            self.registration.close()
+        else:
+            self.registration.update(draining=True)
+
+    def member_name(self) -> str | None:
+        return self.registration.record.name if self.registration is not None else None
 
     def shutdown(self) -> None:
         if self.registration is not None:

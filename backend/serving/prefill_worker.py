@@ -320,6 +320,30 @@ class PrefillWorker:
         s.update(self.sender.stats())
         return s
 
+    def member_name(self) -> str | None:
+        return self.registration.record.name if self.registration is not None else None
+
+    def drain(self, timeout_s: float) -> threading.Thread | None:
+        """Mark this instance draining in the membership (decode instances send it nothing new),
+        let its prefills finish for up to ``timeout_s``, then leave the membership. Returns the
+        thread that waits (None: not registered)."""
+        registration = self.registration
+        if registration is None or registration.record.draining:
+            return None
+        registration.update(draining=True)
+        log.warning("prefill %s: draining: no new requests; %d in flight may finish", self.name, len(self.requests))
+
+        def finish() -> None:
+            deadline = time.monotonic() + timeout_s
+            while self.requests and time.monotonic() < deadline:
+                time.sleep(0.1)
+            registration.close()
+            log.warning("prefill %s: drained (%d request(s) left); left the membership", self.name, len(self.requests))
+
+        thread = threading.Thread(target=finish, name=f"{self.name}-drain", daemon=True)
+        thread.start()
+        return thread
+
     def shutdown(self) -> None:
         if self.registration is not None:
             self.registration.close()  # deregister first: decode instances stop sending here

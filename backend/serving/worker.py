@@ -35,6 +35,12 @@ class Worker(Protocol):
     def cache_summary(self) -> CacheSummary:
         """Its prefix cache and load, for the front's KV-aware routing."""
 
+    def leave(self, final: bool) -> None:
+        """Draining: tell the membership this instance takes nothing new (``final``: leave it)."""
+
+    def member_name(self) -> str | None:
+        """This instance's name in the deployment's membership (None: it is not registered)."""
+
     def shutdown(self) -> None: ...
 
 

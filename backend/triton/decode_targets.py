@@ -4,7 +4,8 @@ requests in flight on each.
 Every ``health_probe_interval_s`` each decode model gets a control request (``health_probe``)
 on its own thread; it answers with an empty final response while it can serve. A probe that
 errs (a dead stub answers "not healthy", a decode instance without a prefill connection or a
-lost tensor-parallel rank answers "out of service") or stays unanswered for
+lost tensor-parallel rank answers "out of service"; a draining one answers "draining": it gets
+no new requests, and its requests in flight go on) or stays unanswered for
 ``health_probe_timeout_s`` is a failure; once the model has answered a probe (before that,
 while the server starts, it is presumed serving), ``health_probe_failures`` in a row mark it
 DOWN: it gets no new requests, and the requests in flight on it fail at once with
@@ -27,7 +28,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from backend.engine.cache_summary import CacheSummary
+from backend.engine.outputs import ErrorKind
 from backend.serving.config import FrontConfig
+from backend.serving.errors import parse_error
 from backend.serving.kv_router import KVRouter
 from backend.serving.tensors import STATE_OUTPUT
 
@@ -40,6 +43,7 @@ class TargetState:
     up: bool = True  # presumed until it answers (Triton's readiness covers the start)
     seen_up: bool = False  # answered a probe once: from then on failures can take it down
     failures: int = 0  # consecutive failed probes
+    draining: bool = False  # answers its probes "draining": no new requests, its own ones go on
     reason: str = ""
     probing_since: float | None = None  # a probe is outstanding since
     inflight: set = field(default_factory=set)  # the front's requests forwarded to it
@@ -67,7 +71,7 @@ class DecodeTargets:
         """The UP model (not ``exclude``) the router prefers for the prompt ``token_ids`` (empty:
         by load alone); ``request_pages``: the pages it will hold there."""
         with self._lock:
-            up = [s.name for s in self.states.values() if s.up and s.name != exclude]
+            up = [s.name for s in self.states.values() if s.up and not s.draining and s.name != exclude]
             target = self.router.pick(request, token_ids, up, request_pages)
             if target is not None:
                 self.states[target].inflight.add(request)
@@ -131,6 +135,8 @@ class DecodeTargets:
             self.states[target].probing_since = None
         if error is None:
             self._succeeded(target)
+        elif parse_error(error)[0] is ErrorKind.DRAINING:
+            self._draining(target, error)
         else:
             self.mark_failed(target, error)
 
@@ -143,11 +149,20 @@ class DecodeTargets:
         except ValueError as e:
             log.warning("decode model %s: unreadable instance_state (%s); routing by load there", target, e)
 
+    def _draining(self, target: str, reason: str) -> None:
+        with self._lock:
+            state = self.states[target]
+            began = not state.draining
+            state.draining, state.up, state.seen_up, state.failures, state.reason = True, True, True, 0, reason
+        if began:
+            log.warning("decode model %s drains (%s); no new requests go there", target, reason)
+
     def _succeeded(self, target: str) -> None:
         with self._lock:
             state = self.states[target]
-            came_back = not state.up
+            came_back = not state.up or state.draining
             state.up, state.seen_up, state.failures, state.reason = True, True, 0, ""
+            state.draining = False
         if came_back:
             log.warning("decode model %s serves again; routing to it", target)
 

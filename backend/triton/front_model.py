@@ -149,10 +149,13 @@ class TritonPythonModel:
             self._move(fwd, attempt, target, f"stopped serving ({reason})", "instance_down")
 
     def _drain(self) -> None:
+        """The server stops: no new requests; those in flight go on until their decode models
+        end them (they drain too) or the front unloads."""
         self.draining = True
         self.targets.close()  # no more probes: the decode models drain too
-        for fwd in self.targets.all_inflight():
-            _send_error(self.pb, fwd.sender, ErrorKind.OUT_OF_SERVICE, DRAIN_MESSAGE)
+        log.warning(
+            "front model: the server stops; %d request(s) in flight may finish", len(self.targets.all_inflight())
+        )
 
     def _forward(self, fwd: "Forwarding", target: str, attempt: int, inputs: list) -> None:
         ended = self._forward_once(fwd, target, attempt, inputs)
@@ -194,7 +197,7 @@ class TritonPythonModel:
                     return None
                 if resp.has_error():
                     kind, message = parse_error(resp.error().message())
-                    if kind in (None, ErrorKind.OUT_OF_SERVICE):
+                    if kind in (None, ErrorKind.OUT_OF_SERVICE, ErrorKind.DRAINING):
                         return message  # Triton's answer for a dead stub, or ours: moved elsewhere
                     sender.send(pb.InferenceResponse(error=resp.error()), flags=final)
                     return None
@@ -235,8 +238,11 @@ class TritonPythonModel:
             return
 
     def finalize(self):
+        self.draining = True
         self.drain.close()
         self.targets.close()
+        for fwd in self.targets.all_inflight():
+            _send_error(self.pb, fwd.sender, ErrorKind.OUT_OF_SERVICE, DRAIN_MESSAGE)
         self.metrics.close()
 
 

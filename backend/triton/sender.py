@@ -53,6 +53,7 @@ def triton_error(pb_utils, kind: ErrorKind, message: str):
         ErrorKind.BAD_REQUEST: e.INVALID_ARG,
         ErrorKind.OVERLOADED: e.UNAVAILABLE,
         ErrorKind.OUT_OF_SERVICE: e.UNAVAILABLE,
+        ErrorKind.DRAINING: e.UNAVAILABLE,
         ErrorKind.PREFILL_UNAVAILABLE: e.UNAVAILABLE,
     }
     return e(format_error(kind, message), codes.get(kind, e.INTERNAL))

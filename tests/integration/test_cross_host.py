@@ -6,49 +6,14 @@ decode host's address; nothing lists the prefill instance's address by hand)."""
 
 from __future__ import annotations
 
-import subprocess
 import threading
 import time
-import uuid
 
 import pytest
 
 from backend.client import stream_generate
 from backend.disagg.auth import SECRET_ENV, new_secret
 from tests.conftest import PROMPTS, hf_greedy, metric_values, running_server, wait_pool_free
-
-
-def _ip(*args, check=True):
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
-
-
-@pytest.fixture(scope="module")
-def two_hosts():
-    """Yield (prefill_ip, prefill_netns, prefill_dev, decode_ip, decode_dev), or loopback when netns can't be made."""
-    tag = uuid.uuid4().hex[:6]
-    ns, dev_root, dev_ns = f"tdis-{tag}", f"tdr{tag}", f"tdn{tag}"
-    octet = int(tag[:2], 16) % 200 + 20
-    ip_ns, ip_root = f"10.{octet}.77.1", f"10.{octet}.77.2"
-    try:
-        _ip("netns", "add", ns)
-    except (OSError, subprocess.CalledProcessError) as e:
-        reason = getattr(e, "stderr", None) or str(e)
-        print(f"network namespaces unavailable ({reason.strip()}); running both servers on loopback")
-        yield ("127.0.0.1", None, None, "127.0.0.1", None)
-        return
-    try:
-        _ip("link", "add", dev_root, "type", "veth", "peer", "name", dev_ns)
-        _ip("link", "set", dev_ns, "netns", ns)
-        _ip("addr", "add", f"{ip_root}/24", "dev", dev_root)
-        _ip("link", "set", dev_root, "up")
-        _ip("netns", "exec", ns, "ip", "addr", "add", f"{ip_ns}/24", "dev", dev_ns)
-        _ip("netns", "exec", ns, "ip", "link", "set", dev_ns, "up")
-        _ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
-        print(f"prefill host: netns {ns} at {ip_ns} ({dev_ns}); decode host: root namespace at {ip_root} ({dev_root})")
-        yield (ip_ns, ns, dev_ns, ip_root, dev_root)
-    finally:
-        _ip("link", "del", dev_root, check=False)
-        _ip("netns", "del", ns, check=False)
 
 
 @pytest.fixture(scope="module")
