@@ -84,6 +84,12 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
         help="network device(s) the KV fabric (NIXL/UCX) may use, e.g. eth0 (UCX_NET_DEVICES); default: "
         "loopback when the messenger addresses are loopback, else UCX's choice",
     )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on Ctrl-C/SIGTERM: seconds the requests in flight may take to finish before they end",
+    )
     p.add_argument("--log-file", default=None)
     p.add_argument(
         "--openai-port",
@@ -205,10 +211,10 @@ def start_server(args):
     return server, frontend
 
 
-def stop_server(server, frontend) -> None:
+def stop_server(server, frontend, drain_timeout_s: float = 5.0) -> None:
     if frontend is not None:
         frontend.stop()
-    server.stop()
+    server.stop(drain_timeout_s=drain_timeout_s)
     if server.etcd is not None:
         server.etcd.stop()  # last: the instances deregister while they stop
 
@@ -237,8 +243,8 @@ def cmd_serve(args) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        print("stopping tritonserver ...", flush=True)
-        stop_server(server, frontend)
+        print("stopping tritonserver: draining (leaving the membership, finishing requests in flight) ...", flush=True)
+        stop_server(server, frontend, args.drain_timeout)
     return 0
 
 

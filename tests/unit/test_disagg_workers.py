@@ -467,3 +467,48 @@ def test_a_cut_messenger_connection_is_recomputed(tiny_dir, pair, fabric):
     wait_until(lambda: sink.ended)
     assert sink.failed is None and sink.tokens == reference(tiny_dir, [ids], 8)[0]
     pair.assert_idle()
+
+
+# ---------------------------------------------------------------- membership: prefill instances join and leave
+def _record(address: str, name: str, draining: bool = False):
+    from backend.cluster.records import InstanceRecord
+
+    return InstanceRecord("default", name, "prefill", "", "", address, "m", "l", 1, 0.0, draining)
+
+
+def test_prefill_instances_join_drain_and_leave(tiny_dir, fabric):
+    from backend.serving.decode_worker import PrefillsChanged
+
+    p = Pair(tiny_dir)
+    second = PrefillWorker(
+        InstanceConfig.from_parameters({"role": "prefill", "model_path": str(tiny_dir), **BASE}), "unit-prefill-2"
+    )
+    try:
+        first_address = p.decode.endpoints[0].address
+        joined = _record(f"127.0.0.1:{second.server.port}", "second")
+        p.decode._events.put(PrefillsChanged([joined], []))
+        wait_until(lambda: sum(e.connected for e in p.decode.endpoints) == 2, what="the second prefill to connect")
+        # the first drains: requests go to the second only; its record then leaves
+        p.decode._events.put(PrefillsChanged([_record(first_address, "first", draining=True)], []))
+        wait_until(lambda: all(e.address != first_address for e in p.decode.endpoints), what="the first to close")
+        sinks = p.run_all([prompt(30, 27), prompt(40, 28)], "after-drain", 6)
+        assert [s.failed for s in sinks] == [None, None]
+        assert p.decode.stats().prefill_endpoints_connected == 1 and not p.prefill.requests
+        # the second leaves while a transfer is in flight: no new requests go there, the one in
+        # flight is recomputed once its connection closes (the decode instance is now alone)
+        fabric.auto = False
+        _, sink = p.run(prompt(60, 29), "in-flight", 6)
+        wait_until(lambda: fabric.held, what="a write in flight")
+        p.decode._events.put(PrefillsChanged([], [joined]))
+        time.sleep(0.3)
+        assert p.decode.endpoints and "no prefill instance connected" in (p.decode.health() or "")
+        second.server.close()  # its process goes away
+        fabric.auto = True
+        fabric.complete()
+        wait_until(lambda: sink.ended)
+        assert sink.failed is None and sink.tokens == reference(tiny_dir, [prompt(60, 29)], 6)[0]
+        wait_until(lambda: not p.decode.endpoints, what="the retired endpoint to close once idle")
+        wait_until(lambda: pool_free(p.decode) and not p.decode.requests)
+    finally:
+        second.shutdown()
+        p.close()

@@ -1,0 +1,229 @@
+"""What a client sees when its decode instance dies, with request migration on and off.
+
+python -m perf.bench_migration [--rounds 6] [--seconds 180] [--kill-every 60]
+
+One server, 1 prefill + 2 decode instances behind the front model ``llm`` (cores split as in
+``perf/servers.py``). Two measurements, each side by side with migration on (``migration_limit``
+3, the default) and off (0), on fresh servers in one run:
+
+1. The gap: ``--rounds`` times, 4 greedy streams of 200 tokens start; once every stream has 40
+   tokens, ``decode_0``'s stub is killed (SIGKILL). For each stream that was on it, the gap is
+   the longest time between two tokens it received (the move: detection, re-routing, the KV of
+   prompt plus output, the first new token); the same streams' median inter-token time is the
+   baseline. With migration off those streams fail (counted). After each kill the supervisor
+   reloads the stub before the next round.
+2. Goodput under failures: 4 closed-loop clients send requests of 64 output tokens for
+   ``--seconds``; ``decode_0`` is killed every ``--kill-every`` seconds. Goodput: requests
+   finished without error per second (and their tokens per second); failures by kind.
+
+JSON to ``perf/results/migration.json``; the machine (CPU model, cores) is recorded with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from backend.client import stream_generate
+from perf import servers
+
+RESULTS = Path(__file__).parent / "results"
+PROMPTS = [
+    "Write a long story about a lighthouse keeper and the sea.",
+    "Explain how a steam engine works, step by step, in detail.",
+    "Describe the history of the printing press at length.",
+    "List many facts about the planets of the solar system, one per line.",
+]
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def start(migration_limit: int, log_dir: Path):
+    return servers.start(
+        "disagg",
+        decode_instances=2,
+        overrides={"kv_cache_tokens": "8192", "kv_quarantine_s": "3", "local_prefill_max_tokens": "0"},
+        per_model={"front": {"migration_limit": str(migration_limit), "health_probe_interval_s": "0.5"}},
+        log_dir=log_dir,
+    )
+
+
+def active(server, model: str) -> float:
+    return servers.metric_sum(server.metrics_url, "requests_active", model=model)
+
+
+def kill_decode_0(server) -> int:
+    pid = server.instance_pids()["decode_0_0_0"]
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def wait_back(server, old_pid: int, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pid = server.instance_pids().get("decode_0_0_0")
+        up = servers.metric_sum(server.metrics_url, "decode_target_up", target="decode_0")
+        if pid not in (None, old_pid) and up == 1.0:
+            return
+        time.sleep(0.5)
+    raise RuntimeError("decode_0 was not reloaded in time")
+
+
+def one_round(server, k: int) -> tuple[list, float, int, int]:
+    """4 streams; kill decode_0 once each has 40 tokens. (results, kill time, streams on the
+    victim, the victim's old pid)."""
+    counts = [0] * len(PROMPTS)
+    results: list = [None] * len(PROMPTS)
+
+    def run(i: int) -> None:
+        def on_text(_t: str) -> None:
+            counts[i] += 1
+
+        results[i] = stream_generate(
+            server.grpc_url, f"({k}) {PROMPTS[i]}", 200, ignore_eos=True, on_text=on_text, timeout_s=300
+        )
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    [t.start() for t in threads]
+    deadline = time.monotonic() + 120
+    while min(counts) < 40 or active(server, "decode_0") == 0:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"round {k}: streams did not reach 40 tokens on decode_0")
+        time.sleep(0.02)
+    on_victim = int(active(server, "decode_0"))
+    t_kill = time.perf_counter()
+    pid = kill_decode_0(server)
+    [t.join(300) for t in threads]
+    return results, t_kill, on_victim, pid
+
+
+def gap_rounds(server, rounds: int) -> dict:
+    gaps, baselines, failed, moved_streams = [], [], 0, 0
+    for k in range(rounds):
+        results, t_kill, on_victim, pid = one_round(server, k)
+        for r in results:
+            if r.error is not None:
+                failed += 1
+                continue
+            if not r.times or r.times[-1] < t_kill:
+                continue
+            steps = [b - a for a, b in zip(r.times, r.times[1:])]
+            longest = max(steps)
+            if longest > 5 * statistics.median(steps):  # this stream was interrupted: it moved
+                moved_streams += 1
+                gaps.append(longest)
+                baselines.append(statistics.median(steps))
+        print(
+            f"round {k}: {on_victim} stream(s) on decode_0 when killed; errors {[r.error for r in results if r.error]}"
+        )
+        wait_back(server, pid)
+    return {
+        "rounds": rounds,
+        "streams_moved": moved_streams,
+        "streams_failed": failed,
+        "gap_p50_s": percentile(gaps, 0.5),
+        "gap_p99_s": percentile(gaps, 0.99),
+        "gap_max_s": max(gaps) if gaps else float("nan"),
+        "inter_token_median_s": statistics.median(baselines) if baselines else float("nan"),
+    }
+
+
+def goodput(server, seconds: float, kill_every: float) -> dict:
+    results: list = []
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def client(c: int) -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            r = stream_generate(
+                server.grpc_url, f"Client {c}, request {n}: describe a city.", 64, ignore_eos=True, timeout_s=300
+            )
+            with lock:
+                results.append(r)
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(4)]
+    t0 = time.monotonic()
+    [t.start() for t in threads]
+    kills = 0
+    next_kill = t0 + kill_every
+    while time.monotonic() - t0 < seconds:
+        if time.monotonic() >= next_kill:
+            try:
+                kill_decode_0(server)
+                kills += 1
+            except KeyError:  # still reloading from the last kill
+                pass
+            next_kill += kill_every
+        time.sleep(0.2)
+    stop.set()
+    [t.join(300) for t in threads]
+    elapsed = time.monotonic() - t0
+    ok = [r for r in results if r.error is None]
+    kinds: dict[str, int] = {}
+    for r in results:
+        if r.error is not None:
+            kind = r.error.split("]", 1)[0].lstrip("[") if r.error.startswith("[") else "other"
+            kinds[kind] = kinds.get(kind, 0) + 1
+    return {
+        "seconds": round(elapsed, 1),
+        "kills": kills,
+        "requests": len(results),
+        "ok": len(ok),
+        "failed_by_kind": kinds,
+        "goodput_req_s": len(ok) / elapsed,
+        "goodput_tokens_s": sum(len(r.token_ids) for r in ok) / elapsed,
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--seconds", type=float, default=180)
+    p.add_argument("--kill-every", type=float, default=60)
+    p.add_argument("--log-dir", default="/tmp/triton-disagg-bench-migration")
+    args = p.parse_args(argv)
+    out: dict = {"machine": {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0))}, "args": vars(args)}
+    for label, limit in (("migration_on", 3), ("migration_off", 0)):
+        server = start(limit, Path(args.log_dir) / label)
+        try:
+            print(f"== {label}: gap rounds", flush=True)
+            out[label] = {"gap": gap_rounds(server, args.rounds)}
+            print(f"== {label}: goodput with decode_0 killed every {args.kill_every:g}s", flush=True)
+            out[label]["goodput"] = goodput(server, args.seconds, args.kill_every)
+        finally:
+            server.stop()
+        print(json.dumps(out[label], indent=1), flush=True)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "migration.json").write_text(json.dumps(out, indent=1))
+    on, off = out["migration_on"]["goodput"], out["migration_off"]["goodput"]
+    print(
+        f"goodput: on {on['goodput_req_s']:.3f} req/s ({on['ok']}/{on['requests']} ok), "
+        f"off {off['goodput_req_s']:.3f} req/s ({off['ok']}/{off['requests']} ok); "
+        f"ratio {on['goodput_req_s'] / max(off['goodput_req_s'], 1e-9):.2f}x"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
