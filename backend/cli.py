@@ -202,7 +202,21 @@ def start_server(args):
         from backend.launch.openai_frontend import OpenAIFrontend
 
         log_file = Path(args.log_file).with_suffix(".openai.log") if args.log_file else None
-        frontend = OpenAIFrontend(server.grpc_url, model_dir, host=args.host, port=args.openai_port, log_file=log_file)
+        # in a disaggregated deployment it routes across every decode instance of the membership
+        # (any server) and moves requests between them; aggregated: the one llm model
+        member = (
+            {
+                "discovery": discovery,
+                "deployment": args.deployment,
+                "messenger_secret_file": overrides.get("messenger_secret_file"),
+                "extra_env": {SECRET_ENV: os.environ.get(SECRET_ENV) or server.messenger_secret},
+            }
+            if args.mode in ("disagg", "decode")
+            else {}
+        )
+        frontend = OpenAIFrontend(
+            server.grpc_url, model_dir, host=args.host, port=args.openai_port, log_file=log_file, **member
+        )
         try:
             frontend.start()
         except Exception:
@@ -212,11 +226,13 @@ def start_server(args):
 
 
 def stop_server(server, frontend, drain_timeout_s: float = 5.0) -> None:
-    if frontend is not None:
-        frontend.stop()
-    server.stop(drain_timeout_s=drain_timeout_s)
-    if server.etcd is not None:
-        server.etcd.stop()  # last: the instances deregister while they stop
+    try:
+        if frontend is not None:
+            frontend.stop()
+        server.stop(drain_timeout_s=drain_timeout_s)
+    finally:
+        if server.etcd is not None:
+            server.etcd.stop()  # last: the instances deregister while they stop
 
 
 def cmd_prepare(args) -> int:
@@ -243,8 +259,17 @@ def cmd_serve(args) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        print("stopping tritonserver: draining (leaving the membership, finishing requests in flight) ...", flush=True)
-        stop_server(server, frontend, args.drain_timeout)
+        print(
+            "stopping tritonserver: draining (leaving the membership, finishing requests in flight; "
+            "interrupt again to stop at once) ...",
+            flush=True,
+        )
+        try:
+            stop_server(server, frontend, args.drain_timeout)
+        except KeyboardInterrupt:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            print("stopping now: the requests in flight end", flush=True)
+            stop_server(server, frontend, 0.0)
     return 0
 
 
@@ -295,8 +320,8 @@ def cmd_drain(args) -> int:
     from backend.disagg.auth import AuthError, load_secret
     from backend.launch.drain import drain, find, members
 
-    secret = load_secret(str(Path(args.messenger_secret_file).resolve()) if args.messenger_secret_file else "")
     try:
+        secret = load_secret(str(Path(args.messenger_secret_file).resolve()) if args.messenger_secret_file else "")
         record = find(members(args.discovery, args.deployment, secret), args.instance)
         drain(record, secret)
     except (LookupError, RuntimeError, ConnectionError, AuthError) as e:

@@ -20,7 +20,11 @@ log = logging.getLogger("triton_disagg.server")
 
 
 class OpenAIFrontend:
-    """The frontend process for the deployment at ``triton_url`` (gRPC)."""
+    """The frontend process for the deployment at ``triton_url`` (gRPC); with ``discovery``
+    (``etcd://HOST:PORT``) for the decode instances of ``deployment`` in that etcd instead, on
+    any number of servers (``messenger_secret_file`` or ``extra_env``'s
+    ``TRITON_DISAGG_MESSENGER_SECRET``: the deployment secret that signs their records;
+    ``migration_limit``: moves per request)."""
 
     def __init__(
         self,
@@ -32,12 +36,21 @@ class OpenAIFrontend:
         triton_model: str = "llm",
         served_model_name: str | None = None,
         log_file: str | Path | None = None,
+        discovery: str = "",
+        deployment: str = "",
+        messenger_secret_file: str | Path | None = None,
+        migration_limit: int | None = None,
+        extra_env: dict[str, str] | None = None,
     ):
         self.triton_url, self.tokenizer, self.host = triton_url, str(tokenizer), host
         self.port = port or free_port()
         self.triton_model = triton_model
         self.served_model_name = served_model_name or triton_model
         self.log_file = Path(log_file) if log_file else None
+        self.discovery, self.deployment = discovery, deployment
+        self.messenger_secret_file = str(messenger_secret_file) if messenger_secret_file else ""
+        self.migration_limit = migration_limit
+        self.extra_env = dict(extra_env or {})
         self.proc: subprocess.Popen | None = None
         self._log: IO[bytes] | None = None
 
@@ -74,8 +87,16 @@ class OpenAIFrontend:
             "--tokenizer",
             self.tokenizer,
         ]
+        for flag, value in (
+            ("--discovery", self.discovery),
+            ("--deployment", self.deployment),
+            ("--messenger-secret-file", self.messenger_secret_file),
+            ("--migration-limit", "" if self.migration_limit is None else str(self.migration_limit)),
+        ):
+            if value:
+                cmd += [flag, value]
         root = Path(__file__).resolve().parents[2]
-        env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        env = {**os.environ, **self.extra_env, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         self._log = open(self.log_file, "ab") if self.log_file else None  # noqa: SIM115
         stdout = self._log if self._log is not None else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, env=env, cwd=root)

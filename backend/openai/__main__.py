@@ -1,6 +1,10 @@
 """The OpenAI-compatible frontend as a server process: ``python -m backend.openai --triton-url
 HOST:PORT --port N`` (also ``triton-disagg openai``, and ``triton-disagg serve --openai-port N``
-next to Triton)."""
+next to Triton). With ``--discovery etcd://HOST:PORT`` it routes across the decode instances of
+the deployment's membership (on any number of Triton servers) and moves a request whose instance
+fails it to another (``--migration-limit``); the membership records are verified with the
+deployment secret (``--messenger-secret-file``, else the environment variable
+``TRITON_DISAGG_MESSENGER_SECRET``)."""
 
 from __future__ import annotations
 
@@ -16,6 +20,25 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: --triton-model)")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir for chat templates (default: the packaged model)")
     p.add_argument("--max-tokens-default", type=int, default=1024, help="output limit of a chat request without one")
+    p.add_argument(
+        "--discovery",
+        default="",
+        metavar="etcd://HOST:PORT",
+        help="route across the decode instances registered in this etcd (instead of one Triton model)",
+    )
+    p.add_argument("--deployment", default="default", help="the deployment's name in etcd (with --discovery)")
+    p.add_argument(
+        "--messenger-secret-file",
+        default="",
+        metavar="FILE",
+        help="the deployment secret that signs membership records (default: $TRITON_DISAGG_MESSENGER_SECRET)",
+    )
+    p.add_argument(
+        "--migration-limit",
+        type=int,
+        default=3,
+        help="how often a request may move to another decode instance when its own fails it (with --discovery)",
+    )
 
 
 def run(args) -> int:
@@ -23,6 +46,19 @@ def run(args) -> int:
 
     from backend.openai.app import FrontendConfig, build_app
 
+    log = logging.getLogger("triton_disagg.openai")
+    secret = b""
+    if args.discovery:
+        from backend.cluster.etcd import base_url
+        from backend.disagg.auth import AuthError, load_secret
+
+        try:
+            base_url(args.discovery)
+            secret = load_secret(args.messenger_secret_file)
+        except (ValueError, AuthError) as e:
+            raise SystemExit(f"--discovery: {e}") from None
+        if args.migration_limit < 0:
+            raise SystemExit(f"--migration-limit must be >= 0, got {args.migration_limit}")
     tokenizer = args.tokenizer
     if tokenizer is None:
         from build_scripts.prepare_model import ensure_model
@@ -34,10 +70,28 @@ def run(args) -> int:
         served_model_name=args.served_model_name or args.triton_model,
         tokenizer=tokenizer,
         max_tokens_default=args.max_tokens_default,
+        discovery=args.discovery,
+        deployment=args.deployment,
+        secret=secret,
+        migration_limit=args.migration_limit,
     )
-    logging.getLogger("triton_disagg.openai").info(
-        "OpenAI API on http://%s:%d/v1 -> Triton %s model %s", args.host, args.port, args.triton_url, args.triton_model
-    )
+    if args.discovery:
+        log.info(
+            "OpenAI API on http://%s:%d/v1 -> the decode instances of deployment %r in %s (migration limit %d)",
+            args.host,
+            args.port,
+            args.deployment,
+            args.discovery,
+            args.migration_limit,
+        )
+    else:
+        log.info(
+            "OpenAI API on http://%s:%d/v1 -> Triton %s model %s",
+            args.host,
+            args.port,
+            args.triton_url,
+            args.triton_model,
+        )
     uvicorn.run(build_app(config), host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
     return 0
 

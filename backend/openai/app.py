@@ -8,6 +8,12 @@ the HTTP response starts, so a request Triton refuses gets its proper status (40
 or not. A streamed answer is server-sent events ending in ``data: [DONE]``; an error after the
 first token arrives as one ``data: {"error": ...}`` event before ``[DONE]``. A client that
 disconnects cancels its Triton request.
+
+With ``discovery`` (an etcd URL) the frontend calls no ``llm`` model: :class:`DecodeFleet`
+(``fleet.py``) keeps the deployment's decode instances from the membership and probes them, and
+its :class:`Router` (``router.py``) picks one per request (KV-aware, from the prompt's tokens) and
+moves the request to another when its instance stops serving it. ``GET /metrics``: the router's
+counters (``metrics.py``).
 """
 
 from __future__ import annotations
@@ -19,13 +25,16 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from backend.engine.outputs import ErrorKind
+from backend.openai.fleet import DecodeFleet
+from backend.openai.metrics import CONTENT_TYPE, exposition
+from backend.openai.router import Router
 from backend.openai.schemas import (
     OPENAI_DEFAULT_TEMPERATURE,
     ChatCompletionRequest,
@@ -35,6 +44,7 @@ from backend.openai.schemas import (
     usage,
 )
 from backend.openai.triton_stream import Delta, GenerationError, GenerationParams, TritonStream
+from backend.serving.request import prompt_token_ids
 
 log = logging.getLogger("triton_disagg.openai")
 
@@ -43,6 +53,7 @@ _STATUS: dict[ErrorKind | None, tuple[int, str]] = {
     ErrorKind.BAD_REQUEST: (400, "invalid_request_error"),
     ErrorKind.OVERLOADED: (429, "rate_limit_error"),
     ErrorKind.OUT_OF_SERVICE: (503, "service_unavailable"),
+    ErrorKind.DRAINING: (503, "service_unavailable"),
     ErrorKind.PREFILL_UNAVAILABLE: (503, "service_unavailable"),
     ErrorKind.KV_TRANSFER_FAILED: (503, "service_unavailable"),
 }
@@ -54,13 +65,19 @@ class FrontendConfig:
     (``llm``: the aggregated model or the disaggregated front); ``served_model_name``: the id
     clients use (also accepted: the Triton model's name); ``tokenizer``: directory of the
     model's tokenizer (its chat template); ``max_tokens_default``: a chat request without a
-    limit gets this many tokens at most."""
+    limit gets this many tokens at most. ``discovery`` (``etcd://HOST:PORT``): route across the
+    decode instances of ``deployment`` instead (records verified with ``secret``), moving a
+    request at most ``migration_limit`` times."""
 
     triton_url: str
     triton_model: str = "llm"
     served_model_name: str = "llm"
     tokenizer: str | None = None
     max_tokens_default: int = 1024
+    discovery: str = ""
+    deployment: str = "default"
+    secret: bytes = field(default=b"", repr=False)
+    migration_limit: int = 3
 
 
 def _finish_reason(ours: str | None) -> str:
@@ -132,12 +149,20 @@ class _Answer:
 
 def build_app(config: FrontendConfig) -> FastAPI:
     state: dict = {}
+    fleet = None
+    if config.discovery:
+        router = Router(migration_limit=config.migration_limit)
+        fleet = DecodeFleet(config.discovery, config.deployment, config.secret, router)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         if config.tokenizer:
             tokenizer()  # loaded before the first chat request, not during it
+        if fleet is not None:
+            await fleet.start()
         yield
+        if fleet is not None:
+            await fleet.close()
         if "triton" in state:
             await state["triton"].close()
 
@@ -166,9 +191,18 @@ def build_app(config: FrontendConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if fleet is not None:
+            if fleet.router.serving():
+                return JSONResponse({"status": "ok"})
+            why = f"no decode instance of deployment {config.deployment!r} is serving ({fleet.router.down_reasons()})"
+            return _error(503, why, "service_unavailable")
         if await triton().ready(config.triton_model):
             return JSONResponse({"status": "ok"})
         return _error(503, f"model {config.triton_model!r} is not ready in Triton", "service_unavailable")
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(exposition(fleet.router if fleet is not None else None), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -197,7 +231,11 @@ def build_app(config: FrontendConfig) -> FastAPI:
     async def _run(
         request: Request, answer: _Answer, prompt: str, params: GenerationParams, stream: bool, include_usage: bool
     ):
-        deltas = triton().generate(config.triton_model, prompt, params)
+        if fleet is not None:
+            ids = prompt_token_ids(tokenizer(), prompt, False) if config.tokenizer else []  # as sent: text_input
+            deltas = fleet.generate(answer.id, prompt, params, ids)
+        else:
+            deltas = triton().generate(config.triton_model, prompt, params)
         try:
             first = await _first_or_disconnect(request, deltas)
         except GenerationError as exc:

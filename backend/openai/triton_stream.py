@@ -1,5 +1,7 @@
 """One generation against Triton over gRPC streaming (tritonclient's asyncio client): the
-request's tensors, and the responses as :class:`Delta` values. Closing the iterator before the
+request's tensors (with ``resume_token_ids`` when a request continues on another decode
+instance), and the responses as :class:`Delta` values; and a decode model's health probe
+(:meth:`TritonStream.instance_state`). Closing the iterator before the
 request finished (a client that went away) cancels the gRPC call, which Triton passes to the
 model as a cancellation, so the request's KV pages go back to the pool. A finished request's call
 is left to end by itself: cancelling a call whose final response Triton is still writing leaves
@@ -15,11 +17,12 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 import tritonclient.grpc.aio as grpcaio
-from tritonclient.grpc import InferInput
+from tritonclient.grpc import InferInput, InferRequestedOutput
 from tritonclient.utils import InferenceServerException
 
 from backend.engine.outputs import ErrorKind
 from backend.serving.errors import parse_error
+from backend.serving.tensors import PROBE_INPUT, STATE_OUTPUT
 
 
 @dataclass
@@ -40,6 +43,7 @@ class Delta:
     num_input_tokens: int
     num_output_tokens: int
     finish_reason: str | None  # set on the last response
+    token_ids: list[int] = field(default_factory=list)  # the output tokens of this response
 
 
 class GenerationError(Exception):
@@ -50,6 +54,11 @@ class GenerationError(Exception):
         self.kind, self.message = kind, message
 
 
+class StreamLost(GenerationError):
+    """The call broke (gRPC error: unreachable, connection lost) or ended before its final
+    response: nothing was said about the request itself, so it may continue elsewhere."""
+
+
 def _tensor(name: str, values, triton_type: str, np_type) -> InferInput:
     arr = np.array(values, dtype=np_type)
     t = InferInput(name, list(arr.shape), triton_type)
@@ -57,7 +66,7 @@ def _tensor(name: str, values, triton_type: str, np_type) -> InferInput:
     return t
 
 
-def build_inputs(prompt: str, params: GenerationParams) -> list[InferInput]:
+def build_inputs(prompt: str, params: GenerationParams, resume_token_ids: list[int] | None = None) -> list[InferInput]:
     ins = [
         _tensor("text_input", [prompt.encode("utf-8")], "BYTES", object),
         _tensor("max_tokens", [params.max_tokens], "INT32", np.int32),
@@ -76,7 +85,21 @@ def build_inputs(prompt: str, params: GenerationParams) -> list[InferInput]:
         ins.append(_tensor("stop_words", [w.encode("utf-8") for w in params.stop], "BYTES", object))
     if params.guided_json is not None:
         ins.append(_tensor("guided_json", [params.guided_json.encode("utf-8")], "BYTES", object))
+    if resume_token_ids:
+        ins.append(_tensor("resume_token_ids", resume_token_ids, "INT32", np.int32))
     return ins
+
+
+def _text(exc: grpc.RpcError | InferenceServerException) -> str:
+    if isinstance(exc, InferenceServerException):
+        return str(exc.message())
+    details = getattr(exc, "details", None)
+    return str(details() if callable(details) else exc)
+
+
+def _ints(result, name: str) -> list[int]:
+    arr = result.as_numpy(name)
+    return [] if arr is None else [int(v) for v in arr.reshape(-1)]
 
 
 def _scalar(result, name: str, default=None):
@@ -100,10 +123,15 @@ class TritonStream:
         except InferenceServerException:
             return False
 
-    async def generate(self, model: str, prompt: str, params: GenerationParams) -> AsyncGenerator[Delta, None]:
+    async def generate(
+        self, model: str, prompt: str, params: GenerationParams, resume_token_ids: list[int] | None = None
+    ) -> AsyncGenerator[Delta, None]:
         """Deltas until the one with a finish reason; :class:`GenerationError` for a refused or
-        failed request. Closing the iterator early cancels the request in Triton."""
-        request = {"model_name": model, "inputs": build_inputs(prompt, params), "request_id": uuid.uuid4().hex}
+        failed request (:class:`StreamLost` for a broken call). ``resume_token_ids``: the output
+        the client has already; the model continues after it. Closing the iterator early
+        cancels the request in Triton."""
+        inputs = build_inputs(prompt, params, resume_token_ids)
+        request = {"model_name": model, "inputs": inputs, "request_id": uuid.uuid4().hex}
 
         async def one_request():
             yield request
@@ -121,20 +149,64 @@ class TritonStream:
                     num_input_tokens=int(_scalar(result, "num_input_tokens", 0)),
                     num_output_tokens=int(_scalar(result, "num_output_tokens", 0)),
                     finish_reason=_scalar(result, "finish_reason", "") or None,
+                    token_ids=_ints(result, "output_token_ids"),
                 )
                 ended = delta.finish_reason is not None
                 yield delta
                 if ended:
                     return
             ended = True
-            raise GenerationError(ErrorKind.INTERNAL, "Triton closed the stream before the request finished")
+            raise StreamLost(ErrorKind.INTERNAL, f"Triton at {self.url} closed the stream before the request finished")
         except (grpc.RpcError, InferenceServerException) as exc:
             ended = True
-            message = exc.details() if isinstance(exc, grpc.RpcError) else exc.message()
-            raise GenerationError(ErrorKind.OUT_OF_SERVICE, f"Triton at {self.url} failed the call: {message}") from exc
+            raise StreamLost(ErrorKind.OUT_OF_SERVICE, f"Triton at {self.url} failed the call: {_text(exc)}") from exc
         finally:
             if not ended or not await _ended_by_server(call):
                 call.cancel()
+
+    async def instance_state(self, model: str, timeout_s: float) -> str | None:
+        """The health probe of decode model ``model``: its cache summary (JSON text; None if it
+        sent none) while it can serve. :class:`GenerationError` with its answer when it cannot,
+        :class:`StreamLost` when it cannot be reached or does not answer within ``timeout_s``.
+        The call is read to its end (not cancelled once answered: see the module doc)."""
+        probe = _tensor(PROBE_INPUT.name, [True], "BOOL", bool)
+        request = {
+            "model_name": model,
+            "inputs": [probe],
+            "outputs": [InferRequestedOutput(STATE_OUTPUT.name)],
+            "request_id": f"probe-{uuid.uuid4().hex}",
+        }
+
+        async def one_request():
+            yield request
+
+        call = self.client.stream_infer(one_request())
+        state: str | None = None
+        refusal: GenerationError | None = None
+
+        async def read() -> None:
+            nonlocal state, refusal
+            async for result, error in call:
+                if error is not None:
+                    refusal = GenerationError(*parse_error(error.message()))
+                else:
+                    state = _scalar(result, STATE_OUTPUT.name) or state
+
+        ended = False
+        try:
+            await asyncio.wait_for(read(), timeout_s)
+            ended = True
+        except TimeoutError:
+            raise StreamLost(ErrorKind.OUT_OF_SERVICE, f"no answer to the health probe within {timeout_s:g}s") from None
+        except (grpc.RpcError, InferenceServerException) as exc:
+            ended = True
+            raise StreamLost(ErrorKind.OUT_OF_SERVICE, f"Triton at {self.url} failed the probe: {_text(exc)}") from exc
+        finally:
+            if not ended:
+                call.cancel()
+        if refusal is not None:
+            raise refusal
+        return state
 
     async def close(self) -> None:
         await self.client.close()

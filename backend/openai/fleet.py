@@ -1,0 +1,130 @@
+"""The decode instances of a deployment as the frontend reaches them over the network (with
+``--discovery``): their signed records from etcd (a ``Membership(role="decode")``,
+``backend/cluster/``: a record that fails verification is logged and never routed to), one gRPC
+client per Triton server, a health probe of each instance every ``probe_interval_s`` (its
+answer carries the cache summary), all feeding a :class:`Router`, which picks and migrates.
+
+The membership's threads hand their changes to the event loop, where the router lives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+
+from backend.cluster.etcd import EtcdClient
+from backend.cluster.membership import Membership
+from backend.cluster.records import InstanceRecord
+from backend.engine.cache_summary import CacheSummary
+from backend.openai.router import Router, Target
+from backend.openai.triton_stream import Delta, GenerationError, GenerationParams, TritonStream
+
+log = logging.getLogger("triton_disagg.openai")
+
+
+def _check_record(record: InstanceRecord) -> str | None:
+    """None for a decode record the frontend can reach, else why not."""
+    host, sep, port = record.grpc_url.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return f"grpc_url {record.grpc_url!r} is not host:port"
+    if not record.model:
+        return "it names no Triton model"
+    return None
+
+
+class DecodeFleet:
+    """``start()`` / ``close()`` on the event loop; ``generate()`` one request (routed and, when
+    its instance fails it, moved by ``router``)."""
+
+    def __init__(
+        self,
+        discovery: str,
+        deployment: str,
+        secret: bytes,
+        router: Router,
+        probe_interval_s: float = 1.0,
+        probe_timeout_s: float = 5.0,
+    ):
+        self.discovery, self.deployment = discovery, deployment
+        self.router = router
+        self.probe_interval_s, self.probe_timeout_s = probe_interval_s, probe_timeout_s
+        self._secret = secret
+        self._clients: dict[str, TritonStream] = {}
+        self._probing: dict[str, asyncio.Task] = {}
+        self._membership: Membership | None = None
+        self._loop_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def changed(joined: list[InstanceRecord], left: list[InstanceRecord]) -> None:  # membership threads
+            with contextlib.suppress(RuntimeError):  # the loop closed: shutting down
+                loop.call_soon_threadsafe(self._changed, joined, left)
+
+        self._membership = Membership(
+            EtcdClient(self.discovery),
+            self.deployment,
+            self._secret,
+            role="decode",
+            accept=_check_record,
+            on_change=changed,
+        )
+        self._loop_task = asyncio.create_task(self._probe_loop())
+        log.info("routing across the decode instances of deployment %r in %s", self.deployment, self.discovery)
+
+    def _changed(self, joined: list[InstanceRecord], left: list[InstanceRecord]) -> None:
+        self.router.update(joined, left)
+        self._probe_all()  # a member that joined is probed now, not a second later
+
+    async def _probe_loop(self) -> None:
+        while True:
+            self._probe_all()
+            await asyncio.sleep(self.probe_interval_s)
+
+    def _probe_all(self) -> None:
+        for target in self.router.targets():
+            if target.name not in self._probing:
+                self._probing[target.name] = asyncio.create_task(self._probe(target))
+
+    async def _probe(self, target: Target) -> None:
+        summary, error = None, None
+        try:
+            state = await self._client(target.grpc_url).instance_state(target.model, self.probe_timeout_s)
+            if state:
+                summary = CacheSummary.from_json(json.loads(state))
+        except GenerationError as e:
+            error = e.message
+        except ValueError as e:  # it answered, so it serves; routed by load there
+            log.warning("decode instance %s: unreadable instance_state (%s)", target.name, e)
+        finally:
+            self._probing.pop(target.name, None)
+        self.router.probed(target.name, summary, error)
+
+    def _client(self, url: str) -> TritonStream:
+        if url not in self._clients:
+            self._clients[url] = TritonStream(url)
+        return self._clients[url]
+
+    def generate(
+        self, request_id: str, prompt: str, params: GenerationParams, token_ids: list[int]
+    ) -> AsyncGenerator[Delta, None]:
+        """The request's deltas; ``token_ids``: its prompt tokenized as the decode models do."""
+
+        def open_stream(target: Target, resume: list[int]) -> AsyncIterator[Delta]:
+            return self._client(target.grpc_url).generate(target.model, prompt, params, resume)
+
+        return self.router.generate(request_id, token_ids, params.max_tokens, open_stream)
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        for task in list(self._probing.values()):
+            task.cancel()
+        if self._membership is not None:
+            await asyncio.to_thread(self._membership.close)
+        for client in self._clients.values():
+            with contextlib.suppress(Exception):
+                await client.close()

@@ -1,0 +1,265 @@
+"""The OpenAI frontend routing across two Triton servers from the deployment's membership, and
+moving requests (real etcd, real tritonservers, real NIXL, the real model):
+
+server A: 1 prefill + 1 decode instance (mode disagg); server B: 1 decode instance (mode decode,
+its prefill instance found in the membership: A's); both sign their records with one secret, and
+the frontend (``--discovery``) knows them only from etcd.
+
+- 6 concurrent completions reach both servers' decode instances and equal transformers' greedy
+  output;
+- a record written into etcd with the wrong signature (pointing at a real decode model) is never
+  routed to, and the frontend logs it;
+- kill -9 of a decode instance serving some of 4 long greedy streams after about 30 tokens: every
+  stream completes, each equal to transformers' output (no token repeated or lost), and the
+  frontend's ``triton_disagg_migrations_total`` counts the moves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import requests
+
+from backend.cluster.etcd import EtcdClient
+from backend.cluster.records import InstanceRecord, encode, key_of, prefix_of
+from backend.disagg.auth import SECRET_ENV, new_secret
+from backend.launch.openai_frontend import OpenAIFrontend
+from backend.launch.server import TritonServer
+from backend.serving.request import prompt_token_ids
+from tests.conftest import PROMPTS, REMOTE_PREFILL, hf_greedy, metric_values, private_etcd, read_metrics
+
+pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+
+MODEL = "smollm2"
+OVERRIDES = {
+    **REMOTE_PREFILL,
+    "kv_cache_tokens": "8192",
+    "num_threads": "1",
+    "max_num_batched_tokens": "256",
+    "kv_transfer_timeout_s": "15",
+    "kv_quarantine_s": "3",
+}
+
+
+@dataclasses.dataclass
+class Cluster:
+    a: TritonServer
+    b: TritonServer
+    frontend: OpenAIFrontend
+    etcd_url: str
+
+    @property
+    def metrics(self) -> str:
+        return f"{self.frontend.url}/metrics"
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.frontend.url}/v1", api_key="none", max_retries=0, timeout=300)
+
+    def targets_up(self) -> dict[str, float]:
+        """target name -> 1 while the frontend routes to it (from its /metrics)."""
+        return {
+            dict(labels)["target"]: value
+            for (name, labels), value in read_metrics(self.metrics).items()
+            if name == "triton_disagg_decode_target_up"
+        }
+
+    def migrations(self) -> float:
+        return sum(metric_values(self.metrics, "triton_disagg_migrations_total"))
+
+
+def _start_all(servers: list[TritonServer], timeout_s: float) -> None:
+    """Start the servers side by side (each loads its models meanwhile); raise the first failure."""
+    errors: list[BaseException] = []
+
+    def start(server: TritonServer) -> None:
+        try:
+            server.start(timeout_s=timeout_s)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    if errors:
+        raise errors[0]
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory):
+    from backend.launch.deployment import render_deployment
+
+    tmp = tmp_path_factory.mktemp("openai-router")
+    secret = {SECRET_ENV: new_secret()}  # two servers and the frontend: one deployment secret
+    with private_etcd(tmp) as etcd, contextlib.ExitStack() as stack:
+        common = dict(model_path=str(model_dir), overrides=OVERRIDES, discovery=etcd.url, decode_instances=1)
+        repo_a = render_deployment(tmp / "a", mode="disagg", prefill_instances=1, **common)
+        repo_b = render_deployment(tmp / "b", mode="decode", **common)
+        a = TritonServer(repo_a, log_file=tmp / "a.log", extra_env=secret)
+        b = TritonServer(repo_b, log_file=tmp / "b.log", extra_env=secret)
+        stack.callback(lambda: print(f"tritonserver logs: {tmp / 'a.log'}, {tmp / 'b.log'}"))
+        stack.callback(a.stop)
+        stack.callback(b.stop)  # stopped first: it uses A's prefill instance
+        _start_all([a, b], timeout_s=400)
+        frontend = OpenAIFrontend(
+            a.grpc_url,  # not used with discovery
+            model_dir,
+            served_model_name=MODEL,
+            discovery=etcd.url,
+            extra_env=secret,
+            log_file=tmp / "openai.log",
+        )
+        frontend.start()
+        stack.callback(frontend.stop)
+        found = Cluster(a, b, frontend, etcd.url)
+        deadline = time.monotonic() + 60
+        while sorted(found.targets_up().values()) != [1.0, 1.0]:
+            assert time.monotonic() < deadline, (
+                f"the frontend does not route to both decode instances: {found.targets_up()}"
+            )
+            time.sleep(0.3)
+        yield found
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
+
+
+def requests_total(server: TritonServer) -> float:
+    return sum(metric_values(server.metrics_url, "triton_disagg_requests_total", model="decode_0"))
+
+
+def active(server: TritonServer) -> float:
+    return sum(metric_values(server.metrics_url, "triton_disagg_requests_active", model="decode_0"))
+
+
+def test_completions_spread_over_both_servers(cluster, tokenizer, hf_model):
+    client = cluster.client()
+    before = requests_total(cluster.a), requests_total(cluster.b)
+    prompts = PROMPTS[:6]
+
+    def complete(prompt: str) -> str:
+        out = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert out.usage is not None and out.usage.completion_tokens == 16
+        return out.choices[0].text
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        texts = list(pool.map(complete, prompts))
+    for prompt, text in zip(prompts, texts):
+        want = hf_greedy(hf_model, prompt_token_ids(tokenizer, prompt, False), 16)
+        assert text == tokenizer.decode(want, skip_special_tokens=True), prompt
+    deadline = time.monotonic() + 5  # the servers' metrics refresh
+    while True:
+        served = requests_total(cluster.a) - before[0], requests_total(cluster.b) - before[1]
+        if min(served) > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    print(f"decode requests: server A {served[0]:.0f}, server B {served[1]:.0f}")
+    assert min(served) > 0 and sum(served) == len(prompts), served
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_a_record_with_the_wrong_signature_is_never_routed_to(cluster):
+    genuine = set(cluster.targets_up())
+    etcd = EtcdClient(cluster.etcd_url)
+    forged = InstanceRecord(
+        deployment="default",
+        name="forged-decode",
+        role="decode",
+        grpc_url=cluster.b.grpc_url,  # a real decode model: were the record taken, it would be used
+        model="decode_0",
+        messenger="",
+        model_identity="x",
+        kv_layout="y",
+        tp_size=1,
+        started_at=time.time(),
+    )
+    key = key_of(forged)
+    etcd.put(key, encode(forged, new_secret()))
+    etcd.put(prefix_of("default", "decode") + "garbage", b"{not a record")
+    try:
+        time.sleep(2.5)  # the watch delivers at once; a probe round is 1 s
+        client = cluster.client()
+
+        def complete(prompt: str) -> int:
+            out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body={"ignore_eos": True})
+            return out.usage.completion_tokens if out.usage else 0
+
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(complete, PROMPTS[:4])) == [4] * 4
+        assert set(cluster.targets_up()) == genuine
+        routed = {
+            dict(labels)["target"]
+            for (name, labels), _ in read_metrics(cluster.metrics).items()
+            if name == "triton_disagg_requests_routed_total"
+        }
+        assert routed == genuine
+        assert cluster.frontend.proc is not None and cluster.frontend.proc.poll() is None
+        assert requests.get(f"{cluster.frontend.url}/health", timeout=5).status_code == 200
+    finally:
+        etcd.delete(key)
+        etcd.delete(prefix_of("default", "decode") + "garbage")
+    log = cluster.frontend.log_file.read_text() if cluster.frontend.log_file else ""
+    assert f"ignoring the record at {key}" in log and "wrong signature" in log
+
+
+N_TOKENS = 140
+
+
+def test_streams_move_when_their_decode_instance_is_killed(cluster, tokenizer, hf_model):
+    prompts = PROMPTS[:4]
+    client = cluster.client()
+    received = [0] * len(prompts)
+    texts = [""] * len(prompts)
+    errors: list = [None] * len(prompts)
+    before = cluster.migrations()
+
+    def stream(i: int) -> None:
+        try:
+            chunks = client.completions.create(
+                model=MODEL,
+                prompt=prompts[i],
+                max_tokens=N_TOKENS,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            for chunk in chunks:
+                if chunk.choices and chunk.choices[0].text:
+                    texts[i] += chunk.choices[0].text
+                    received[i] += 1
+        except Exception as e:  # noqa: BLE001 - asserted below
+            errors[i] = e
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+    [t.start() for t in threads]
+    deadline = time.monotonic() + 120
+    while min(received) < 30 or not (active(cluster.a) or active(cluster.b)):
+        assert time.monotonic() < deadline, (received, active(cluster.a), active(cluster.b))
+        time.sleep(0.05)
+    victim, name = (cluster.a, "A") if active(cluster.a) >= active(cluster.b) else (cluster.b, "B")
+    on_victim = active(victim)
+    os.kill(victim.instance_pids()["decode_0_0_0"], signal.SIGKILL)
+    at_kill = list(received)
+    [t.join(300) for t in threads]
+    assert errors == [None] * len(prompts)
+    for prompt, text in zip(prompts, texts):
+        want = hf_greedy(hf_model, prompt_token_ids(tokenizer, prompt, False), N_TOKENS)
+        assert text == tokenizer.decode(want, skip_special_tokens=True), prompt
+    moved = cluster.migrations() - before
+    print(
+        f"killed server {name}'s decode instance with {on_victim:.0f} stream(s) on it at {at_kill}; {moved:.0f} moved"
+    )
+    assert moved >= on_victim >= 1
