@@ -13,10 +13,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import socket
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from backend.cluster.etcd import EtcdClient
-from backend.cluster.membership import Membership
+from backend.cluster.membership import Membership, Registration
 from backend.cluster.records import InstanceRecord
 from backend.engine.cache_summary import CacheSummary
 from backend.openai.router import Router, Target
@@ -55,6 +58,7 @@ class DecodeFleet:
         self._clients: dict[str, TritonStream] = {}
         self._probing: dict[str, asyncio.Task] = {}
         self._membership: Membership | None = None
+        self._registration: Registration | None = None
         self._loop_task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -72,6 +76,20 @@ class DecodeFleet:
             accept=_check_record,
             on_change=changed,
         )
+        # routers are members too (role "router"): what an operator or an autoscaler can list
+        record = InstanceRecord(
+            deployment=self.deployment,
+            name=f"{socket.gethostname()}-openai-{os.getpid()}",
+            role="router",
+            grpc_url="",
+            model="openai",
+            messenger="",
+            model_identity="",
+            kv_layout="",
+            tp_size=1,
+            started_at=time.time(),
+        )
+        self._registration = Registration(EtcdClient(self.discovery), record, self._secret).start()
         self._loop_task = asyncio.create_task(self._probe_loop())
         log.info("routing across the decode instances of deployment %r in %s", self.deployment, self.discovery)
 
@@ -123,6 +141,8 @@ class DecodeFleet:
             self._loop_task.cancel()
         for task in list(self._probing.values()):
             task.cancel()
+        if self._registration is not None:
+            await asyncio.to_thread(self._registration.close)
         if self._membership is not None:
             await asyncio.to_thread(self._membership.close)
         for client in self._clients.values():

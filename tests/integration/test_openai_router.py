@@ -29,7 +29,7 @@ import pytest
 import requests
 
 from backend.cluster.etcd import EtcdClient
-from backend.cluster.records import InstanceRecord, encode, key_of, prefix_of
+from backend.cluster.records import InstanceRecord, decode, encode, key_of, prefix_of
 from backend.disagg.auth import SECRET_ENV, new_secret
 from backend.launch.openai_frontend import OpenAIFrontend
 from backend.launch.server import TritonServer
@@ -55,6 +55,7 @@ class Cluster:
     b: TritonServer
     frontend: OpenAIFrontend
     etcd_url: str
+    secret: str
 
     @property
     def metrics(self) -> str:
@@ -118,7 +119,7 @@ def cluster(model_dir, tmp_path_factory):
         )
         frontend.start()
         stack.callback(frontend.stop)
-        found = Cluster(a, b, frontend, etcd.url)
+        found = Cluster(a, b, frontend, etcd.url, secret[SECRET_ENV])
         deadline = time.monotonic() + 60
         while sorted(found.targets_up().values()) != [1.0, 1.0]:
             assert time.monotonic() < deadline, (
@@ -169,6 +170,9 @@ def test_completions_spread_over_both_servers(cluster, tokenizer, hf_model):
     print(f"decode requests: server A {served[0]:.0f}, server B {served[1]:.0f}")
     assert min(served) > 0 and sum(served) == len(prompts), served
     assert [m.id for m in client.models.list().data] == [MODEL]
+    # the frontend is a member too (role "router"), signed like the instances
+    _, routers = EtcdClient(cluster.etcd_url).get_prefix(prefix_of("default", "router"))
+    assert len(routers) == 1 and decode(next(iter(routers.values())), cluster.secret).model == "openai"
 
 
 def test_a_record_with_the_wrong_signature_is_never_routed_to(cluster):
