@@ -22,7 +22,7 @@ from backend.disagg.auth import SECRET_ENV
 from backend.launch.ports import free_port
 from backend.launch.triton_install import install_stub
 from backend.serving.discovery import GRPC_URL_ENV
-from backend.triton.lifecycle import drain_file
+from backend.triton.lifecycle import drain_file, drain_now_file
 
 if TYPE_CHECKING:
     from backend.launch.etcd_server import EtcdServer
@@ -121,6 +121,7 @@ class TritonServer:
         env.setdefault(GRPC_URL_ENV, self.grpc_url)  # what the instances register for routers
         self.messenger_secret = env[SECRET_ENV]
         drain_file(self.repo).unlink(missing_ok=True)  # left by a stop that was cut short
+        drain_now_file(self.repo).unlink(missing_ok=True)
         out = open(self.log_file, "ab") if self.log_file else None
         log.info(
             "starting tritonserver: repository %s, http %s, grpc %s, metrics %s",
@@ -188,6 +189,7 @@ class TritonServer:
             except (subprocess.TimeoutExpired, ProcessLookupError):
                 pass
             drain_file(self.repo).unlink(missing_ok=True)
+            drain_now_file(self.repo).unlink(missing_ok=True)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -196,16 +198,26 @@ class TritonServer:
         self.proc = None
 
     def drain(self, timeout_s: float) -> None:
-        """Ask every model to end its requests; wait until none is active (or ``timeout_s``)."""
+        """Drain every model (they leave the membership, take nothing new and let their requests
+        finish); after ``timeout_s`` tell them to end what is still in flight (with the drain
+        message, before Triton closes its endpoints)."""
         drain_file(self.repo).touch()
+        if self._wait_idle(timeout_s):
+            return
+        log.warning("drain: requests still active after %.0fs; ending them", timeout_s)
+        drain_now_file(self.repo).touch()
+        if not self._wait_idle(5.0):
+            log.warning("drain: requests still active; stopping anyway")
+
+    def _wait_idle(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            active = self.requests_active()
-            if active == 0:
+        while True:
+            if self.requests_active() == 0:
                 time.sleep(0.5)  # the models let go of their last responses
-                return
+                return True
+            if time.monotonic() >= deadline:
+                return False
             time.sleep(0.2)
-        log.warning("drain: requests still active after %.0fs; stopping anyway", timeout_s)
 
     def requests_active(self) -> float | None:
         """Sum of ``triton_disagg_requests_active`` over the models (None: metrics unreadable)."""

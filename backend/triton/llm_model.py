@@ -57,7 +57,9 @@ class TritonPythonModel:
         self.drain_timeout_s = config.serving.drain_timeout_s
         self.secret = auth.load_secret(config.connector.messenger_secret_file) if config.role == "decode" else None
         self.drain = DrainWatch(
-            args["model_repository"], lambda: self.admission.drain_gracefully(DRAIN_MESSAGE, self.drain_timeout_s)
+            args["model_repository"],
+            lambda: self.admission.drain_gracefully(DRAIN_MESSAGE, self.drain_timeout_s),
+            on_drain_now=lambda: self.admission.drain(DRAIN_MESSAGE),
         )
         log.info(
             "instance %s ready: role %s, model %s, %s",

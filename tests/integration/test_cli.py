@@ -1,5 +1,6 @@
-"""The console command as a user runs it: serve, generate against it, Ctrl-C stops everything,
-cleanly and at once even with streams in flight (they end with "the server is shutting down")."""
+"""The console command as a user runs it: serve, generate against it, Ctrl-C stops everything
+cleanly: a first Ctrl-C drains (the requests in flight may finish), a second one stops at once
+even with streams in flight (they end with "the server is shutting down")."""
 
 from __future__ import annotations
 
@@ -71,7 +72,10 @@ def test_serve_generate_and_ctrl_c(tmp_path):
         [t.start() for t in threads]
         time.sleep(3)  # both streaming
         t_stop = time.monotonic()
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: a drain begins
+        time.sleep(1.5)
+        assert proc.poll() is None and all(s is None for s in streams), "the drain let the streams go on"
+        os.killpg(proc.pid, signal.SIGINT)  # a second Ctrl-C: stop now
         assert proc.wait(60) == 0
         stop_s = time.monotonic() - t_stop
         [t.join(30) for t in threads]
