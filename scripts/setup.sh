@@ -44,11 +44,11 @@ if ! command -v etcd >/dev/null 2>&1; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
     echo "[setup] installing etcd (apt-get install etcd-server)"
     if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null; }; then
-      echo "[setup] WARNING: could not install etcd-server; the tests that need etcd will skip"
+      echo "[setup] WARNING: could not install etcd-server; the tests that need etcd will fail"
     fi
   else
     echo "[setup] etcd is not installed and this is not root (or there is no apt-get): install Debian's" \
-      "etcd-server (or any etcd 3.4+) as root for cluster membership; the tests that need etcd will skip"
+      "etcd-server (or any etcd 3.4+) as root for cluster membership; the tests that need etcd will fail"
   fi
 fi
 # The Python-backend stub must sit in the backend folder (pytriton copies it the same way).

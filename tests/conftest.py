@@ -79,15 +79,26 @@ def running_server(repo, log_file, timeout_s: float = 400, **kw):
 REMOTE_PREFILL = {"local_prefill_max_tokens": "0"}
 
 
-@contextlib.contextmanager
-def private_etcd(tmp: Path):
-    """A real etcd for one deployment's membership, stopped however the block ends."""
+def etcd_server(tmp: Path, host: str = "127.0.0.1"):
+    """A real etcd (not started) for one deployment's membership. etcd is part of the setup
+    (``scripts/setup.sh`` installs Debian's etcd-server), so its absence fails the test."""
     from backend.launch.etcd_server import EtcdServer, etcd_binary
 
-    if etcd_binary() is None:
-        pytest.skip("etcd is not installed (scripts/setup.sh installs Debian's etcd-server as root)")
-    with EtcdServer(data_dir=tmp / "etcd", log_file=tmp / "etcd.log") as etcd:
+    assert etcd_binary() is not None, "etcd is not installed: run scripts/setup.sh as root (Debian's etcd-server)"
+    return EtcdServer(host=host, data_dir=tmp / "etcd", log_file=tmp / "etcd.log")
+
+
+@contextlib.contextmanager
+def private_etcd(tmp: Path):
+    """A started etcd (:func:`etcd_server`), stopped however the block ends."""
+    with etcd_server(tmp) as etcd:
         yield etcd
+
+
+def fabric_env(secret: dict, device: str | None) -> dict:
+    """The environment of a server whose KV fabric runs over UCX TCP on ``device`` (None:
+    UCX's choice), with the deployment secret."""
+    return {"UCX_TLS": "tcp", **secret} | ({"UCX_NET_DEVICES": device} if device else {})
 
 
 @contextlib.contextmanager

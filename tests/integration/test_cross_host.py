@@ -13,16 +13,13 @@ import pytest
 
 from backend.client import stream_generate
 from backend.disagg.auth import SECRET_ENV, new_secret
-from tests.conftest import PROMPTS, hf_greedy, metric_values, running_server, wait_pool_free
+from tests.conftest import PROMPTS, etcd_server, fabric_env, hf_greedy, metric_values, running_server, wait_pool_free
 
 
 @pytest.fixture(scope="module")
 def split_servers(two_hosts, model_dir, tmp_path_factory):
     from backend.launch.deployment import render_deployment
-    from backend.launch.etcd_server import EtcdServer, etcd_binary
 
-    if etcd_binary() is None:
-        pytest.skip("etcd is not installed (scripts/setup.sh installs Debian's etcd-server as root)")
     ip_ns, ns, dev_ns, ip_root, dev_root = two_hosts
     tmp = tmp_path_factory.mktemp("xhost")
     common = {
@@ -32,7 +29,7 @@ def split_servers(two_hosts, model_dir, tmp_path_factory):
         "kv_transfer_timeout_s": "20",
         "local_prefill_max_tokens": "0",  # every prefill crosses the namespaces
     }
-    etcd = EtcdServer(host=ip_root, data_dir=tmp / "etcd", log_file=tmp / "etcd.log")
+    etcd = etcd_server(tmp, host=ip_root)
     prefill_repo = render_deployment(
         tmp / "prefill",
         mode="prefill",
@@ -50,8 +47,7 @@ def split_servers(two_hosts, model_dir, tmp_path_factory):
         discovery=etcd.url,
     )
     secret = {SECRET_ENV: new_secret()}  # two servers: one deployment secret
-    env_p = {"UCX_TLS": "tcp", **secret} | ({"UCX_NET_DEVICES": dev_ns} if dev_ns else {})
-    env_d = {"UCX_TLS": "tcp", **secret} | ({"UCX_NET_DEVICES": dev_root} if dev_root else {})
+    env_p, env_d = fabric_env(secret, dev_ns), fabric_env(secret, dev_root)
     with (
         etcd,
         running_server(prefill_repo, tmp / "prefill.log", host=ip_ns, netns=ns, extra_env=env_p) as prefill,

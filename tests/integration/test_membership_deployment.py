@@ -19,7 +19,7 @@ import pytest
 
 from backend.client import stream_generate
 from backend.disagg.auth import SECRET_ENV, new_secret
-from tests.conftest import metric_values, running_server, wait_pool_free
+from tests.conftest import etcd_server, fabric_env, metric_values, running_server, wait_pool_free
 
 pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
 
@@ -67,13 +67,10 @@ def errors(results: list) -> list:
 def deployment(two_hosts, model_dir, tmp_path_factory):
     """etcd and server A (prefill_0, decode_0, front) on the root namespace's address."""
     from backend.launch.deployment import render_deployment
-    from backend.launch.etcd_server import EtcdServer, etcd_binary
 
-    if etcd_binary() is None:
-        pytest.skip("etcd is not installed (scripts/setup.sh installs Debian's etcd-server as root)")
     ip_ns, ns, dev_ns, ip_root, dev_root = two_hosts
     tmp = tmp_path_factory.mktemp("membership")
-    etcd = EtcdServer(host=ip_root, data_dir=tmp / "etcd", log_file=tmp / "etcd.log")
+    etcd = etcd_server(tmp, host=ip_root)
     repo = render_deployment(
         tmp / "a",
         mode="disagg",
@@ -83,7 +80,7 @@ def deployment(two_hosts, model_dir, tmp_path_factory):
         discovery=etcd.url,
     )
     secret = {SECRET_ENV: new_secret()}
-    env = {"UCX_TLS": "tcp", **secret} | ({"UCX_NET_DEVICES": dev_root} if dev_root else {})
+    env = fabric_env(secret, dev_root)
     with etcd, running_server(repo, tmp / "a.log", extra_env=env) as server:
         yield {"etcd": etcd, "a": server, "tmp": tmp, "secret": secret, "hosts": two_hosts, "model_dir": model_dir}
 
@@ -101,8 +98,7 @@ def decode_server(d: dict, name: str, decode_instances: int, on_other_host: bool
         decode_instances=decode_instances,
         discovery=d["etcd"].url,
     )
-    dev = dev_ns if on_other_host else dev_root
-    env = {"UCX_TLS": "tcp", **d["secret"]} | ({"UCX_NET_DEVICES": dev} if dev else {})
+    env = fabric_env(d["secret"], dev_ns if on_other_host else dev_root)
     host = {"host": ip_ns, "netns": ns} if on_other_host and ns else {}
     return running_server(repo, d["tmp"] / f"{name}.log", extra_env=env, **host)
 
