@@ -210,7 +210,6 @@ class TritonPythonModel:
                 ids = pb.get_output_tensor_by_name(resp, "output_token_ids")
                 if ids is not None:
                     fwd.sent.extend(int(t) for t in ids.as_numpy().reshape(-1))
-                fwd.relayed = True
                 if last:
                     return None
         with fwd.lock:
@@ -261,7 +260,6 @@ class Forwarding:
     attempt: int = 0
     target: str = ""
     moves: int = 0
-    relayed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
