@@ -117,34 +117,40 @@ def test_a_decode_server_joins_under_load_drains_and_stops_without_failing_a_req
 
     a = deployment["a"]
     load_a = Load(a.grpc_url, tag="a")
-    with decode_server(deployment, "b", decode_instances=2, on_other_host=True) as b:
-        joined = first_success_s(b.grpc_url)
-        print(f"server B (other host) served its first request {joined:.1f}s after it was ready")
-        assert joined <= 10
-        load_b = Load(b.grpc_url, threads=3, tokens=48, tag="b")
-        time.sleep(3)
-        secret = deployment["secret"][SECRET_ENV].encode()
-        records = members(deployment["etcd"].url, "default", secret)
-        victim = next(r for r in records if r.role == "decode" and r.grpc_url == b.grpc_url and r.model == "decode_1")
-        drain(find(records, victim.name), secret)
-        deadline = time.monotonic() + 60
-        while any(r.name == victim.name for r in members(deployment["etcd"].url, "default", secret)):
-            assert time.monotonic() < deadline, "the drained instance never left the membership"
-            time.sleep(0.5)
-        served_during = len(load_b.results)
-        time.sleep(3)  # B's front now sends everything to its decode_0
-        assert len(load_b.results) > served_during
-        stopper = threading.Thread(target=b.stop)
-        stopper.start()  # SIGTERM-like stop under load: leave the membership, finish what is in flight
-        time.sleep(1.0)
-        results_b = load_b.stop()
-        stopper.join(120)
-    results_a = load_a.stop()
+    try:
+        with decode_server(deployment, "b", decode_instances=2, on_other_host=True) as b:
+            joined = first_success_s(b.grpc_url)
+            print(f"server B (other host) served its first request {joined:.1f}s after it was ready")
+            assert joined <= 10
+            load_b = Load(b.grpc_url, threads=3, tokens=48, tag="b")
+            try:
+                time.sleep(3)
+                secret = deployment["secret"][SECRET_ENV].encode()
+                records = members(deployment["etcd"].url, "default", secret)
+                victim = next(
+                    r for r in records if r.role == "decode" and r.grpc_url == b.grpc_url and r.model == "decode_1"
+                )
+                drain(find(records, victim.name), secret)
+                deadline = time.monotonic() + 60
+                while any(r.name == victim.name for r in members(deployment["etcd"].url, "default", secret)):
+                    assert time.monotonic() < deadline, "the drained instance never left the membership"
+                    time.sleep(0.5)
+                # B's front now sends everything to its decode_0
+                after = stream_generate(b.grpc_url, "Still serving after the drain?", 4, ignore_eos=True)
+                assert after.error is None, after.error
+                stopper = threading.Thread(target=b.stop)
+                stopper.start()  # SIGTERM-like stop under load: leave the membership, finish what is in flight
+                time.sleep(1.0)
+            finally:
+                results_b = load_b.stop()
+            stopper.join(120)
+    finally:
+        results_a = load_a.stop()
     assert errors(results_a) == []
     # requests sent to B after its stop began are refused (its front drains): the ones it took finished
     took = [r for r in results_b if r.error is None or "shutting down" not in r.error]
     assert errors(took) == [], errors(took)
-    assert len(results_b) >= 6
+    assert len(results_b) >= 3
     wait_pool_free(a.metrics_url, "prefill_0")
     wait_pool_free(a.metrics_url, "decode_0")
 
@@ -152,30 +158,34 @@ def test_a_decode_server_joins_under_load_drains_and_stops_without_failing_a_req
 def test_etcd_outage_under_load(deployment):
     a, etcd = deployment["a"], deployment["etcd"]
     load = Load(a.grpc_url, tag="outage")
-    time.sleep(2)
-    etcd.kill()
-    t_kill = time.monotonic()
-    c_box: dict = {}
-
-    def start_c():  # a decode server started during the outage (same host)
-        cm = decode_server(deployment, "c", decode_instances=1, on_other_host=False)
-        c_box["server"] = cm.__enter__()
-        c_box["cm"] = cm
-
-    starter = threading.Thread(target=start_c)
-    starter.start()
-    time.sleep(max(0.0, 30 - (time.monotonic() - t_kill)))
-    assert etcd.running() is False
-    before_restart = len(load.results)
-    etcd.start()
-    starter.join(400)
-    c = c_box["server"]
     try:
-        joined = first_success_s(c.grpc_url, timeout_s=60)
-        print(f"server C (started during the outage) served {joined:.1f}s after etcd came back and it was ready")
+        time.sleep(2)
+        etcd.kill()
+        t_kill = time.monotonic()
+        c_box: dict = {}
+
+        def start_c():  # a decode server started during the outage (same host)
+            cm = decode_server(deployment, "c", decode_instances=1, on_other_host=False)
+            c_box["server"] = cm.__enter__()
+            c_box["cm"] = cm
+
+        starter = threading.Thread(target=start_c)
+        starter.start()
+        time.sleep(max(0.0, 30 - (time.monotonic() - t_kill)))
+        assert etcd.running() is False
+        before_restart = len(load.results)
+        etcd.start()
+        starter.join(400)
+        c = c_box["server"]
+        try:
+            joined = first_success_s(c.grpc_url, timeout_s=60)
+            print(f"server C (started during the outage) served {joined:.1f}s after etcd came back and it was ready")
+        finally:
+            c_box["cm"].__exit__(None, None, None)
     finally:
-        c_box["cm"].__exit__(None, None, None)
-    results = load.stop()
+        results = load.stop()
+        if not etcd.running():
+            etcd.start()  # the next test needs it
     assert before_restart > 5 and errors(results) == [], errors(results)
     for m in ("prefill_0", "decode_0"):
         wait_pool_free(a.metrics_url, m)
