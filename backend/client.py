@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from backend.serving.tensors import LOGPROB_OUTPUTS
+
 
 @dataclass
 class GenerationResult:
@@ -22,6 +24,9 @@ class GenerationResult:
     t_start: float = 0.0
     finish_reason: str = ""
     error: str | None = None
+    # log-probability outputs (``output_log_probs``, ``prompt_log_probs``, ...), concatenated
+    # over the responses (``cum_log_probs``: the last value)
+    log_probs: dict = field(default_factory=dict)
 
     @property
     def ttft(self) -> float:
@@ -42,19 +47,25 @@ def build_inputs(
     stop_words=None,
     ignore_eos=None,
     chat=False,
+    log_probs=None,
+    prompt_log_probs=None,
+    top_log_probs=None,
     extra: dict | None = None,
 ):
+    """``prompt``: text, or a list of token ids (sent as ``input_ids``)."""
+
     def tensor(name, arr, dtype):
         t = grpcclient.InferInput(name, list(arr.shape), dtype)
         t.set_data_from_numpy(arr)
         return t
 
+    if isinstance(prompt, list):
+        first = tensor("input_ids", np.array(prompt, dtype=np.int32), "INT32")
+    else:
+        text = prompt.encode("utf-8") if isinstance(prompt, str) else prompt
+        first = tensor("text_input", np.array([text], dtype=object), "BYTES")
     ins = [
-        tensor(
-            "text_input",
-            np.array([prompt.encode("utf-8") if isinstance(prompt, str) else prompt], dtype=object),
-            "BYTES",
-        ),
+        first,
         tensor("max_tokens", np.array([max_tokens], dtype=np.int32), "INT32"),
         tensor("stream", np.array([stream], dtype=bool), "BOOL"),
     ]
@@ -66,6 +77,9 @@ def build_inputs(
         ("end_id", end_id, np.int32, "INT32"),
         ("ignore_eos", ignore_eos, bool, "BOOL"),
         ("apply_chat_template", chat or None, bool, "BOOL"),
+        ("return_log_probs", log_probs, bool, "BOOL"),
+        ("return_prompt_log_probs", prompt_log_probs, bool, "BOOL"),
+        ("num_top_log_probs", top_log_probs, np.int32, "INT32"),
     ]
     for name, value, np_t, tr_t in optional:
         if value is not None:
@@ -79,7 +93,7 @@ def build_inputs(
 
 def stream_generate(
     url: str,
-    prompt: str,
+    prompt: str | list[int],
     max_tokens: int,
     *,
     model: str = "llm",
@@ -117,6 +131,11 @@ def stream_generate(
                 ended = True
                 break
             resp = result.get_response()
+            for name in LOGPROB_OUTPUTS:
+                arr = result.as_numpy(name)
+                if arr is not None:
+                    values = arr.reshape(-1).tolist()
+                    res.log_probs[name] = values if name == "cum_log_probs" else res.log_probs.get(name, []) + values
             out = result.as_numpy("text_output")
             if out is not None and out.size:
                 delta = out.reshape(-1)[0].decode("utf-8")

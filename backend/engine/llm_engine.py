@@ -29,11 +29,12 @@ import torch
 from backend.engine.cache_summary import CacheSummary
 from backend.engine.config import EngineConfig
 from backend.engine.model_runner import ModelRunner
-from backend.engine.outputs import EngineOutput, ErrorKind, FinishReason
+from backend.engine.outputs import EngineOutput, ErrorKind, FinishReason, TokenLogprobs
 from backend.engine.page_allocator import PageAllocator
 from backend.engine.paged_attention import BatchEntry
 from backend.engine.protocol import DeviceMark, KVCacheSpec, KVLoader, KVStepListener, ModelDims
 from backend.engine.sampling.decode_sampler import DecodeSampler
+from backend.engine.sampling.logprobs import token_logprobs
 from backend.engine.sampling.sampler import make_generator, sample
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import ChunkInfo, ScheduledChunk, Scheduler, StepBatch
@@ -243,13 +244,20 @@ class LLMEngine:
         step_batch = self._step_batch(chunks) if listener is not None else None
         rows = [i for i, c in enumerate(chunks) if c.is_last_chunk and not c.seq.prefill_only]
         speculating = any(c.draft_token_ids for c in chunks)
+        scoring = [i for i, c in enumerate(chunks) if self._scores_prompt(c)]
         try:
             if listener is not None and step_batch is not None and step_batch.prefill_only_chunks:
                 listener.step_scheduled(step_batch)
-            extra = {"num_logits": [1 + len(c.draft_token_ids) for c in chunks]} if speculating else {}
+            extra = {}
+            if speculating or scoring:  # logits of more positions than each entry's last
+                extra["num_logits"] = [
+                    c.num_tokens if i in scoring else 1 + len(c.draft_token_ids) for i, c in enumerate(chunks)
+                ]
             result = self.runner.run(
                 [BatchEntry(c.input_token_ids, c.start, c.page_table) for c in chunks], hook_arg=step_batch, **extra
             )
+            if scoring:
+                self._score_prompts(chunks, scoring, result, speculating)
             new_tokens = self._pick(chunks, rows, result)
         except Exception as exc:
             log.exception("engine step failed; failing its %d request(s)", len(chunks))
@@ -267,6 +275,30 @@ class LLMEngine:
         for i in rows:
             outputs.append(self._append(chunks[i], new_tokens[i], result, i))
         return outputs
+
+    @staticmethod
+    def _scores_prompt(chunk: ScheduledChunk) -> bool:
+        """The chunk holds prompt positions whose logits give prompt tokens' log-probabilities."""
+        seq = chunk.seq
+        return seq.wants_prompt_logprobs and chunk.start < seq.num_prompt_tokens - 1
+
+    def _score_prompts(self, chunks: list[ScheduledChunk], scoring: list[int], result, speculating: bool) -> None:
+        """Keep the log-probabilities of the prompt tokens that the scoring chunks' positions
+        predict (position p predicts token p + 1, up to the last prompt token), then leave
+        ``result`` as a step without them would have made it."""
+        assert result.position_logits is not None and result.position_hidden is not None
+        for i in scoring:
+            seq, start = chunks[i].seq, chunks[i].start
+            n = min(chunks[i].num_tokens, seq.num_prompt_tokens - 1 - start)
+            targets = seq.token_ids[start + 1 : start + 1 + n]
+            k = seq.params.prompt_logprobs or 0
+            seq.prompt_logprobs.append(token_logprobs(result.position_logits[i][:n], targets, k))
+        if speculating:  # the drafts' rows are each entry's trailing ones
+            keep = [1 + len(c.draft_token_ids) for c in chunks]
+            result.position_logits = [rows[-k:] for rows, k in zip(result.position_logits, keep)]
+            result.position_hidden = [rows[-k:] for rows, k in zip(result.position_hidden, keep)]
+        else:
+            result.position_logits = result.position_hidden = None
 
     def _pick(self, chunks: list[ScheduledChunk], rows: list[int], result) -> dict[int, list[int]]:
         """New tokens per sampled chunk: one batched sample for plain rows; drafts and grammars
@@ -324,13 +356,32 @@ class LLMEngine:
             if reason is None and seq.grammar.done:
                 reason = FinishReason.STOP
         self.decode_sampler.clear(seq)
+        logprobs = prompt_logprobs = None
+        if seq.params.logprobs is not None:  # never with drafts: one token from this row's logits
+            logprobs = token_logprobs(result.logits[row : row + 1], emitted, seq.params.logprobs)
+        if seq.wants_prompt_logprobs and seq.num_output_tokens == len(emitted):  # the first output
+            prompt_logprobs = self._prompt_logprobs(seq)
         if reason is not None:
-            return self._finish(seq, reason, emitted)
+            return self._finish(seq, reason, emitted, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         if chunk.draft_token_ids:
             self.allocator.shrink(seq.req_id, seq.num_tokens)
         return EngineOutput(
-            seq.req_id, emitted, num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens
+            seq.req_id,
+            emitted,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    @staticmethod
+    def _prompt_logprobs(seq: Sequence) -> TokenLogprobs:
+        """The prompt tokens' log-probabilities gathered over its chunks (tokens 2..P)."""
+        parts, seq.prompt_logprobs = seq.prompt_logprobs, []
+        if not parts:  # a one-token prompt: nothing to score
+            k = seq.params.prompt_logprobs or 0
+            return TokenLogprobs(torch.zeros(0), torch.zeros((0, k), dtype=torch.long), torch.zeros((0, k)))
+        return TokenLogprobs.cat(parts)
 
     def fail(self, req_ids: list[str], message: str, kind: ErrorKind = ErrorKind.ENGINE) -> list[EngineOutput]:
         """Finish the given active requests with finish_reason "error" and free their pages
@@ -353,6 +404,8 @@ class LLMEngine:
         hidden: torch.Tensor | None = None,
         logits: torch.Tensor | None = None,
         error_kind: ErrorKind | None = None,
+        logprobs: TokenLogprobs | None = None,
+        prompt_logprobs: TokenLogprobs | None = None,
     ) -> EngineOutput:
         # a transfer may still read (prefill-only) or write (waiting for remote KV) its pages
         held = self.allocator.has(seq.req_id) and (seq.prefill_only or seq.status is SeqStatus.WAITING_REMOTE_KV)
@@ -373,6 +426,8 @@ class LLMEngine:
             hidden_state=hidden,
             logits=logits,
             pages_held=held,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _step_batch(self, chunks: list[ScheduledChunk]) -> StepBatch:

@@ -1,5 +1,6 @@
-"""What the engine hands back: a request's new tokens per step (:class:`EngineOutput`), why it
-ended (:class:`FinishReason`) and, for failures, what kind of failure (:class:`ErrorKind`).
+"""What the engine hands back: a request's new tokens per step (:class:`EngineOutput`), their
+log-probabilities when asked for (:class:`TokenLogprobs`), why it ended (:class:`FinishReason`)
+and, for failures, what kind of failure (:class:`ErrorKind`).
 The kinds travel between processes (messenger messages, Triton errors) as their string
 values and are read back into the enum, never matched in message texts."""
 
@@ -31,12 +32,38 @@ class ErrorKind(enum.StrEnum):
 
 
 @dataclass
+class TokenLogprobs:
+    """Log-probabilities of a run of tokens: ``logprobs[i]`` of token i at its position and, when
+    top-k was asked for, the k most likely tokens there (``top_ids[i]``, most likely first) and
+    theirs (``top_logprobs[i]``). Always ``log_softmax`` of the model's raw logits in float32
+    (before temperature, top-k/top-p, grammar or min_tokens masks); a token's own value and its
+    entry among the top-k come from the same tensor (a greedy token's equals the top-1 value)."""
+
+    logprobs: torch.Tensor  # [n] float32
+    top_ids: torch.Tensor  # [n, k] int64 (k may be 0)
+    top_logprobs: torch.Tensor  # [n, k] float32
+
+    def __len__(self) -> int:
+        return int(self.logprobs.shape[0])
+
+    @staticmethod
+    def cat(parts: list[TokenLogprobs]) -> TokenLogprobs:
+        return TokenLogprobs(
+            torch.cat([p.logprobs for p in parts]),
+            torch.cat([p.top_ids for p in parts]),
+            torch.cat([p.top_logprobs for p in parts]),
+        )
+
+
+@dataclass
 class EngineOutput:
     """New tokens of one request from one step; ``finished`` with ``finish_reason``.
     Prefill-only results carry ``hidden_state`` [hidden] and ``logits`` [vocab] of the last
     prompt position. ``pages_held``: the request ended but keeps its pages (a prefill-only request,
     or one that waited for remote KV: a transfer may still read or write them) until the engine is
-    told to release them."""
+    told to release them. ``logprobs``: of ``new_token_ids`` (``SamplingParams.logprobs``);
+    ``prompt_logprobs``: of the prompt's tokens 2..P (``SamplingParams.prompt_logprobs``), once,
+    with the request's first output."""
 
     req_id: str
     new_token_ids: list[int]
@@ -49,3 +76,5 @@ class EngineOutput:
     hidden_state: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     pages_held: bool = False
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None

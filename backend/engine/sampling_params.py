@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 
 DRAFT_METHODS = ("lookup", "hidden")
 MAX_DRAFT_TOKENS = 16
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass
@@ -25,7 +26,10 @@ class SamplingParams:
     step, proposed by ``draft_method`` (see ``backend/engine/sampling/drafters.py``). ``grammar``: a compiled
     grammar (``backend/engine/sampling/grammar.py``) constraining the output, or None;
     ``grammar_prefix``: output tokens generated before (a migrated request continues after them)
-    that the grammar replays first.
+    that the grammar replays first. ``logprobs``: None, or each output token's log-probability
+    plus the ``logprobs`` most likely tokens at its position; ``prompt_logprobs``: the same for the
+    prompt's tokens 2..P (a request asking for them computes its whole prompt: no cached prefix,
+    no KV from elsewhere). Neither combines with draft tokens.
     """
 
     max_tokens: int = 16
@@ -41,6 +45,8 @@ class SamplingParams:
     draft_method: str = "lookup"
     grammar: CompiledGrammar | None = None
     grammar_prefix: tuple[int, ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.end_ids, int):
@@ -63,6 +69,12 @@ class SamplingParams:
             raise ValueError("stop_token_ids must not contain an empty sequence")
         if not isinstance(self.num_draft_tokens, int) or not 0 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {self.num_draft_tokens!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS):
+                raise ValueError(f"{name} must be None or in [0, {MAX_TOP_LOGPROBS}], got {k!r}")
+        if self.num_draft_tokens and (self.logprobs is not None or self.prompt_logprobs is not None):
+            raise ValueError("log-probabilities cannot be combined with speculative decoding (num_draft_tokens > 0)")
         if self.draft_method not in DRAFT_METHODS:
             raise ValueError(f"draft_method must be one of {DRAFT_METHODS}, got {self.draft_method!r}")
 

@@ -173,7 +173,10 @@ class Scheduler:
     def _admit(self, seq: Sequence) -> bool:
         commit_tokens = seq.kv_tokens_needed(self.max_model_len)
         try:
-            self.allocator.allocate(seq.req_id, seq.num_tokens, commit_tokens, token_ids=seq.token_ids)
+            # a request that wants its prompt's log-probabilities needs the logits of every prompt
+            # position: it attaches no cached prefix
+            prefix = None if seq.wants_prompt_logprobs else seq.token_ids
+            self.allocator.allocate(seq.req_id, seq.num_tokens, commit_tokens, token_ids=prefix)
             seq.num_computed = self.allocator.cached_tokens(seq.req_id)  # a cached prefix is not recomputed
         except PoolFullError:
             return False

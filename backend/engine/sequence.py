@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from backend.engine.outputs import FinishReason
+from backend.engine.outputs import FinishReason, TokenLogprobs
 from backend.engine.sampling_params import SamplingParams
 
 
@@ -57,6 +57,11 @@ class Sequence:
         self.grammar: Any = None  # a GrammarState (xgrammar), imported only when used
         self.last_hidden: torch.Tensor | None = None
         self.last_logits: torch.Tensor | None = None
+        self.prompt_logprobs: list[TokenLogprobs] = []  # per prefill chunk, until the first output
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and not self.prefill_only
 
     @property
     def num_tokens(self) -> int:

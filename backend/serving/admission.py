@@ -232,11 +232,16 @@ class Admission:
             return len(self.sessions)
 
     def _tokenize(self, req) -> list[int]:
-        ids = prompt_token_ids(self.tokenizer, req.text, req.apply_chat_template)
+        if req.input_ids is not None:
+            ids = list(req.input_ids)
+            if max(ids) >= self.worker.vocab_size:
+                raise RequestError(f"'input_ids' holds a token outside the vocabulary of {self.worker.vocab_size}")
+        else:
+            ids = prompt_token_ids(self.tokenizer, req.text, req.apply_chat_template)
         if not ids:
             raise RequestError("'text_input' tokenizes to nothing")
         max_model_len = self.worker.max_model_len
-        if len(ids) + req.max_tokens > max_model_len:
+        if len(ids) + max(1, req.max_tokens) > max_model_len:  # a scoring request (0) runs one step
             raise RequestError(
                 f"prompt of {len(ids)} tokens plus max_tokens {req.max_tokens} exceeds "
                 f"the model context of {max_model_len} tokens"

@@ -199,7 +199,11 @@ class DecodeWorker:
         uncached part of the prompt (all tokens but the last), False if the engine does. Reads
         only; the loop thread acts on the queued ``PagesReady``."""
         n_remote = self.receiver.num_external_tokens(len(token_ids))
-        remote = cached_tokens < n_remote and not self._prefill_here(n_remote - cached_tokens)
+        r = self.requests.get(req_id)
+        # the prompt's log-probabilities need the logits of every prompt position, which a prefill
+        # instance does not send: such a request computes its prompt here
+        scoring = r is not None and r.session.request.return_prompt_log_probs
+        remote = cached_tokens < n_remote and not scoring and not self._prefill_here(n_remote - cached_tokens)
         self._events.put(PagesReady(req_id, list(page_table), cached_tokens, remote))
         return remote
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from backend.engine.outputs import ErrorKind
-from backend.engine.sampling_params import DRAFT_METHODS, SamplingParams
+from backend.engine.sampling_params import DRAFT_METHODS, MAX_TOP_LOGPROBS, SamplingParams
 from backend.serving.tensors import INPUTS_BY_NAME
 
 if TYPE_CHECKING:
@@ -50,11 +50,20 @@ class ClientRequest:
     guided_regex: str | None = None
     grammar: CompiledGrammar | None = None  # compiled from guided_json / guided_regex at admission
     resume_ids: list[int] = field(default_factory=list)  # output the client has already (migration)
+    input_ids: list[int] | None = None  # the prompt as token ids (instead of ``text``)
+    return_log_probs: bool = False
+    return_prompt_log_probs: bool = False
+    num_top_log_probs: int = 0
 
     @property
     def remaining_tokens(self) -> int:
         """Output tokens still to generate here (``max_tokens`` less the resumed ones)."""
         return self.max_tokens - len(self.resume_ids)
+
+    @property
+    def score_only(self) -> bool:
+        """max_tokens 0: the request only scores its prompt (its prompt's log-probabilities)."""
+        return self.max_tokens == 0
 
 
 Getter = Callable[[str], np.ndarray | None]
@@ -108,21 +117,33 @@ def parse_request(get: Getter, *, max_tokens_limit: int, max_input_bytes: int = 
         if size > max_input_bytes:  # before decoding or tokenizing it
             raise RequestError(f"'text_input' has {size} bytes; the limit is {max_input_bytes} (max_input_bytes)")
     texts = _strings(get, "text_input")
-    if not texts:
-        raise RequestError("input 'text_input' is required")
-    if len(texts) != 1:
-        raise RequestError(f"one prompt per request is supported, got {len(texts)} in 'text_input'")
-    text = texts[0]
-    if not text.strip():
-        raise RequestError("input 'text_input' is empty")
+    input_ids = _token_ids(get, "input_ids")
+    if texts is not None and input_ids is not None:
+        raise RequestError("give one of 'text_input' and 'input_ids', not both")
+    text = ""
+    if input_ids is not None:
+        if not input_ids:
+            raise RequestError("input 'input_ids' is empty")
+    else:
+        if not texts:
+            raise RequestError("input 'text_input' is required (or 'input_ids': the prompt as token ids)")
+        if len(texts) != 1:
+            raise RequestError(f"one prompt per request is supported, got {len(texts)} in 'text_input'")
+        text = texts[0]
+        if not text.strip():
+            raise RequestError("input 'text_input' is empty")
     max_tokens = _scalar(get, "max_tokens")
     if max_tokens is None:
         raise RequestError("input 'max_tokens' is required")
-    if max_tokens <= 0:
-        raise RequestError(f"'max_tokens' must be > 0, got {max_tokens}")
+    scoring = bool(_scalar(get, "return_prompt_log_probs"))
+    if max_tokens < 0 or (max_tokens == 0 and not scoring):
+        raise RequestError(
+            f"'max_tokens' must be > 0 (0 only with 'return_prompt_log_probs' true: scoring the prompt), "
+            f"got {max_tokens}"
+        )
     if max_tokens > max_tokens_limit:
         raise RequestError(f"'max_tokens' {max_tokens} exceeds the configured limit {max_tokens_limit}")
-    req = ClientRequest(text=text, max_tokens=max_tokens)
+    req = ClientRequest(text=text, max_tokens=max_tokens, input_ids=input_ids, return_prompt_log_probs=scoring)
     for name, attr in (
         ("stream", "stream"),
         ("temperature", "temperature"),
@@ -133,6 +154,8 @@ def parse_request(get: Getter, *, max_tokens_limit: int, max_input_bytes: int = 
         ("ignore_eos", "ignore_eos"),
         ("min_length", "min_length"),
         ("apply_chat_template", "apply_chat_template"),
+        ("return_log_probs", "return_log_probs"),
+        ("num_top_log_probs", "num_top_log_probs"),
     ):
         v = _scalar(get, name)
         if v is not None:
@@ -146,10 +169,40 @@ def parse_request(get: Getter, *, max_tokens_limit: int, max_input_bytes: int = 
         if any(len(s.encode()) > MAX_STOP_WORD_BYTES for s in stops):
             raise RequestError(f"a stop word is longer than {MAX_STOP_WORD_BYTES} bytes")
         req.stop_words = [s for s in stops if s]
+    if req.input_ids is not None and req.apply_chat_template:
+        raise RequestError(
+            "'apply_chat_template' applies to 'text_input', not to 'input_ids' (token ids are sent as is)"
+        )
     _parse_decode_options(get, req)
     _parse_resume(get, req)
+    _check_logprobs(req)
     _check_sampling(req)
     return req
+
+
+def _token_ids(get: Getter, name: str) -> list[int] | None:
+    arr = get(name)
+    if arr is None:
+        return None
+    arr = np.asarray(arr)
+    if arr.size and arr.dtype.kind not in INPUTS_BY_NAME[name].numpy_kinds:
+        raise RequestError(f"input '{name}' has data type {arr.dtype}, expected int32")
+    ids = [int(v) for v in arr.reshape(-1)]
+    if any(v < 0 for v in ids):
+        raise RequestError(f"'{name}' holds a negative token id")
+    return ids
+
+
+def _check_logprobs(req: ClientRequest) -> None:
+    """Log-probabilities: k in range, and never with what cannot give them."""
+    wanted = req.return_log_probs or req.return_prompt_log_probs
+    if not 0 <= req.num_top_log_probs <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"'num_top_log_probs' must be in [0, {MAX_TOP_LOGPROBS}], got {req.num_top_log_probs}")
+    if wanted and req.num_draft_tokens:
+        raise RequestError(
+            "'return_log_probs' / 'return_prompt_log_probs' cannot be combined with 'num_draft_tokens' > 0: "
+            "speculative decoding gives no log-probabilities"
+        )
 
 
 def _parse_resume(get: Getter, req: ClientRequest) -> None:
@@ -184,7 +237,7 @@ def _check_sampling(req: ClientRequest) -> None:
     at admission, so a bad value (a negative or NaN temperature, ...) never reaches a worker."""
     try:
         SamplingParams(
-            max_tokens=req.max_tokens,
+            max_tokens=max(1, req.max_tokens),  # a scoring request (0) runs one step
             temperature=req.temperature,
             top_k=req.top_k,
             top_p=req.top_p,

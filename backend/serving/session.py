@@ -12,16 +12,29 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from backend.engine.outputs import ErrorKind, FinishReason
+import numpy as np
+
+from backend.engine.outputs import ErrorKind, FinishReason, TokenLogprobs
 from backend.serving.detokenizer import IncrementalDetokenizer
 from backend.serving.request import ClientRequest
 
 log = logging.getLogger("triton_disagg.generation")
 
 
+# Extra output tensors of one response by name (log-probabilities: ``tensors.LOGPROB_OUTPUTS``).
+Extras = dict[str, np.ndarray]
+
+
 class ResponseSink(Protocol):
     def send(
-        self, text: str, token_ids: list[int], n_input: int, n_output: int, finish_reason: str, final: bool
+        self,
+        text: str,
+        token_ids: list[int],
+        n_input: int,
+        n_output: int,
+        finish_reason: str,
+        final: bool,
+        extras: Extras | None = None,
     ) -> None: ...
     def error(self, message: str, kind: ErrorKind) -> None: ...
     def close(self) -> None: ...
@@ -49,6 +62,9 @@ class GenerationSession:
     triton_id: str = ""  # the Triton request id, when the sender set one
     _pending_text: list = field(default_factory=list)
     _pending_ids: list = field(default_factory=list)
+    _pending_logprobs: list = field(default_factory=list)  # TokenLogprobs of the unsent tokens
+    _prompt_extras: Extras | None = None  # the prompt's log-probabilities, until the first response
+    cum_logprob: float = 0.0
 
     def __post_init__(self) -> None:
         self.n_output = self.resumed  # num_output_tokens counts the whole output
@@ -72,10 +88,22 @@ class GenerationSession:
         finish_reason: str | None,
         error: str | None = None,
         error_kind: ErrorKind | None = None,
+        logprobs: TokenLogprobs | None = None,
+        prompt_logprobs: TokenLogprobs | None = None,
     ) -> None:
-        """Called by the engine for every new token batch and once at the end."""
+        """Called by the engine for every new token batch and once at the end (with the
+        log-probabilities of the batch's tokens, and once of the prompt's, when asked for)."""
         if self.done:
             return
+        if self.request.score_only and not error:  # the one token of its step is not output
+            token_ids, logprobs = [], None
+            if finished:
+                finish_reason = FinishReason.LENGTH
+        if prompt_logprobs is not None and self.request.return_prompt_log_probs:
+            self._prompt_extras = _arrays("prompt", prompt_logprobs, self.request.num_top_log_probs)
+            self._prompt_extras["prompt_token_ids"] = np.asarray(self.prompt_ids, dtype=np.int32)
+        if logprobs is not None and self.request.return_log_probs:
+            self._pending_logprobs.append(logprobs)
         if error:
             self._finish_error(error, error_kind or ErrorKind.INTERNAL)
             return
@@ -100,19 +128,12 @@ class GenerationSession:
         try:
             if self.request.stream:
                 if delta or token_ids or finished:
-                    self.sink.send(delta, token_ids, self.n_input, self.n_output, finish_reason or "", finished)
+                    self._send(delta, token_ids, finish_reason, finished)
             else:
                 self._pending_text.append(delta)
                 self._pending_ids.extend(token_ids)
                 if finished:
-                    self.sink.send(
-                        "".join(self._pending_text),
-                        self._pending_ids,
-                        self.n_input,
-                        self.n_output,
-                        finish_reason or "",
-                        True,
-                    )
+                    self._send("".join(self._pending_text), self._pending_ids, finish_reason, True)
         except Exception as e:  # the client went away: stop generating for it
             log.warning("request %s: sending failed (%s); cancelling", self.req_id, e)
             self.cancel_engine(self.req_id)
@@ -120,6 +141,23 @@ class GenerationSession:
             return
         if finished:
             self._close(finish_reason or "stop")
+
+    def _send(self, text: str, token_ids: list[int], finish_reason: str | None, final: bool) -> None:
+        """One response, with the log-probabilities not sent yet (the prompt's in the first)."""
+        extras: Extras = {}
+        if self._prompt_extras is not None:
+            extras, self._prompt_extras = self._prompt_extras, None
+        if self.request.return_log_probs:
+            parts, self._pending_logprobs = self._pending_logprobs, []
+            k = self.request.num_top_log_probs
+            if parts:
+                lp = TokenLogprobs.cat(parts) if len(parts) > 1 else parts[0]
+                extras.update(_arrays("output", lp, k))
+                self.cum_logprob += float(lp.logprobs.double().sum())
+            else:
+                extras.update(_arrays("output", None, k))
+            extras["cum_log_probs"] = np.array([self.cum_logprob], dtype=np.float32)
+        self.sink.send(text, token_ids, self.n_input, self.n_output, finish_reason or "", final, extras or None)
 
     def _finish_error(self, message: str, kind: ErrorKind) -> None:
         log.error("request %s failed (%s): %s", self.req_id, kind, message)
@@ -150,3 +188,19 @@ class GenerationSession:
             )
         if self.on_done:
             self.on_done(self, reason)
+
+
+def _arrays(prefix: str, lp: TokenLogprobs | None, k: int) -> Extras:
+    """``<prefix>_log_probs`` [n] and, with ``k`` > 0, ``<prefix>_top_log_probs`` /
+    ``<prefix>_top_token_ids`` [n * k] (row-major) as the response tensors carry them."""
+    if lp is None:
+        out: Extras = {f"{prefix}_log_probs": np.zeros(0, dtype=np.float32)}
+        if k:
+            out[f"{prefix}_top_log_probs"] = np.zeros(0, dtype=np.float32)
+            out[f"{prefix}_top_token_ids"] = np.zeros(0, dtype=np.int32)
+        return out
+    out = {f"{prefix}_log_probs": lp.logprobs.numpy().astype(np.float32)}
+    if k:
+        out[f"{prefix}_top_log_probs"] = lp.top_logprobs.numpy().astype(np.float32).reshape(-1)
+        out[f"{prefix}_top_token_ids"] = lp.top_ids.numpy().astype(np.int32).reshape(-1)
+    return out

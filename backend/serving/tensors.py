@@ -37,7 +37,8 @@ class TensorSpec:
 
 
 INPUTS = (
-    TensorSpec("text_input", "TYPE_STRING", optional=False),
+    TensorSpec("text_input", "TYPE_STRING"),  # the prompt as text, or:
+    TensorSpec("input_ids", "TYPE_INT32"),  # the prompt as token ids (exactly one of the two)
     TensorSpec("max_tokens", "TYPE_INT32", optional=False),
     TensorSpec("stream", "TYPE_BOOL"),
     TensorSpec("temperature", "TYPE_FP32"),
@@ -58,6 +59,13 @@ INPUTS = (
     # already received; they follow the prompt and count toward max_tokens and min_length, the
     # grammar replays them, and only what comes after them is sent.
     TensorSpec("resume_token_ids", "TYPE_INT32"),
+    # Log-probabilities (log_softmax of the model's raw logits, float32): of each output token
+    # (TensorRT-LLM's name), of the prompt's tokens 2..P (ours), and with num_top_log_probs k > 0
+    # the k most likely tokens at each of those positions. max_tokens 0 is allowed with
+    # return_prompt_log_probs: the request only scores its prompt.
+    TensorSpec("return_log_probs", "TYPE_BOOL"),
+    TensorSpec("return_prompt_log_probs", "TYPE_BOOL"),
+    TensorSpec("num_top_log_probs", "TYPE_INT32"),
 )
 # Sent by the front model to a decode model: cancel the request with this Triton request id.
 CANCEL_INPUT = TensorSpec("cancel_request_id", "TYPE_STRING")
@@ -74,7 +82,17 @@ OUTPUTS = (
     TensorSpec("num_input_tokens", "TYPE_INT32", optional=False, dims="1"),
     TensorSpec("num_output_tokens", "TYPE_INT32", optional=False, dims="1"),
     TensorSpec("finish_reason", "TYPE_STRING", optional=False, dims="1"),
+    # Only in responses to requests that asked for them (return_log_probs / return_prompt_log_probs):
+    TensorSpec("output_log_probs", "TYPE_FP32", optional=False),  # [n]: this response's output tokens
+    TensorSpec("cum_log_probs", "TYPE_FP32", optional=False, dims="1"),  # sum over the output so far
+    TensorSpec("output_top_log_probs", "TYPE_FP32", optional=False),  # [n * k], row-major
+    TensorSpec("output_top_token_ids", "TYPE_INT32", optional=False),  # [n * k], most likely first
+    TensorSpec("prompt_token_ids", "TYPE_INT32", optional=False),  # [P], in the first response
+    TensorSpec("prompt_log_probs", "TYPE_FP32", optional=False),  # [P - 1]: prompt tokens 2..P
+    TensorSpec("prompt_top_log_probs", "TYPE_FP32", optional=False),  # [(P - 1) * k]
+    TensorSpec("prompt_top_token_ids", "TYPE_INT32", optional=False),  # [(P - 1) * k]
 )
+LOGPROB_OUTPUTS = tuple(t.name for t in OUTPUTS[5:])
 
 # Answered by a decode model to the front's health probe when asked for: its prefix cache and
 # load as a JSON object (``backend/engine/cache_summary.py``), for KV-aware routing.

@@ -52,9 +52,14 @@ def start_engine(config: InstanceConfig) -> Engine:
 
 def sampling_params(session: GenerationSession, serving: ServingConfig) -> SamplingParams:
     r = session.request
+    top = r.num_top_log_probs
+    logprobs = top if r.return_log_probs else None
+    prompt_logprobs = top if r.return_prompt_log_probs else None
     k = serving.speculative_k if r.num_draft_tokens is None else r.num_draft_tokens
+    if logprobs is not None or prompt_logprobs is not None:
+        k = 0  # the model's default drafting gives way (a request that asks for drafts is refused)
     return SamplingParams(
-        max_tokens=r.remaining_tokens,
+        max_tokens=max(1, r.remaining_tokens),  # a scoring request (0) runs one step; its token is dropped
         temperature=r.temperature,
         top_k=r.top_k,
         top_p=r.top_p,
@@ -66,12 +71,22 @@ def sampling_params(session: GenerationSession, serving: ServingConfig) -> Sampl
         draft_method=r.draft_method or serving.draft_method,
         grammar=r.grammar,
         grammar_prefix=tuple(r.resume_ids) if r.grammar is not None else (),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
 def deliver(session: GenerationSession, out: EngineOutput) -> None:
     """Hand one engine output to the session (engine loop thread)."""
-    session.on_output(out.new_token_ids, out.finished, out.finish_reason, out.error, out.error_kind)
+    session.on_output(
+        out.new_token_ids,
+        out.finished,
+        out.finish_reason,
+        out.error,
+        out.error_kind,
+        logprobs=out.logprobs,
+        prompt_logprobs=out.prompt_logprobs,
+    )
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,14 @@ class TritonPythonModel:
         routed by load) and the pages it will hold."""
         try:
             req = parse_request(arrays.get, max_tokens_limit=1 << 30)
-            ids = [] if self.tokenizer is None else prompt_token_ids(self.tokenizer, req.text, req.apply_chat_template)
+            if req.input_ids is not None:
+                ids = list(req.input_ids)
+            else:
+                ids = (
+                    []
+                    if self.tokenizer is None
+                    else prompt_token_ids(self.tokenizer, req.text, req.apply_chat_template)
+                )
         except Exception as e:  # RequestError, or a text the tokenizer rejects: the decode model says why
             log.debug("routing a request by load alone: %s", e)
             return [], 1
@@ -103,6 +110,21 @@ class TritonPythonModel:
         if fwd.sent:
             inputs.append(self.pb.Tensor(RESUME, np.array(fwd.sent, dtype=np.int32)))
         threading.Thread(target=self._forward, args=(fwd, target, fwd.attempt, inputs), daemon=True).start()
+
+    def _relayed(self, fwd: "Forwarding", tensors: list) -> list:
+        """A decode model's response as the client gets it across moves: the prompt's
+        log-probabilities go once (a later attempt is not asked for them again), and
+        ``cum_log_probs`` counts the output of earlier attempts too."""
+        out = []
+        for t in tensors:
+            name = t.name()
+            if name == "prompt_log_probs":
+                fwd.inputs = [i for i in fwd.inputs if i.name() != "return_prompt_log_probs"]
+            elif name == "cum_log_probs":
+                fwd.cum_logprob = fwd.cum_before + float(t.as_numpy().reshape(-1)[0])
+                t = self.pb.Tensor(name, np.array([fwd.cum_logprob], dtype=np.float32))
+            out.append(t)
+        return out
 
     def _move(self, fwd: "Forwarding", attempt: int, target: str, why: str, reason: str) -> None:
         """Attempt ``attempt`` of ``fwd`` on ``target`` ended without finishing the request: send
@@ -128,6 +150,7 @@ class TritonPythonModel:
                 _send_error(self.pb, fwd.sender, ErrorKind.OUT_OF_SERVICE, message)
                 return
             fwd.moves += 1
+            fwd.cum_before = fwd.cum_logprob  # the next attempt sums only the output it makes
             self.migrations[reason] += 1
             log.warning(
                 "decode model %s stopped a request after %d output token(s) (%s); moving it to %s (move %d of %d)",
@@ -206,7 +229,9 @@ class TritonPythonModel:
                     continue
                 reason = pb.get_output_tensor_by_name(resp, "finish_reason")
                 last = reason is not None and reason.as_numpy().reshape(-1)[0] not in (b"", "")
-                sender.send(pb.InferenceResponse(output_tensors=tensors), flags=final if last else 0)
+                sender.send(
+                    pb.InferenceResponse(output_tensors=self._relayed(fwd, tensors)), flags=final if last else 0
+                )
                 ids = pb.get_output_tensor_by_name(resp, "output_token_ids")
                 if ids is not None:
                     fwd.sent.extend(int(t) for t in ids.as_numpy().reshape(-1))
@@ -260,6 +285,8 @@ class Forwarding:
     attempt: int = 0
     target: str = ""
     moves: int = 0
+    cum_logprob: float = 0.0  # the output's cumulative log-probability relayed so far
+    cum_before: float = 0.0  # that of the attempts before this one
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 

@@ -66,7 +66,7 @@ class TritonSink:
         self.pb = pb_utils
         self.sender = GuardedSender(pb_utils, request.get_response_sender())
 
-    def send(self, text, token_ids, n_input, n_output, finish_reason, final):
+    def send(self, text, token_ids, n_input, n_output, finish_reason, final, extras=None):
         pb = self.pb
         tensors = [
             pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object)),
@@ -75,6 +75,7 @@ class TritonSink:
             pb.Tensor("num_output_tokens", np.array([n_output], dtype=np.int32)),
             pb.Tensor("finish_reason", np.array([str(finish_reason).encode()], dtype=object)),
         ]
+        tensors += [pb.Tensor(name, array) for name, array in (extras or {}).items()]
         flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         self.sender.send(pb.InferenceResponse(output_tensors=tensors), flags=flags)
 

@@ -22,7 +22,7 @@ class Sink:
     def __init__(self):
         self.token_ids, self.done, self.error = [], threading.Event(), None
 
-    def send(self, text, token_ids, n_input, n_output, finish_reason, final):
+    def send(self, text, token_ids, n_input, n_output, finish_reason, final, extras=None):
         self.token_ids += list(token_ids)
         if final:
             self.done.set()

@@ -43,7 +43,7 @@ class Sink:
         self.done = threading.Event()
         self.cancelled = False
 
-    def send(self, text, token_ids, n_input, n_output, finish_reason, final) -> None:
+    def send(self, text, token_ids, n_input, n_output, finish_reason, final, extras=None) -> None:
         self.tokens += token_ids
         self.text += text
         if final:
@@ -65,7 +65,7 @@ class CountingSink(Sink):
         super().__init__()
         self.counts: list[tuple[int, int]] = []  # (num_input_tokens, num_output_tokens) of each response
 
-    def send(self, text, token_ids, n_input, n_output, finish_reason, final) -> None:
+    def send(self, text, token_ids, n_input, n_output, finish_reason, final, extras=None) -> None:
         self.counts.append((n_input, n_output))
         super().send(text, token_ids, n_input, n_output, finish_reason, final)
 

@@ -73,7 +73,7 @@ class Sink:
         self.closed = False
         self.gone = False
 
-    def send(self, text, token_ids, n_input, n_output, finish_reason, final) -> None:
+    def send(self, text, token_ids, n_input, n_output, finish_reason, final, extras=None) -> None:
         self.tokens.extend(token_ids)
         self.final, self.finish_reason = final, finish_reason
 

@@ -80,3 +80,54 @@ def test_detokenizer_holds_back_partial_stop_word():
     assert d.add([ord("N")]) == ""
     assert d.add([ord("x")]) == "ENx"
     assert d.add([ord(c) for c in "yEND"]) == "y" and d.stopped
+
+
+def test_log_prob_inputs_and_token_id_prompts():
+    ids = np.array([5, 6, 7], np.int32)
+    req = parse_request(
+        getter(
+            input_ids=ids,
+            max_tokens=np.array([0], np.int32),
+            return_prompt_log_probs=np.array([True]),
+            return_log_probs=np.array([True]),
+            num_top_log_probs=np.array([4], np.int32),
+        ),
+        max_tokens_limit=10,
+    )
+    assert (req.input_ids, req.score_only, req.return_log_probs, req.num_top_log_probs) == ([5, 6, 7], True, True, 4)
+
+
+@pytest.mark.parametrize(
+    "tensors, msg",
+    [
+        (dict(input_ids=np.array([1], np.int32), max_tokens=np.array([0], np.int32)), "return_prompt_log_probs"),
+        (dict(input_ids=np.array([], np.int32), max_tokens=np.array([2], np.int32)), "'input_ids' is empty"),
+        (dict(input_ids=np.array([-1], np.int32), max_tokens=np.array([2], np.int32)), "negative"),
+        (
+            dict(
+                input_ids=np.array([1], np.int32), text_input=np.array([b"x"], dtype=object), max_tokens=np.array([2])
+            ),
+            "not both",
+        ),
+        (
+            dict(input_ids=np.array([1], np.int32), max_tokens=np.array([2]), num_top_log_probs=np.array([21])),
+            "num_top_log_probs",
+        ),
+        (
+            dict(
+                input_ids=np.array([1], np.int32),
+                max_tokens=np.array([2]),
+                return_log_probs=np.array([True]),
+                num_draft_tokens=np.array([3], np.int32),
+            ),
+            "num_draft_tokens",
+        ),
+        (
+            dict(input_ids=np.array([1], np.int32), max_tokens=np.array([2]), apply_chat_template=np.array([True])),
+            "apply_chat_template",
+        ),
+    ],
+)
+def test_log_prob_inputs_refused(tensors, msg):
+    with pytest.raises(RequestError, match=msg):
+        parse_request(getter(**tensors), max_tokens_limit=10)
