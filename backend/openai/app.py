@@ -14,6 +14,13 @@ With ``discovery`` (an etcd URL) the frontend calls no ``llm`` model: :class:`De
 its :class:`Router` (``router.py``) picks one per request (KV-aware, from the prompt's tokens) and
 moves the request to another when its instance stops serving it. ``GET /metrics``: the router's
 counters (``metrics.py``).
+
+Log-probabilities (a completion's ``logprobs`` and ``echo``, a chat's ``logprobs`` and
+``top_logprobs``) are asked of Triton (``return_log_probs``, ``return_prompt_log_probs``,
+``num_top_log_probs``) and shaped by ``logprobs.py`` with the model's tokenizer (``--tokenizer``;
+without one such a request is refused). Each response's tokens carry theirs: a streamed chunk
+holds those of its own tokens, and with ``echo`` the first chunk is the prompt (its text, and its
+tokens' log-probabilities).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from backend.engine.outputs import ErrorKind
 from backend.openai.fleet import DecodeFleet
+from backend.openai.logprobs import CompletionLogprobs, TokenTexts, chat_content
 from backend.openai.metrics import CONTENT_TYPE, exposition
 from backend.openai.router import Router
 from backend.openai.schemas import (
@@ -99,44 +107,94 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-class _Answer:
-    """The pieces an endpoint shapes into its OpenAI objects."""
+class BadLogprobs(GenerationError):
+    """Triton's log-probabilities do not fit its tokens (a server bug: HTTP 500)."""
 
-    def __init__(self, kind: str, model: str):
+    def __init__(self, message: str):
+        super().__init__(ErrorKind.INTERNAL, f"log-probabilities: {message}")
+
+
+class _Answer:
+    """The pieces an endpoint shapes into its OpenAI objects. ``echo``: a completion's prompt
+    text, which its answer starts with; ``completion_logprobs``: a completion's log-probabilities
+    (with ``echo``, the prompt's first); ``chat_top``: a chat's number of top tokens when it
+    asked for log-probabilities; ``texts``: token texts, with either."""
+
+    def __init__(
+        self,
+        kind: str,
+        model: str,
+        *,
+        echo: str | None = None,
+        completion_logprobs: bool = False,
+        chat_top: int | None = None,
+        texts: TokenTexts | None = None,
+    ):
         self.kind, self.model = kind, model
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self.echo, self.chat_top, self.texts = echo, chat_top, texts
+        self.completion_lp = CompletionLogprobs(texts) if completion_logprobs and texts is not None else None
 
     def _base(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    def prompt_logprobs(self, first: Delta) -> dict | None:
+        """With echo: the prompt's log-probabilities (a completion that asked for them)."""
+        if self.completion_lp is None or self.echo is None:
+            return None
+        try:
+            return self.completion_lp.prompt(first, self.echo)
+        except ValueError as e:
+            raise BadLogprobs(str(e)) from None
+
+    def logprobs(self, delta: Delta) -> dict | None:
+        """The log-probabilities of one response's tokens, if the request asked for them. Called
+        once per response, in order (a completion's text offsets run on)."""
+        try:
+            if self.completion_lp is not None:
+                return self.completion_lp.output(delta)
+            if self.chat_top is not None and self.texts is not None:
+                return {"content": chat_content(self.texts, delta, self.chat_top), "refusal": None}
+        except ValueError as e:
+            raise BadLogprobs(str(e)) from None
+        return None
+
+    def whole(self, deltas: list[Delta]) -> dict:
+        """The answer of a request whose responses were ``deltas`` (the last one final)."""
+        last = deltas[-1]
+        finish, text = _finish_reason(last.finish_reason), "".join(d.text for d in deltas)
+        counts = usage(last.num_input_tokens, last.num_output_tokens)
         if self.kind == "chat":
+            logprobs = None
+            if self.chat_top is not None:
+                content = [e for d in deltas for e in (self.logprobs(d) or {}).get("content", [])]
+                logprobs = {"content": content, "refusal": None}
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }
-            return {
-                **self._base("chat.completion"),
-                "choices": [choice],
-                "usage": usage(prompt_tokens, completion_tokens),
-            }
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        return {**self._base("text_completion"), "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+            return {**self._base("chat.completion"), "choices": [choice], "usage": counts}
+        pieces = [p for p in [self.prompt_logprobs(deltas[0]), *map(self.logprobs, deltas)] if p is not None]
+        joined = CompletionLogprobs.join(pieces) if self.completion_lp is not None else None
+        choice = {"index": 0, "text": (self.echo or "") + text, "logprobs": joined, "finish_reason": finish}
+        return {**self._base("text_completion"), "choices": [choice], "usage": counts}
 
-    def chunk(self, text: str | None, finish: str | None, with_usage_field: bool, role: bool = False) -> dict:
+    def chunk(
+        self, text: str | None, finish: str | None, with_usage_field: bool, role: bool = False, logprobs=None
+    ) -> dict:
         if self.kind == "chat":
             delta = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             body = {**self._base("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             body = {**self._base("text_completion"), "choices": [choice]}
         if with_usage_field:
             body["usage"] = None
@@ -147,8 +205,14 @@ class _Answer:
         return {**self._base(obj), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def build_app(config: FrontendConfig) -> FastAPI:
+def build_app(config: FrontendConfig, *, triton_stream: TritonStream | None = None, tokenizer_obj=None) -> FastAPI:
+    """The app; ``triton_stream`` and ``tokenizer_obj`` replace the ones it would make from
+    ``config`` (unit tests give fakes)."""
     state: dict = {}
+    if triton_stream is not None:
+        state["triton"] = triton_stream
+    if tokenizer_obj is not None:
+        state["tokenizer"] = tokenizer_obj
     fleet = None
     if config.discovery:
         router = Router(migration_limit=config.migration_limit)
@@ -156,7 +220,7 @@ def build_app(config: FrontendConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        if config.tokenizer:
+        if config.tokenizer and "tokenizer" not in state:
             tokenizer()  # loaded before the first chat request, not during it
         if fleet is not None:
             await fleet.start()
@@ -173,14 +237,19 @@ def build_app(config: FrontendConfig) -> FastAPI:
             state["triton"] = TritonStream(config.triton_url)
         return state["triton"]
 
-    def tokenizer():
+    def tokenizer(param: str = "messages", what: str = "chat completions need"):
         if "tokenizer" not in state:
             from transformers import AutoTokenizer
 
             if not config.tokenizer:
-                raise UnsupportedField("messages", "chat completions need the model's tokenizer (--tokenizer DIR)")
+                raise UnsupportedField(param, f"{what} the model's tokenizer: this frontend has none (--tokenizer DIR)")
             state["tokenizer"] = AutoTokenizer.from_pretrained(config.tokenizer)
         return state["tokenizer"]
+
+    def token_texts(param: str) -> TokenTexts:
+        if "texts" not in state:
+            state["texts"] = TokenTexts(tokenizer(param, f"{param} needs"))
+        return state["texts"]
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -229,10 +298,20 @@ def build_app(config: FrontendConfig) -> FastAPI:
         )
 
     async def _run(
-        request: Request, answer: _Answer, prompt: str, params: GenerationParams, stream: bool, include_usage: bool
+        request: Request,
+        answer: _Answer,
+        prompt: str | list[int],
+        params: GenerationParams,
+        stream: bool,
+        include_usage: bool,
     ):
         if fleet is not None:
-            ids = prompt_token_ids(tokenizer(), prompt, False) if config.tokenizer else []  # as sent: text_input
+            if not isinstance(prompt, str):
+                ids = list(prompt)
+            elif "tokenizer" in state or config.tokenizer:
+                ids = prompt_token_ids(tokenizer(), prompt, False)  # as sent: text_input
+            else:
+                ids = []
             deltas = fleet.generate(answer.id, prompt, params, ids)
         else:
             deltas = triton().generate(config.triton_model, prompt, params)
@@ -255,19 +334,33 @@ def build_app(config: FrontendConfig) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         try:
             body.check_supported()
-            params = _params(body, body.max_tokens or 16)
-            prompt = body.prompt_text()
+            prompt = body.prompt_input()
+            params = _params(body, body.output_limit())
+            want_logprobs = body.logprobs is not None
+            texts = token_texts("logprobs" if want_logprobs else "echo") if want_logprobs or body.echo else None
+            params.log_probs = want_logprobs and params.max_tokens > 0
+            # max_tokens 0 (echo only): the request scores its prompt, which Triton then needs asked
+            params.prompt_log_probs = body.echo and (want_logprobs or params.max_tokens == 0)
+            params.num_top_log_probs = body.logprobs or 0
+            echo = None
+            if body.echo:
+                echo = prompt if isinstance(prompt, str) else tokenizer().decode(prompt, skip_special_tokens=False)
         except UnsupportedField as exc:
             return _error(400, str(exc), "invalid_request_error", exc.param)
         if (missing := _check_model(body.model)) is not None:
             return missing
-        return await _run(request, _Answer("text", body.model), prompt, params, body.stream, body.include_usage)
+        answer = _Answer("text", body.model, echo=echo, completion_logprobs=want_logprobs, texts=texts)
+        return await _run(request, answer, prompt, params, body.stream, body.include_usage)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         try:
             body.check_supported()
             params = _params(body, body.output_limit() or config.max_tokens_default)
+            texts, chat_top = None, None
+            if body.logprobs:
+                texts, chat_top = token_texts("logprobs"), body.top_logprobs or 0
+                params.log_probs, params.num_top_log_probs = True, chat_top
             prompt = tokenizer().apply_chat_template(
                 body.template_messages(), add_generation_prompt=True, tokenize=False
             )
@@ -275,7 +368,8 @@ def build_app(config: FrontendConfig) -> FastAPI:
             return _error(400, str(exc), "invalid_request_error", exc.param)
         if (missing := _check_model(body.model)) is not None:
             return missing
-        return await _run(request, _Answer("chat", body.model), prompt, params, body.stream, body.include_usage)
+        answer = _Answer("chat", body.model, chat_top=chat_top, texts=texts)
+        return await _run(request, answer, prompt, params, body.stream, body.include_usage)
 
     return app
 
@@ -308,13 +402,11 @@ async def _first_or_disconnect(request: Request, deltas: AsyncGenerator[Delta, N
 
 async def _whole(request: Request, answer: _Answer, first: Delta, deltas: AsyncGenerator[Delta, None]):
     """A non-streamed answer; a client that disconnects meanwhile cancels the request."""
-    parts, last = [first.text], first
+    got = [first]
 
     async def collect():
-        nonlocal last
         async for d in deltas:
-            parts.append(d.text)
-            last = d
+            got.append(d)
 
     if first.finish_reason is None:
         task = asyncio.ensure_future(collect())
@@ -333,9 +425,11 @@ async def _whole(request: Request, answer: _Answer, first: Delta, deltas: AsyncG
             raise
         finally:
             await deltas.aclose()
-    return JSONResponse(
-        answer.whole("".join(parts), _finish_reason(last.finish_reason), last.num_input_tokens, last.num_output_tokens)
-    )
+    try:
+        return JSONResponse(answer.whole(got))
+    except GenerationError as exc:
+        log.error("request %s: %s", answer.id, exc.message)
+        return _generation_error(exc)
 
 
 async def _events(answer: _Answer, first: Delta, deltas: AsyncGenerator[Delta, None], include_usage: bool):
@@ -345,11 +439,14 @@ async def _events(answer: _Answer, first: Delta, deltas: AsyncGenerator[Delta, N
     try:
         if answer.kind == "chat":
             yield _sse(answer.chunk(None, None, include_usage, role=True))
+        if answer.echo is not None:
+            yield _sse(answer.chunk(answer.echo, None, include_usage, logprobs=answer.prompt_logprobs(first)))
         d = first
         while True:
             last = d
-            if d.text:
-                yield _sse(answer.chunk(d.text, None, include_usage))
+            logprobs = answer.logprobs(d)
+            if d.text or (logprobs is not None and d.token_ids):  # tokens without text yet: their logprobs
+                yield _sse(answer.chunk(d.text, None, include_usage, logprobs=logprobs))
             if d.finish_reason is not None:
                 yield _sse(
                     answer.chunk(None if answer.kind == "chat" else "", _finish_reason(d.finish_reason), include_usage)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -127,12 +128,15 @@ class DecodeFleet:
         return self._clients[url]
 
     def generate(
-        self, request_id: str, prompt: str, params: GenerationParams, token_ids: list[int]
+        self, request_id: str, prompt: str | list[int], params: GenerationParams, token_ids: list[int]
     ) -> AsyncGenerator[Delta, None]:
-        """The request's deltas; ``token_ids``: its prompt tokenized as the decode models do."""
+        """The request's deltas; ``prompt``: text or token ids; ``token_ids``: its prompt
+        tokenized as the decode models do. An attempt that resumes after output tokens is not
+        asked for the prompt's log-probabilities: they came with the first response."""
+        resumed = dataclasses.replace(params, prompt_log_probs=False)
 
         def open_stream(target: Target, resume: list[int]) -> AsyncIterator[Delta]:
-            return self._client(target.grpc_url).generate(target.model, prompt, params, resume)
+            return self._client(target.grpc_url).generate(target.model, prompt, resumed if resume else params, resume)
 
         return self.router.generate(request_id, token_ids, params.max_tokens, open_stream)
 

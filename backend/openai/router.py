@@ -16,6 +16,10 @@ unavailable, connection lost) or ends without a final response (reason ``stream_
 request continues on another member, never one that failed it before, with every output token
 its client has received as ``resume_token_ids``: the decode model continues after them (counts,
 grammar, detokenizer) and sends only what follows, so the client sees no token repeated or lost.
+Log-probabilities follow the tokens they belong to; the prompt's (asked for with ``echo``) come
+once, in the first response relayed: an attempt after that is not asked for them
+(:meth:`DecodeFleet.generate` asks only while no output token was sent) and any it sends
+anyway are dropped here.
 At most ``migration_limit`` moves; then, as when no other member serves, the stream ends with an
 ``out_of_service`` error saying why. Any other error (bad request, overloaded, ...) is the
 request's answer and ends it as is.
@@ -97,6 +101,7 @@ class _Journey:
     pages: int
     sent: list[int] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
+    prompt_relayed: bool = False  # the prompt's log-probabilities reached the client
 
 
 class _Moved(Exception):
@@ -235,6 +240,10 @@ class Router:
                 async with contextlib.aclosing(self._attempt(target, journey, stream)) as deltas:
                     async for delta in deltas:
                         journey.sent.extend(delta.token_ids)
+                        if delta.prompt_token_ids is not None:
+                            if journey.prompt_relayed:
+                                delta = delta.without_prompt()  # sent by an earlier attempt
+                            journey.prompt_relayed = True
                         yield delta
                         if delta.finish_reason is not None:
                             return

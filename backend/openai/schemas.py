@@ -1,24 +1,35 @@
 """Request and response bodies of the OpenAI API as far as this frontend serves it (pydantic).
 
-Accepted: ``model``, ``prompt`` (text) or ``messages`` (text content), ``max_tokens`` /
+Accepted: ``model``, ``prompt`` or ``messages`` (text content), ``max_tokens`` /
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
 ``stream_options.include_usage``, ``n`` = 1, ``response_format`` (``text``, ``json_object``,
 ``json_schema``), ``user`` (ignored), and vLLM's extensions ``ignore_eos`` and ``min_tokens``
-(benchmarks ask for a fixed output length with them). Fields this server cannot honour (``n`` > 1, ``logprobs``,
-``echo``, ``best_of``, ``suffix``, penalties, ``logit_bias``, ``tools``) are refused with a 400
-that names them, never silently ignored; other unknown fields are ignored, as OpenAI's clients
-send fields newer than any server.
+(benchmarks ask for a fixed output length with them).
+
+Log-probabilities: a completion's ``prompt`` is a string, a list of one string, token ids or a
+list of one list of token ids (what lm-eval sends); ``logprobs`` (0..5: the chosen tokens'
+log-probabilities and the k most likely at each position) and ``echo`` (the prompt comes first
+in the text, and with ``logprobs`` its tokens first in the log-probabilities; ``max_tokens`` 0
+then only scores the prompt). A chat completion takes ``logprobs`` (bool) and
+``top_logprobs`` (0..20, with ``logprobs`` only).
+
+Fields this server cannot honour (``n`` > 1, ``best_of``, ``suffix``, penalties, ``logit_bias``,
+``tools``, a chat's ``echo``, a completion's ``top_logprobs``) are refused with a 400 that names
+them, never silently ignored; other unknown fields are ignored, as OpenAI's clients send fields
+newer than any server.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit of a completion's ``logprobs``
+MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's limit of a chat's ``top_logprobs`` (the Triton API's too)
 
 
 class UnsupportedField(ValueError):
@@ -29,11 +40,10 @@ class UnsupportedField(ValueError):
         self.param = param
 
 
+Refusals = dict[str, tuple[str, tuple[object, ...]]]
+
 # field -> (why it is refused, values that ask for nothing and are accepted)
-_REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
-    "logprobs": ("logprobs are not supported", (None, False, 0)),
-    "top_logprobs": ("logprobs are not supported", (None, 0)),
-    "echo": ("echo is not supported", (None, False)),
+_REFUSED: Refusals = {
     "best_of": ("best_of is not supported", (None, 1)),
     "suffix": ("suffix is not supported", (None, "")),
     "logit_bias": ("logit_bias is not supported", (None, {})),
@@ -77,12 +87,14 @@ class _Common(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     user: str | None = None
 
+    _refused: ClassVar[Refusals] = _REFUSED  # this endpoint's refused fields
+
     def check_supported(self) -> None:
         """Raise :class:`UnsupportedField` for a field set to something this server cannot do."""
         if self.n != 1:
             raise UnsupportedField("n", f"n must be 1 (got {self.n}): one choice per request")
         extra = self.model_extra or {}
-        for name, (message, harmless) in _REFUSED.items():
+        for name, (message, harmless) in self._refused.items():
             if name in extra and extra[name] not in harmless:
                 raise UnsupportedField(name, message)
 
@@ -112,15 +124,62 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str]
-    max_tokens: int | None = Field(default=COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
+    _refused: ClassVar[Refusals] = {
+        **_REFUSED,
+        "top_logprobs": ("top_logprobs is a chat completions field: a completion takes logprobs (0..5)", (None, 0)),
+    }
 
-    def prompt_text(self) -> str:
-        if isinstance(self.prompt, list):
-            if len(self.prompt) != 1:
-                raise UnsupportedField("prompt", "one prompt per request (a list of one string at most)")
-            return self.prompt[0]
-        return self.prompt
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=COMPLETIONS_DEFAULT_MAX_TOKENS, ge=0)
+    # strict: ``true`` (a chat's logprobs) is no count of top tokens
+    logprobs: Annotated[int, Field(strict=True)] | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool = False
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _prompt_shape(cls, v):
+        """Checked here, not by the union (whose errors would name its members, not ``prompt``)."""
+
+        def ids(x) -> bool:
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if isinstance(v, str) or ids(v):
+            return v
+        if isinstance(v, list) and (all(isinstance(p, str) for p in v) or all(ids(p) for p in v)):
+            return v
+        raise ValueError("the prompt is a string, token ids (integers), or a list of one of them")
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.max_tokens == 0 and not self.echo:
+            raise UnsupportedField(
+                "max_tokens", "max_tokens must be at least 1 (0 only with echo: the request then scores its prompt)"
+            )
+
+    def output_limit(self) -> int:
+        return COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+
+    def prompt_input(self) -> str | list[int]:
+        """The one prompt: its text, or its token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return prompt
+        if prompt and all(isinstance(p, int) for p in prompt):
+            ids = [int(p) for p in prompt]  # type: ignore[arg-type]
+        elif len(prompt) == 1:
+            one = prompt[0]
+            if isinstance(one, str):
+                return one
+            ids = list(one)  # type: ignore[arg-type]
+        else:
+            raise UnsupportedField(
+                "prompt", f"one prompt per request (a string, token ids, or a list of one of them); got {len(prompt)}"
+            )
+        if not ids:
+            raise UnsupportedField("prompt", "the prompt holds no token id")
+        if any(t < 0 for t in ids):
+            raise UnsupportedField("prompt", "a token id of the prompt is negative")
+        return ids
 
 
 class TextPart(BaseModel):
@@ -143,9 +202,21 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
+    _refused: ClassVar[Refusals] = {
+        **_REFUSED,
+        "echo": ("echo is not a chat completions field (completions take it)", (None, False)),
+    }
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs and not self.logprobs:
+            raise UnsupportedField("top_logprobs", "top_logprobs needs logprobs: true")
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -1,6 +1,7 @@
 """One generation against Triton over gRPC streaming (tritonclient's asyncio client): the
-request's tensors (with ``resume_token_ids`` when a request continues on another decode
-instance), and the responses as :class:`Delta` values; and a decode model's health probe
+request's tensors (the prompt as ``text_input`` or as token ids, ``input_ids``; with
+``resume_token_ids`` when a request continues on another decode instance), and the responses as
+:class:`Delta` values, with the log-probabilities the request asked for; and a decode model's health probe
 (:meth:`TritonStream.instance_state`). Closing the iterator before the
 request finished (a client that went away) cancels the gRPC call, which Triton passes to the
 model as a cancellation, so the request's KV pages go back to the pool. A finished request's call
@@ -10,6 +11,7 @@ that response in Triton's gRPC handler, holding the model, which then cannot unl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
@@ -35,6 +37,13 @@ class GenerationParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     guided_json: str | None = None
+    log_probs: bool = False  # each output token's log-probability
+    prompt_log_probs: bool = False  # the prompt's (first response); max_tokens may then be 0
+    num_top_log_probs: int = 0  # with either: the k most likely tokens at each position
+
+
+# the k most likely tokens at one position, most likely first: (token id, log-probability)
+TopTokens = list[tuple[int, float]]
 
 
 @dataclass
@@ -44,6 +53,18 @@ class Delta:
     num_output_tokens: int
     finish_reason: str | None  # set on the last response
     token_ids: list[int] = field(default_factory=list)  # the output tokens of this response
+    # asked for with GenerationParams.log_probs: one per token of token_ids (top: k per token)
+    log_probs: list[float] | None = None
+    top_log_probs: list[TopTokens] | None = None
+    # asked for with GenerationParams.prompt_log_probs, in the first response: the prompt's
+    # tokens, and the log-probabilities of its tokens 2..P (the first has no context)
+    prompt_token_ids: list[int] | None = None
+    prompt_log_probs: list[float] | None = None
+    prompt_top_log_probs: list[TopTokens] | None = None
+
+    def without_prompt(self) -> Delta:
+        """This delta without the prompt's log-probabilities (a client gets them once)."""
+        return dataclasses.replace(self, prompt_token_ids=None, prompt_log_probs=None, prompt_top_log_probs=None)
 
 
 class GenerationError(Exception):
@@ -66,9 +87,16 @@ def _tensor(name: str, values, triton_type: str, np_type) -> InferInput:
     return t
 
 
-def build_inputs(prompt: str, params: GenerationParams, resume_token_ids: list[int] | None = None) -> list[InferInput]:
+def build_inputs(
+    prompt: str | list[int], params: GenerationParams, resume_token_ids: list[int] | None = None
+) -> list[InferInput]:
+    """The request's tensors; ``prompt``: text, or token ids (``input_ids``)."""
+    if isinstance(prompt, str):
+        first = _tensor("text_input", [prompt.encode("utf-8")], "BYTES", object)
+    else:
+        first = _tensor("input_ids", prompt, "INT32", np.int32)
     ins = [
-        _tensor("text_input", [prompt.encode("utf-8")], "BYTES", object),
+        first,
         _tensor("max_tokens", [params.max_tokens], "INT32", np.int32),
         _tensor("stream", [True], "BOOL", bool),
         _tensor("temperature", [params.temperature], "FP32", np.float32),
@@ -87,6 +115,12 @@ def build_inputs(prompt: str, params: GenerationParams, resume_token_ids: list[i
         ins.append(_tensor("guided_json", [params.guided_json.encode("utf-8")], "BYTES", object))
     if resume_token_ids:
         ins.append(_tensor("resume_token_ids", resume_token_ids, "INT32", np.int32))
+    if params.log_probs:
+        ins.append(_tensor("return_log_probs", [True], "BOOL", bool))
+    if params.prompt_log_probs:
+        ins.append(_tensor("return_prompt_log_probs", [True], "BOOL", bool))
+    if params.num_top_log_probs and (params.log_probs or params.prompt_log_probs):
+        ins.append(_tensor("num_top_log_probs", [params.num_top_log_probs], "INT32", np.int32))
     return ins
 
 
@@ -100,6 +134,50 @@ def _text(exc: grpc.RpcError | InferenceServerException) -> str:
 def _ints(result, name: str) -> list[int]:
     arr = result.as_numpy(name)
     return [] if arr is None else [int(v) for v in arr.reshape(-1)]
+
+
+def _floats(result, name: str) -> list[float] | None:
+    arr = result.as_numpy(name)
+    return None if arr is None else [float(v) for v in arr.reshape(-1)]
+
+
+def _top(result, lp_name: str, id_name: str, positions: int) -> list[TopTokens] | None:
+    """``positions`` rows of (token id, log-prob) from the row-major tensors ``id_name`` and
+    ``lp_name`` (k per position); None when the response has none."""
+    lps, ids = _floats(result, lp_name), _ints_or_none(result, id_name)
+    if lps is None or ids is None:
+        return None
+    if len(lps) != len(ids) or (positions and len(lps) % positions) or (not positions and lps):
+        raise GenerationError(
+            ErrorKind.INTERNAL, f"Triton sent {len(ids)} {id_name} and {len(lps)} {lp_name} for {positions} positions"
+        )
+    k = len(lps) // positions if positions else 0
+    return [list(zip(ids[i * k : (i + 1) * k], lps[i * k : (i + 1) * k], strict=True)) for i in range(positions)]
+
+
+def _ints_or_none(result, name: str) -> list[int] | None:
+    arr = result.as_numpy(name)
+    return None if arr is None else [int(v) for v in arr.reshape(-1)]
+
+
+def parse_delta(result) -> Delta:
+    """One Triton response (``InferResult``-like: ``as_numpy(name)``, None for an output it
+    does not carry) as a :class:`Delta`."""
+    token_ids = _ints(result, "output_token_ids")
+    prompt_ids = _ints_or_none(result, "prompt_token_ids")
+    prompt_positions = max(0, len(prompt_ids) - 1) if prompt_ids is not None else 0
+    return Delta(
+        text=_scalar(result, "text_output", ""),
+        num_input_tokens=int(_scalar(result, "num_input_tokens", 0)),
+        num_output_tokens=int(_scalar(result, "num_output_tokens", 0)),
+        finish_reason=_scalar(result, "finish_reason", "") or None,
+        token_ids=token_ids,
+        log_probs=_floats(result, "output_log_probs"),
+        top_log_probs=_top(result, "output_top_log_probs", "output_top_token_ids", len(token_ids)),
+        prompt_token_ids=prompt_ids,
+        prompt_log_probs=_floats(result, "prompt_log_probs"),
+        prompt_top_log_probs=_top(result, "prompt_top_log_probs", "prompt_top_token_ids", prompt_positions),
+    )
 
 
 def _scalar(result, name: str, default=None):
@@ -124,12 +202,12 @@ class TritonStream:
             return False
 
     async def generate(
-        self, model: str, prompt: str, params: GenerationParams, resume_token_ids: list[int] | None = None
+        self, model: str, prompt: str | list[int], params: GenerationParams, resume_token_ids: list[int] | None = None
     ) -> AsyncGenerator[Delta, None]:
         """Deltas until the one with a finish reason; :class:`GenerationError` for a refused or
-        failed request (:class:`StreamLost` for a broken call). ``resume_token_ids``: the output
-        the client has already; the model continues after it. Closing the iterator early
-        cancels the request in Triton."""
+        failed request (:class:`StreamLost` for a broken call). ``prompt``: text or token ids.
+        ``resume_token_ids``: the output the client has already; the model continues after it.
+        Closing the iterator early cancels the request in Triton."""
         inputs = build_inputs(prompt, params, resume_token_ids)
         request = {"model_name": model, "inputs": inputs, "request_id": uuid.uuid4().hex}
 
@@ -144,13 +222,7 @@ class TritonStream:
                     ended = True
                     kind, message = parse_error(error.message())
                     raise GenerationError(kind, message)
-                delta = Delta(
-                    text=_scalar(result, "text_output", ""),
-                    num_input_tokens=int(_scalar(result, "num_input_tokens", 0)),
-                    num_output_tokens=int(_scalar(result, "num_output_tokens", 0)),
-                    finish_reason=_scalar(result, "finish_reason", "") or None,
-                    token_ids=_ints(result, "output_token_ids"),
-                )
+                delta = parse_delta(result)
                 ended = delta.finish_reason is not None
                 yield delta
                 if ended:

@@ -146,8 +146,8 @@ def test_bad_input_and_unknown_model(agg):
     cases = [
         (dict(prompt="x", max_tokens=4, n=2), "n"),
         (dict(prompt="x", max_tokens=4, temperature=3.0), "temperature"),
-        (dict(prompt="x", max_tokens=4, logprobs=2), "logprobs"),
-        (dict(prompt="x", max_tokens=0), "max_tokens"),
+        (dict(prompt="x", max_tokens=4, logprobs=6), "logprobs"),  # 0..5 (tests/integration/test_openai_logprobs.py)
+        (dict(prompt="x", max_tokens=0), "max_tokens"),  # 0 only with echo
         (dict(prompt="x", max_tokens=100_000), None),  # refused by the model: over its limit
         (dict(prompt="", max_tokens=4), None),
     ]

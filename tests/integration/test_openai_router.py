@@ -11,13 +11,16 @@ the frontend (``--discovery``) knows them only from etcd.
   routed to, and the frontend logs it;
 - kill -9 of a decode instance serving some of 4 long greedy streams after about 30 tokens: every
   stream completes, each equal to transformers' output (no token repeated or lost), and the
-  frontend's ``triton_disagg_migrations_total`` counts the moves.
+  frontend's ``triton_disagg_migrations_total`` counts the moves; a fifth stream with echo and
+  logprobs gets the prompt's log-probabilities once and every output token's, equal to
+  transformers' (it moves when the killed instance served it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import signal
 import threading
@@ -27,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 import requests
+import torch
 
 from backend.cluster.etcd import EtcdClient
 from backend.cluster.records import InstanceRecord, decode, encode, key_of, prefix_of
@@ -247,10 +251,31 @@ def test_streams_move_when_their_decode_instance_is_killed(cluster, tokenizer, h
         except Exception as e:  # noqa: BLE001 - asserted below
             errors[i] = e
 
+    # and one more stream, greedy with echo and logprobs: the prompt's log-probabilities reach the
+    # client once, and every output token's, across the move
+    scored = tokenizer.encode("The capital of France is", add_special_tokens=False)
+    pieces: list[dict] = []
+
+    def stream_logprobs() -> None:
+        body = {"model": MODEL, "prompt": [scored], "max_tokens": N_TOKENS, "temperature": 0, "logprobs": 1}
+        body |= {"echo": True, "ignore_eos": True, "stream": True}
+        try:
+            with requests.post(f"{cluster.frontend.url}/v1/completions", json=body, stream=True, timeout=300) as r:
+                assert r.status_code == 200, r.text
+                for line in r.iter_lines():
+                    if line.startswith(b"data: ") and line != b"data: [DONE]":
+                        event = json.loads(line[len(b"data: ") :])
+                        assert "error" not in event, event
+                        if event["choices"] and event["choices"][0]["logprobs"]:
+                            pieces.append(event["choices"][0]["logprobs"])
+        except Exception as e:  # noqa: BLE001 - asserted below
+            errors.append(e)
+
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+    threads.append(threading.Thread(target=stream_logprobs))
     [t.start() for t in threads]
     deadline = time.monotonic() + 120
-    while min(received) < 30 or not (active(cluster.a) or active(cluster.b)):
+    while min(received) < 30 or len(pieces) < 20 or not (active(cluster.a) or active(cluster.b)):
         assert time.monotonic() < deadline, (received, active(cluster.a), active(cluster.b))
         time.sleep(0.05)
     victim, name = (cluster.a, "A") if active(cluster.a) >= active(cluster.b) else (cluster.b, "B")
@@ -262,6 +287,16 @@ def test_streams_move_when_their_decode_instance_is_killed(cluster, tokenizer, h
     for prompt, text in zip(prompts, texts):
         want = hf_greedy(hf_model, prompt_token_ids(tokenizer, prompt, False), N_TOKENS)
         assert text == tokenizer.decode(want, skip_special_tokens=True), prompt
+    with_prompt = [p for p in pieces if p["token_logprobs"] and p["token_logprobs"][0] is None]
+    assert len(with_prompt) == 1 and pieces[0] is with_prompt[0] and len(pieces[0]["tokens"]) == len(scored)
+    out_tokens = [t for p in pieces[1:] for t in p["tokens"]]
+    out_lps = [v for p in pieces[1:] for v in p["token_logprobs"]]
+    full = scored + hf_greedy(hf_model, scored, N_TOKENS)
+    assert out_tokens == [tokenizer.decode([t]) for t in full[len(scored) :]]  # nothing repeated or lost
+    with torch.inference_mode():
+        table = hf_model(input_ids=torch.tensor([full])).logits[0].float().log_softmax(-1)
+    want = [float(table[i, full[i + 1]]) for i in range(len(scored) - 1, len(full) - 1)]
+    assert out_lps == pytest.approx(want, abs=1e-3)
     moved = cluster.migrations() - before
     print(
         f"killed server {name}'s decode instance with {on_victim:.0f} stream(s) on it at {at_kill}; {moved:.0f} moved"
