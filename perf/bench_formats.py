@@ -4,7 +4,12 @@ cache float32 for all) side by side in one run, on the real model.
 In one process, per format: prefill tokens/s (a 512-token prompt, best of 3), decode tokens/s
 at batch 1 and batch 16 (from the median step time), and quality against float32: the share
 of greedy tokens identical to float32's over the first 64 tokens of 8 prompts (each run alone),
-and the mean |logit difference| at one prompt's last position. Then, with ``--server``, one
+the mean |logit difference| at one prompt's last position, and on held-out English
+(``perf/data/heldout_en.txt``; ``--heldout``) perplexity against the reference's and next-token
+argmax agreement with it, teacher forced through the engine's runner: windows of 512 prompt
+tokens (non-overlapping), each prefilled in chunks of 256 (``max_num_batched_tokens``' default),
+logits at every position, then 32 more tokens fed one decode step at a time (the decode path);
+reported for the prompt positions and the decode steps apart. Then, with ``--server``, one
 stream of 128 tokens through a real ``tritonserver`` (aggregated) per format and engine thread
 count (``--server-threads``; one thread leaves a core to Triton and the client): tokens/s after
 the first token. Each format runs with each ``--decoders`` setting (``EngineConfig.decoder``:
@@ -13,7 +18,7 @@ against the first variant (float32 through transformers' modules by default). Pr
 table; writes JSON to perf/results/.
 
     python -m perf.bench_formats [--formats float32,bfloat16,int8] [--decoders transformers,auto]
-                                 [--threads 2] [--server]
+                                 [--threads 2] [--server] [--heldout FILE] [--windows N]
 """
 
 from __future__ import annotations
@@ -28,12 +33,16 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from backend.engine.config import EngineConfig  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
+from backend.engine.paged_attention import BatchEntry  # noqa: E402
 from backend.engine.sampling_params import SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+HELDOUT = Path(__file__).resolve().parent / "data" / "heldout_en.txt"
+WINDOW, WINDOW_DECODE, PREFILL_CHUNK = 512, 32, 256
 PROMPTS = [
     "The history of the printing press begins",
     "Write a short poem about the sea.",
@@ -110,15 +119,66 @@ def _last_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     return out.logits.float()
 
 
+def _teacher_forced(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
+    """Logits at every position of ``ids`` but the last: its first WINDOW tokens prefilled in
+    chunks of PREFILL_CHUNK (logits of every position), the rest one decode step each. Runs the
+    engine's runner directly, on pages of the idle engine's pool (prefix caching off)."""
+    runner = engine.runner
+    pages = list(range(-(-len(ids) // runner.pool.page_size)))
+    out = []
+    with torch.inference_mode():
+        for s in range(0, WINDOW, PREFILL_CHUNK):
+            chunk = ids[s : s + PREFILL_CHUNK]
+            position_logits = runner.run([BatchEntry(chunk, s, pages)], num_logits=[len(chunk)]).position_logits
+            assert position_logits is not None
+            out.append(position_logits[0])
+        out += [runner.run([BatchEntry([ids[p]], p, pages)]).logits for p in range(WINDOW, len(ids) - 1)]
+    return torch.cat(out).float()
+
+
+def _heldout(engine: LLMEngine, windows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per scored position of every window: the negative log-likelihood of the text's next token
+    and the argmax token."""
+    nll, top = [], []
+    for ids in windows:
+        assert not engine.has_work()
+        logits = _teacher_forced(engine, ids)
+        target = torch.tensor(ids[1:])
+        nll.append(-F.log_softmax(logits, -1).gather(1, target[:, None])[:, 0])
+        top.append(logits.argmax(-1))
+    return torch.stack(nll), torch.stack(top)
+
+
+def _heldout_figures(nll: torch.Tensor, top: torch.Tensor, reference: tuple[torch.Tensor, torch.Tensor]) -> dict:
+    """Perplexity, its ratio to the reference's and the argmax agreement with it, for the prompt
+    positions (the chunked prefill) and the decode steps apart."""
+    out = {}
+    for part, cols in (("prefill", slice(0, WINDOW - 1)), ("decode", slice(WINDOW - 1, None))):
+        mean, ref_mean = nll[:, cols].mean(), reference[0][:, cols].mean()
+        out[f"heldout_ppl_{part}"] = float(mean.exp())
+        out[f"heldout_ppl_ratio_{part}"] = float((mean - ref_mean).exp())
+        out[f"heldout_argmax_agree_{part}"] = float((top[:, cols] == reference[1][:, cols]).float().mean())
+    return out
+
+
 def _label(fmt: str, decoder: str) -> str:
     return f"{fmt}, {'lean loop' if decoder == 'auto' else decoder}"
 
 
-def engine_figures(model_dir: str, variants: list[tuple[str, str]], threads: int, tokenizer) -> dict:
+def heldout_windows(tokenizer, path: Path, count: int) -> list[list[int]]:
+    """Up to ``count`` windows of WINDOW + WINDOW_DECODE tokens of the text, starting every WINDOW."""
+    ids = tokenizer.encode(path.read_text(), add_special_tokens=False)
+    size = WINDOW + WINDOW_DECODE
+    return [ids[s : s + size] for s in range(0, len(ids) - size + 1, WINDOW)][:count]
+
+
+def engine_figures(
+    model_dir: str, variants: list[tuple[str, str]], threads: int, tokenizer, windows: list[list[int]] | None = None
+) -> dict:
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
     long_prompt = (tokenizer.encode(" ".join(PROMPTS), add_special_tokens=False) * 20)[:512]
     context = long_prompt[:256]
-    results, reference = {}, None
+    results, reference, heldout_reference = {}, None, None
     for fmt, decoder in variants:
         engine = _engine(model_dir, fmt, decoder, threads)
         greedy = [_greedy(engine, ids, 64) for ids in prompts]
@@ -133,6 +193,11 @@ def engine_figures(model_dir: str, variants: list[tuple[str, str]], threads: int
         same = sum(sum(a == b for a, b in zip(g, ref)) for g, ref in zip(greedy, reference[0]))
         r["identical_greedy_share"] = same / sum(len(g) for g in reference[0])
         r["mean_abs_logit_diff"] = float((logits - reference[1]).abs().mean())
+        if windows:
+            nll, top = _heldout(engine, windows)
+            if heldout_reference is None:
+                heldout_reference = (nll, top)
+            r.update(_heldout_figures(nll, top, heldout_reference))
         results[_label(fmt, decoder)] = r
         engine.close()
         print(_label(fmt, decoder), {k: round(v, 3) for k, v in r.items()}, flush=True)
@@ -172,12 +237,23 @@ def server_figures(
     return out
 
 
+def _heldout_cells(r: dict) -> str:
+    if "heldout_ppl_ratio_prefill" not in r:
+        return "- | -"
+    return (
+        f"{r['heldout_ppl_ratio_prefill']:.3f} / {r['heldout_ppl_ratio_decode']:.3f} "
+        f"| {100 * r['heldout_argmax_agree_prefill']:.1f}% / {100 * r['heldout_argmax_agree_decode']:.1f}%"
+    )
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--formats", default="float32,bfloat16,int8")
     p.add_argument("--decoders", default="transformers,auto", help="EngineConfig.decoder settings to compare")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--model", default=None)
+    p.add_argument("--heldout", default=str(HELDOUT), help="held-out text for perplexity ('' to skip)")
+    p.add_argument("--windows", type=int, default=7, help="held-out windows of 512 (+32 decode) tokens")
     p.add_argument("--server", action="store_true", help="also one stream through a real server per format")
     p.add_argument("--server-threads", default="2,1", help="engine threads (num_threads) of the server runs")
     p.add_argument(
@@ -195,7 +271,8 @@ def main(argv=None) -> int:
     model_dir = str(ensure_model(args.model))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     variants = [(fmt, dec) for fmt in args.formats.split(",") for dec in args.decoders.split(",")]
-    results = engine_figures(model_dir, variants, args.threads, tokenizer)
+    windows = heldout_windows(tokenizer, Path(args.heldout), args.windows) if args.heldout else None
+    results = engine_figures(model_dir, variants, args.threads, tokenizer, windows)
     if args.server:
         threads = [int(t) for t in args.server_threads.split(",")]
         envs = {"": {}}
@@ -206,15 +283,17 @@ def main(argv=None) -> int:
             results[label].update(r)
     rows = [
         "| weights, decoder | prefill tok/s (512) | decode tok/s b1 | decode tok/s b16 | identical greedy tokens "
-        "| mean abs logit diff | server stream tok/s (by engine threads) |",
-        "|---|---|---|---|---|---|---|",
+        "| mean abs logit diff | held-out ppl ratio, prompt / decode | held-out argmax agreement, prompt / decode "
+        "| server stream tok/s (by engine threads) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for fmt, r in results.items():
         runs = {k.removeprefix("server_stream_tok_s_"): v for k, v in r.items() if k.startswith("server_stream_tok_s_")}
         server = ", ".join(f"{v:.1f} ({n.replace('_threads', ' thr')})" for n, v in runs.items()) or "-"
         rows.append(
             f"| {fmt} | {r['prefill_tok_s']:.0f} | {r['decode_b1_tok_s']:.1f} | {r['decode_b16_tok_s']:.1f} "
-            f"| {100 * r['identical_greedy_share']:.1f}% | {r['mean_abs_logit_diff']:.3f} | {server} |"
+            f"| {100 * r['identical_greedy_share']:.1f}% | {r['mean_abs_logit_diff']:.3f} | {_heldout_cells(r)} "
+            f"| {server} |"
         )
     md = f"settings {vars(args)}\n\n" + "\n".join(rows) + "\n"
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -1,11 +1,24 @@
-"""Benchmark: the linear layers of one SmolLM2-135M decode step (30 layers' q/k/v/o/gate/up/down
-and the LM head, random weights) in each candidate weight format, at batch 1 and 16: float32,
-bfloat16, torch's dynamic int8 over fbgemm (what ``weights_dtype=int8`` uses), and torchao's
-int8 dynamic-activation and int8 weight-only configs when torchao imports (``--torchao-path``: a
-folder it was installed into, e.g. ``pip install --no-deps --target DIR torchao``). Median of 10
-runs each; this is how the engine's int8 kernel was chosen.
+"""Benchmark: the linear layers of one SmolLM2-135M step (30 layers' q/k/v/o/gate/up/down and
+the LM head, random weights) in each candidate weight format, at batch 1 and 16 rows (a decode
+step, a batch of decodes; ``--batches`` adds others, e.g. 256, a prefill chunk, which takes
+minutes: ``_weight_int8pack_mm`` is ~40x slower than fbgemm there): float32, bfloat16, and int8 weights (per
+output channel) with
 
-    python -m perf.bench_int8_kernels [--threads 2] [--torchao-path DIR]
+- activations quantized per row (per token) over fbgemm: ``weights_dtype=int8``
+  (``backend/engine/int8_linear.py``: each row divided by its max |x|, one fixed 8-bit range);
+- activations quantized per tensor (one scale per step, 7-bit ``reduce_range``): torch.ao's
+  ``quantize_dynamic``, the former ``weights_dtype=int8``, fast but 2-3x float32's perplexity;
+- activations quantized per row, symmetric int8, through ``torch._int_mm`` (int8 x int8 ->
+  int32, oneDNN) and rescaled;
+- float activations: ``torch.ops.aten._weight_int8pack_mm`` (weight-only int8);
+- torchao's int8 dynamic-activation and int8 weight-only configs when torchao imports
+  (``--torchao-path``: a folder it was installed into, e.g. ``pip install --no-deps --target DIR
+  torchao``).
+
+Median of 10 runs each, the candidates alternated round by round; this is how the engine's
+int8 kernel was chosen.
+
+    python -m perf.bench_int8_kernels [--threads 2] [--batches 1,16] [--torchao-path DIR]
 """
 
 from __future__ import annotations
@@ -30,31 +43,72 @@ def _layers(dtype=torch.float32) -> torch.nn.ModuleList:
     return torch.nn.ModuleList([torch.nn.Linear(i, o, bias=False) for i, o in SHAPES]).to(dtype).eval()
 
 
-def _ms(layers, batch: int, dtype=torch.float32) -> float:
-    xs = {n: torch.randn(batch, n, dtype=dtype) for n in (HIDDEN, INTER)}
-    times = []
+class _IntMM(torch.nn.Module):
+    """Per-row symmetric int8 activations x per-channel int8 weights through ``torch._int_mm``."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features = linear.in_features
+        w = linear.weight.detach()
+        self.w_scale = w.abs().amax(1).clamp_min(1e-12) / 127
+        self.w_t = torch.round(w / self.w_scale[:, None]).to(torch.int8).t().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = x.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127
+        return torch._int_mm(torch.round(x / scale).to(torch.int8), self.w_t) * (scale * self.w_scale)
+
+
+class _WeightInt8Pack(torch.nn.Module):
+    """Float activations x per-channel int8 weights through ``aten._weight_int8pack_mm``."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features = linear.in_features
+        w = linear.weight.detach()
+        self.scale = w.abs().amax(1).clamp_min(1e-12) / 127
+        self.w = torch.round(w / self.scale[:, None]).to(torch.int8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.w, self.scale)
+
+
+def _per_tensor_int8(layers: torch.nn.ModuleList) -> torch.nn.Module:
+    """The former ``weights_dtype=int8``: torch.ao dynamic quantization (per-tensor activations)."""
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return quantize_dynamic(layers, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
+
+
+def _wrapped(layers: torch.nn.ModuleList, make) -> torch.nn.ModuleList:
+    return torch.nn.ModuleList([make(lin) for lin in layers])
+
+
+def _run_once(layers, xs) -> float:
     with torch.inference_mode():
-        for i in range(13):
-            t0 = time.perf_counter()
-            for lin in layers:
-                lin(xs[lin.in_features])
-            if i >= 3:
-                times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+        t0 = time.perf_counter()
+        for lin in layers:
+            lin(xs[lin.in_features])
+        return time.perf_counter() - t0
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--batches", default="1,16")
     p.add_argument("--torchao-path", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from backend.engine.model_runner import quantize_linear_int8
+    from backend.engine.int8_linear import quantize_linear_int8
 
-    rows = {
-        "float32": lambda b: _ms(_layers(), b),
-        "bfloat16": lambda b: _ms(_layers(torch.bfloat16), b, torch.bfloat16),
-        "int8 dynamic, fbgemm (weights_dtype=int8)": lambda b: _ms(quantize_linear_int8(_layers()), b),
+    candidates = {
+        "float32": (_layers(), torch.float32),
+        "bfloat16": (_layers(torch.bfloat16), torch.bfloat16),
+        "int8, per-row activations, fbgemm (weights_dtype=int8)": (quantize_linear_int8(_layers()), torch.float32),
+        "int8, per-tensor 7-bit activations, torch.ao fbgemm (former)": (_per_tensor_int8(_layers()), torch.float32),
+        "int8, per-row activations, torch._int_mm": (_wrapped(_layers(), _IntMM), torch.float32),
+        "int8 weight-only, aten._weight_int8pack_mm": (_wrapped(_layers(), _WeightInt8Pack), torch.float32),
     }
     if args.torchao_path:
         sys.path.insert(0, args.torchao_path)
@@ -68,13 +122,27 @@ def main(argv=None) -> int:
             quantize_(layers, config)
             return layers
 
-        rows["torchao int8 dynamic activation"] = lambda b: _ms(ao(Int8DynamicActivationInt8WeightConfig()), b)
-        rows["torchao int8 weight-only"] = lambda b: _ms(ao(Int8WeightOnlyConfig()), b)
+        candidates["torchao int8 dynamic activation"] = (ao(Int8DynamicActivationInt8WeightConfig()), torch.float32)
+        candidates["torchao int8 weight-only"] = (ao(Int8WeightOnlyConfig()), torch.float32)
     except ImportError as e:
         print(f"torchao not measured: {e}")
-    print(f"threads {args.threads}\n\n| format | ms, batch 1 | ms, batch 16 |\n|---|---|---|")
-    for name, measure in rows.items():
-        print(f"| {name} | {measure(1):.1f} | {measure(16):.1f} |", flush=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    times: dict[tuple[str, int], list[float]] = {}
+    for batch in batches:
+        inputs = {
+            dtype: {n: torch.randn(batch, n, dtype=dtype) for n in (HIDDEN, INTER)}
+            for dtype in {d for _, d in candidates.values()}
+        }
+        for round_ in range(13):  # the candidates alternated, so that load on the machine hits all alike
+            for name, (layers, dtype) in candidates.items():
+                elapsed = _run_once(layers, inputs[dtype])
+                if round_ >= 3:
+                    times.setdefault((name, batch), []).append(elapsed)
+    header = " | ".join(f"ms, batch {b}" for b in batches)
+    print(f"threads {args.threads}\n\n| format | {header} |\n|---|{'---|' * len(batches)}")
+    for name in candidates:
+        cells = " | ".join(f"{1e3 * statistics.median(times[(name, b)]):.1f}" for b in batches)
+        print(f"| {name} | {cells} |", flush=True)
     return 0
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# int8: dynamic-activation int8 linear layers (fbgemm, CPU), everything else in float32
+# int8: int8 linear layers (weights per output channel, activations per row, fbgemm, CPU) over a
+# rotated residual stream (backend/engine/int8_linear.py), everything else in float32
 WEIGHT_FORMATS = (*DTYPES, "int8")
 # auto: the lean layer loop (backend/engine/lean_decoder.py) where the checkpoint's layers fit it
 # and the model runs in one process; transformers: always transformers' own modules
@@ -33,7 +34,8 @@ class EngineConfig:
 
     Formats: ``dtype`` is the default of both ``weights_dtype`` (the weights and the activations
     computed with them; ``int8``: the linear layers' weights in int8 with activations quantized
-    per step, fbgemm on the CPU, the rest in float32) and ``kv_dtype`` (the KV pool; empty: as
+    per row (per token), fbgemm on the CPU, over a rotated residual stream, the rest in float32:
+    ``int8_linear.py``) and ``kv_dtype`` (the KV pool; empty: as
     ``dtype``). They are independent: a float32 model may keep a bfloat16 KV cache.
     """
 
@@ -94,7 +96,7 @@ class EngineConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("EngineConfig.device is 'cuda' but torch sees no GPU")
         if self.weights_format == "int8" and self.torch_device.type != "cpu":
-            raise ValueError("EngineConfig.weights_dtype int8 runs on the CPU only (fbgemm dynamic quantization)")
+            raise ValueError("EngineConfig.weights_dtype int8 runs on the CPU only (fbgemm int8 kernels)")
 
     @property
     def torch_device(self) -> torch.device:

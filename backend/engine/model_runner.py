@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from backend.engine.config import EngineConfig
 from backend.engine.device_progress import DeviceProgress, make_progress
+from backend.engine.int8_linear import quantize_linear_int8, rotate_residual_stream, rotation_unsupported
 from backend.engine.kv_pool import KVPool
 from backend.engine.lean_decoder import LeanDecoder, fuse_projections, unsupported_reason
 from backend.engine.paged_attention import ATTN_IMPLEMENTATION, BatchEntry, build_paged_batch
@@ -20,6 +21,8 @@ from backend.engine.protocol import DeviceMark, ModelDims
 from backend.engine.small_batch_linear import use_small_batch_linears
 
 log = logging.getLogger("triton_disagg.engine")
+
+__all__ = ["ModelRunner", "StepResult", "quantize_linear_int8"]
 
 
 @dataclass
@@ -29,19 +32,6 @@ class StepResult:
     # with run(..., num_logits=n): per entry, its last n[i] positions: [n[i], vocab] / [n[i], hidden]
     position_logits: list[torch.Tensor] | None = None
     position_hidden: list[torch.Tensor] | None = None
-
-
-def quantize_linear_int8(model: torch.nn.Module) -> torch.nn.Module:
-    """Every linear layer (the LM head included) with int8 weights, per output channel, and
-    activations quantized on the fly (``torch.ao`` dynamic quantization over fbgemm; the
-    fastest int8 path measured on this CPU: ``perf/bench_int8_kernels.py``, ``perf/REPORT.md``)."""
-    import warnings
-
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
-    with warnings.catch_warnings():  # torch marks torch.ao.quantization deprecated (for torchao)
-        warnings.simplefilter("ignore")
-        return quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
 
 
 class ModelRunner:
@@ -64,9 +54,13 @@ class ModelRunner:
         # transformers wraps PreTrainedModel.to with functools.wraps, whose typeshed type does not bind self
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         self.decoder = self._choose_decoder(config)
+        int8 = config.weights_format == "int8"
+        if int8 and rotation_unsupported(self.model) is None:
+            # before fusing, so that both decoders get the same rotated weights, bit for bit
+            rotate_residual_stream(self.model)
         if self.decoder == "lean":
             fuse_projections(self.model)  # before quantization, which then covers the fused layers
-        if config.weights_format == "int8":
+        if int8:
             self.model = quantize_linear_int8(self.model)
         elif self.device.type == "cpu":
             use_small_batch_linears(self.model)
