@@ -30,6 +30,7 @@ Prints a markdown table; writes JSON to perf/results/.
 
     python -m perf.bench_perplexity [--formats float32,bfloat16,int8] [--modes aggregated,disagg]
                                     [--window 512] [--tokens 128] [--streams 3] [--no-llama-cpp]
+                                    [--engine-threads N]
 """
 
 from __future__ import annotations
@@ -161,7 +162,10 @@ def run_ours(mode: str, fmt: str, wins: list[list[int]], args, bos_id: int | Non
     overrides = {"weights_dtype": fmt, "max_tokens_limit": str(max(256, args.tokens))}
     if mode == "disagg":
         overrides["local_prefill_max_tokens"] = "0"  # every window's prefill crosses the KV fabric
-    server = servers.start(mode, overrides=overrides, log_dir=log_dir)
+    per_model = (
+        {"llm": {"num_threads": str(args.engine_threads)}} if args.engine_threads and mode == "aggregated" else {}
+    )
+    server = servers.start(mode, overrides=overrides, per_model=per_model, log_dir=log_dir)
     frontend = OpenAIFrontend(server.grpc_url, ensure_model(), log_file=log_dir / "openai.log")
     try:
         frontend.start()
@@ -266,6 +270,12 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=128, help="decode tokens per stream")
     p.add_argument("--streams", type=int, default=3)
     p.add_argument("--no-llama-cpp", action="store_true")
+    p.add_argument(
+        "--engine-threads",
+        type=int,
+        default=0,
+        help="aggregated mode: the engine's threads (num_threads; 1 = perf.bench_cpp_baseline's setting); 0: all cores",
+    )
     p.add_argument("--cpp-threads", type=int, default=len(os.sched_getaffinity(0)))
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
