@@ -138,8 +138,10 @@ def test_a_decode_server_joins_under_load_drains_and_stops_without_failing_a_req
                 # B's front now sends everything to its decode_0
                 after = stream_generate(b.grpc_url, "Still serving after the drain?", 4, ignore_eos=True)
                 assert after.error is None, after.error
-                stopper = threading.Thread(target=b.stop)
-                stopper.start()  # SIGTERM-like stop under load: leave the membership, finish what is in flight
+                # SIGTERM-like stop under load: leave the membership, finish what is in flight (within
+                # serve's default drain window, 30 s: a 48-token request on 2 loaded cores can take 10 s)
+                stopper = threading.Thread(target=b.stop, kwargs={"drain_timeout_s": 30.0})
+                stopper.start()
                 time.sleep(1.0)
             finally:
                 results_b = load_b.stop()
