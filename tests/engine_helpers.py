@@ -44,6 +44,11 @@ def build_tiny_llama(path: Path) -> Path:
     return path
 
 
+def prompt_of(length: int, seed: int = 0) -> list[int]:
+    """Random token ids of the tiny model's vocabulary (ids 0-2 are special)."""
+    return torch.randint(3, TINY_VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
 def real_model_dir() -> Path:
     if not (REAL_MODEL_DIR / "config.json").is_file():
         try:

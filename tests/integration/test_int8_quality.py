@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -33,8 +32,7 @@ def _logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
 
 
 def test_int8_perplexity_stays_close_to_float32_through_chunked_prefill_and_decode():
-    if not TEXT.is_file():
-        pytest.skip(f"{TEXT} is missing")
+    assert TEXT.is_file(), f"{TEXT} is part of the repository and missing"
     from transformers import AutoTokenizer
 
     model = real_model_dir()

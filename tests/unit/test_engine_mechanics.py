@@ -11,6 +11,7 @@ from engine_helpers import (
     assert_pool_idle,
     build_tiny_llama,
     make_engine,
+    prompt_of,
     run_to_completion,
     tokens_of,
 )
@@ -36,10 +37,6 @@ def engine(tiny_dir):
     engine = make_engine(tiny_dir, max_num_batched_tokens=16, kv_cache_tokens=1024, page_size=8)
     yield engine
     assert_pool_idle(engine)
-
-
-def prompt_of(length: int, seed: int = 0) -> list[int]:
-    return torch.randint(3, TINY_VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
