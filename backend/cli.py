@@ -7,6 +7,8 @@ triton-disagg generate "prompt"    stream an answer from a running server
 triton-disagg openai --triton-url HOST:PORT   the OpenAI-compatible API in front of a running deployment
 triton-disagg drain INSTANCE --discovery etcd://HOST:PORT   take one instance out without failing a request
 triton-disagg plan [--profile FILE] [--cores N | --nodes N]   recommend a deployment for an SLO
+triton-disagg agent --discovery etcd://HOST:PORT   start and stop this host's instances for the autoscaler
+triton-disagg autoscale --discovery etcd://HOST:PORT --ttft S --itl S   scale prefill and decode to an SLO
 """
 
 from __future__ import annotations
@@ -334,6 +336,162 @@ def cmd_drain(args) -> int:
     return 0
 
 
+def cmd_agent(args) -> int:
+    from backend.autoscale.agent import AgentConfig, run
+    from backend.disagg.auth import AuthError, load_secret
+
+    try:
+        load_secret(args.messenger_secret_file)
+    except AuthError as e:
+        raise SystemExit(f"agent: {e}") from None
+    role_sets = {r: getattr(args, f"{r}_set") for r in ("prefill", "decode")}
+    config = AgentConfig(
+        discovery=args.discovery,
+        secret_file=str(Path(args.messenger_secret_file).resolve()),
+        deployment=args.deployment,
+        host=args.host,
+        messenger_host=args.messenger_host or args.host,
+        port=args.port,
+        max_instances=args.max_instances,
+        drain_timeout_s=args.drain_timeout,
+        model=args.model or "",
+        sets=args.set,
+        role_sets=role_sets,
+        log_dir=args.log_dir or "",
+    )
+    return run(config)
+
+
+def cmd_autoscale(args) -> int:
+    from backend.autoscale.actuator import Actuator, LocalAgents
+    from backend.autoscale.autoscaler import Autoscaler, serve_metrics
+    from backend.autoscale.model import PerformanceModel
+    from backend.autoscale.policy import Policy, PolicyConfig
+    from backend.cluster.etcd import EtcdClient
+    from backend.cluster.membership import Membership
+    from backend.disagg.auth import AuthError, load_secret
+    from backend.planner.profile import EngineProfile
+    from backend.planner.slo import SLO
+
+    try:
+        secret = load_secret(str(Path(args.messenger_secret_file).resolve()) if args.messenger_secret_file else "")
+        policy = PolicyConfig(
+            SLO(args.ttft, args.itl),
+            min_instances={"prefill": args.min_prefill, "decode": args.min_decode},
+            max_instances={"prefill": args.max_prefill, "decode": args.max_decode},
+            scale_in_intervals=args.scale_in_intervals,
+            cooldown_s=args.cooldown,
+            up_cooldown_s=args.up_cooldown,
+        )
+        model = None
+        if args.profile:
+            model = PerformanceModel(EngineProfile.load(Path(args.profile)), policy.slo, threads=args.instance_threads)
+    except (AuthError, ValueError, KeyError, OSError) as e:
+        raise SystemExit(f"autoscale: {e}") from None
+    membership = Membership(EtcdClient(args.discovery), args.deployment, secret)
+    actuator: Actuator
+    if args.actuator == "kubernetes":
+        from backend.autoscale.actuator import ActuatorError
+        from backend.autoscale.kubernetes import KubernetesActuator
+
+        try:
+            actuator = KubernetesActuator.from_args(
+                args.k8s_namespace, args.k8s_deployments, grpc_port=args.k8s_grpc_port
+            )
+        except (ActuatorError, ValueError) as e:
+            membership.close()
+            raise SystemExit(f"autoscale: {e}") from None
+    else:
+        actuator = LocalAgents(lambda: membership.members("agent"), secret)
+    scaler = Autoscaler(
+        membership,
+        actuator,
+        Policy(policy),
+        model,
+        interval_s=args.interval,
+        start_timeout_s=args.start_timeout,
+        decisions_file=args.decisions_file,
+    )
+    if args.metrics_port:
+        serve_metrics(scaler, args.host, args.metrics_port)
+    print(
+        f"autoscaling deployment {args.deployment!r} in {args.discovery} to TTFT p90 <= {args.ttft} s, ITL p90 <= "
+        f"{args.itl} s; prefill {args.min_prefill}..{args.max_prefill}, decode {args.min_decode}..{args.max_decode}; "
+        f"actuator {actuator.name}"
+        + (f"; metrics http://{args.host}:{args.metrics_port}/metrics" if args.metrics_port else ""),
+        flush=True,
+    )
+    signal.signal(signal.SIGTERM, lambda *a: scaler.stop())
+    try:
+        scaler.run()
+    except KeyboardInterrupt:
+        pass
+    membership.close()
+    print("autoscale: stopped; the deployment stays as it is", flush=True)
+    return 0
+
+
+def _add_autoscale_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--discovery", required=True, metavar="etcd://HOST:PORT", help="the deployment's etcd")
+    sp.add_argument("--deployment", default="default")
+    sp.add_argument(
+        "--messenger-secret-file", default=None, help="the deployment secret (default: $TRITON_DISAGG_MESSENGER_SECRET)"
+    )
+    sp.add_argument("--ttft", type=float, required=True, help="SLO: TTFT p90 in seconds")
+    sp.add_argument("--itl", type=float, required=True, help="SLO: inter-token latency p90 in seconds")
+    for role in ("prefill", "decode"):
+        sp.add_argument(f"--min-{role}", type=int, default=1, help=f"never fewer {role} instances")
+        sp.add_argument(f"--max-{role}", type=int, default=2, help=f"never more {role} instances")
+    sp.add_argument("--interval", type=float, default=10.0, help="seconds between decisions")
+    sp.add_argument("--cooldown", type=float, default=60.0, help="seconds after a change before any scale-in")
+    sp.add_argument(
+        "--up-cooldown", type=float, default=30.0, help="seconds after a change of a role before it grows again"
+    )
+    sp.add_argument(
+        "--scale-in-intervals", type=int, default=3, help="comfortable intervals in a row before a scale-in"
+    )
+    sp.add_argument("--start-timeout", type=float, default=240.0, help="seconds a new instance has to join")
+    sp.add_argument(
+        "--profile", default=None, help="engine profile (triton-disagg plan's): predict with the planner's model"
+    )
+    sp.add_argument("--instance-threads", type=int, default=1, help="threads per instance, for the model")
+    sp.add_argument("--actuator", choices=["agents", "kubernetes"], default="agents")
+    sp.add_argument("--k8s-namespace", default="default")
+    sp.add_argument(
+        "--k8s-deployments",
+        default="prefill=triton-disagg-prefill,decode=triton-disagg-decode",
+        help="role=Deployment name, for --actuator kubernetes",
+    )
+    sp.add_argument("--k8s-grpc-port", type=int, default=8001)
+    sp.add_argument("--host", default="127.0.0.1", help="address of the autoscaler's /metrics")
+    sp.add_argument("--metrics-port", type=int, default=0, help="serve /metrics and /status here (0: off)")
+    sp.add_argument("--decisions-file", default=None, help="append one JSON line per interval here")
+
+
+def _add_agent_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--discovery", required=True, metavar="etcd://HOST:PORT", help="the deployment's etcd")
+    sp.add_argument("--deployment", default="default")
+    sp.add_argument(
+        "--messenger-secret-file", required=True, help="the deployment secret (the same file on every host)"
+    )
+    sp.add_argument("--host", default="127.0.0.1", help="address its instances and control API listen on")
+    sp.add_argument(
+        "--messenger-host", default=None, help="address of its prefill instances' messengers (default: --host)"
+    )
+    sp.add_argument("--port", type=int, default=0, help="control API port (0: a free one)")
+    sp.add_argument("--max-instances", type=int, default=4, help="most instances this host runs at once")
+    sp.add_argument("--drain-timeout", type=float, default=30.0, help="an instance's drain window when it is stopped")
+    sp.add_argument("--model", default=None)
+    sp.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="model parameter for every instance"
+    )
+    for role in ("prefill", "decode"):
+        sp.add_argument(
+            f"--{role}-set", action="append", default=[], metavar="KEY=VALUE", help=f"{role} instances only"
+        )
+    sp.add_argument("--log-dir", default=None, help="where its instances' logs go")
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -476,6 +634,12 @@ def main(argv=None) -> int:
     sp = sub.add_parser("plan", help="recommend a deployment for an SLO from an engine profile and a simulation")
     _add_plan_args(sp)
     sp.set_defaults(fn=cmd_plan)
+    sp = sub.add_parser("agent", help="start and stop this host's instances for the autoscaler")
+    _add_agent_args(sp)
+    sp.set_defaults(fn=cmd_agent)
+    sp = sub.add_parser("autoscale", help="scale prefill and decode instances to an SLO as the load changes")
+    _add_autoscale_args(sp)
+    sp.set_defaults(fn=cmd_autoscale)
     args = p.parse_args(argv)
     return args.fn(args)
 

@@ -1,4 +1,5 @@
-"""An instance's membership record: what a prefill, decode or router instance publishes in etcd
+"""An instance's membership record: what a prefill, decode or router instance, or a host's agent
+(``triton-disagg agent``, which starts and stops instances for the autoscaler), publishes in etcd
 about itself, signed with the deployment secret (HMAC-SHA256) so that whoever can write to etcd
 but does not hold the secret cannot add an instance, and where it lives in etcd.
 
@@ -19,7 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-ROLES = ("prefill", "decode", "router")
+ROLES = ("prefill", "decode", "router", "agent")
 KEY_ROOT = "/triton-disagg"
 WIRE_VERSION = 1
 MIN_SECRET_BYTES = 16
@@ -38,7 +39,7 @@ class BadRecord(ValueError):
 class InstanceRecord:
     deployment: str
     name: str  # unique instance name, e.g. "host:decode_0:pid"
-    role: str  # "prefill" | "decode" | "router"
+    role: str  # "prefill" | "decode" | "router" | "agent"
     grpc_url: str  # Triton's gRPC host:port ("" when it has none)
     model: str  # the Triton model serving it, e.g. "decode_0"
     messenger: str  # the KV messenger's host:port (prefill role), "" otherwise
@@ -47,6 +48,8 @@ class InstanceRecord:
     tp_size: int
     started_at: float
     draining: bool = False
+    metrics_url: str = ""  # the Prometheus endpoint of its server (http://host:port/metrics), "" if none
+    control_url: str = ""  # an agent's control API (http://host:port), "" for every other role
 
 
 _FIELDS: dict[str, tuple[type, ...]] = {
@@ -61,6 +64,8 @@ _FIELDS: dict[str, tuple[type, ...]] = {
     "tp_size": (int,),
     "started_at": (float, int),
     "draining": (bool,),
+    "metrics_url": (str,),
+    "control_url": (str,),
 }
 assert set(_FIELDS) == {f.name for f in dataclasses.fields(InstanceRecord)}
 

@@ -21,7 +21,7 @@ from backend.disagg import auth
 from backend.disagg.auth import SECRET_ENV
 from backend.launch.ports import free_port
 from backend.launch.triton_install import install_stub
-from backend.serving.discovery import GRPC_URL_ENV
+from backend.serving.discovery import GRPC_URL_ENV, METRICS_URL_ENV
 from backend.triton.lifecycle import drain_file, drain_now_file
 
 if TYPE_CHECKING:
@@ -119,6 +119,7 @@ class TritonServer:
         # the KV messenger's deployment secret: one per server unless the caller shares one
         env.setdefault(SECRET_ENV, auth.new_secret())
         env.setdefault(GRPC_URL_ENV, self.grpc_url)  # what the instances register for routers
+        env.setdefault(METRICS_URL_ENV, self.metrics_url)  # ... and for autoscalers
         self.messenger_secret = env[SECRET_ENV]
         drain_file(self.repo).unlink(missing_ok=True)  # left by a stop that was cut short
         drain_now_file(self.repo).unlink(missing_ok=True)

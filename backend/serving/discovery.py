@@ -27,6 +27,7 @@ from backend.serving.config import InstanceConfig
 
 log = logging.getLogger("triton_disagg.discovery")
 GRPC_URL_ENV = "TRITON_DISAGG_GRPC_URL"  # set by the launcher: the gRPC address of this Triton server
+METRICS_URL_ENV = "TRITON_DISAGG_METRICS_URL"  # set by the launcher: its Prometheus endpoint (for autoscalers)
 
 OnChange = Callable[[list[InstanceRecord], list[InstanceRecord]], None]
 
@@ -66,6 +67,7 @@ def register(
         kv_layout=layout,
         tp_size=config.engine.tensor_parallel_size,
         started_at=time.time(),
+        metrics_url=os.environ.get(METRICS_URL_ENV, ""),
     )
     reg = Registration(EtcdClient(c.discovery), record, secret, ttl_s=c.membership_ttl_s).start()
     log.info("%s %s registers in %s (deployment %r) as %s", role, model, c.discovery, c.deployment, reg.key)
