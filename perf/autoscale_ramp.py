@@ -231,6 +231,8 @@ class Setup:
     drain_timeout_s: float = 30.0
     profile: str = ""
     instance_sets: tuple[str, ...] = INSTANCE_SETS
+    metrics_port: int = 0  # the autoscaler's /metrics (0: off)
+    broken_agent: bool = False  # a second agent whose instances exit at once (a start that fails)
 
 
 class RampDeployment:
@@ -279,6 +281,9 @@ class RampDeployment:
         for kv in s.instance_sets:
             agent += ["--set", kv]
         self._spawn("agent", agent)
+        if s.broken_agent:
+            broken = ["agent", *common, "--log-dir", str(self.tmp / "broken-instances")]
+            self._spawn("broken-agent", broken + ["--model", str(self.tmp / "no-such-model")])
         scale = ["autoscale", *common, "--ttft", str(s.ttft_s), "--itl", str(s.itl_s)]
         scale += ["--min-prefill", str(s.min_prefill), "--max-prefill", str(s.max_prefill)]
         scale += ["--min-decode", str(s.min_decode), "--max-decode", str(s.max_decode)]
@@ -293,6 +298,8 @@ class RampDeployment:
         scale += ["--scale-in-intervals", str(s.scale_in_intervals), "--decisions-file", str(self.decisions_file)]
         if s.profile:
             scale += ["--profile", s.profile]
+        if s.metrics_port:
+            scale += ["--metrics-port", str(s.metrics_port)]
         self._spawn("autoscale", scale)
         self.frontend = OpenAIFrontend(
             "127.0.0.1:1",
@@ -318,7 +325,7 @@ class RampDeployment:
         return self
 
     def stop(self) -> None:
-        for name in ("autoscale", "agent"):  # the agent drains and stops its instances
+        for name in ("autoscale", "agent", "broken-agent"):  # an agent drains and stops its instances
             p = self.procs.get(name)
             if p is not None and p.poll() is None:
                 p.send_signal(signal.SIGTERM)

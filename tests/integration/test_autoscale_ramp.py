@@ -1,0 +1,144 @@
+"""The autoscaler on a load ramp against a real deployment (real etcd, real ``triton-disagg
+agent`` processes starting real ``triton-disagg serve`` servers, the real model, NIXL between
+the prefill and decode servers, the OpenAI frontend routing across every decode instance, and
+``triton-disagg autoscale`` as its own process):
+
+- low, high, low Poisson load (about 8 minutes; prompts of 32..384 tokens, outputs of 16..48):
+  the autoscaler brings the deployment up to its minimum, adds instances when the SLO is
+  threatened (each decision logged with the figures that made it), drains them when the load
+  falls, and not one request fails or comes back short;
+- a second agent whose instances cannot start (its model does not exist) gets one of the first
+  starts: the failure is reported and the instance is started on the other agent;
+- the autoscaler exports desired and actual instances per role;
+- killed with SIGKILL, the autoscaler leaves the deployment as it is, still serving.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import requests
+
+from perf.autoscale_ramp import Phase, RampDeployment, Setup, complete, ramp_trace, replay
+from tests.conftest import read_metrics
+
+pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+
+PHASES = [Phase(60, 0.1), Phase(180, 0.6), Phase(210, 0.1)]
+
+
+def test_the_deployment_grows_under_load_and_shrinks_after_without_losing_a_request(model_dir, tmp_path):
+    from backend.launch.ports import free_port
+
+    setup = Setup(
+        ttft_s=3.0,
+        itl_s=0.3,
+        interval_s=5.0,
+        cooldown_s=30.0,
+        up_cooldown_s=20.0,
+        scale_in_intervals=3,
+        drain_timeout_s=30.0,
+        metrics_port=free_port(),
+        broken_agent=True,
+    )
+    trace = ramp_trace(PHASES, (32, 384), (16, 48), seed=1)
+    with RampDeployment(tmp_path / "ramp", model_dir, setup) as d:
+        assert d.frontend is not None
+        t_start = time.time()
+        results = replay(d.frontend.url, trace, seed=1)
+        # the load has fallen: give the scale-in its intervals, cooldown and drain
+        deadline = time.monotonic() + 150
+        while d.serving() != {"prefill": 1, "decode": 1} and time.monotonic() < deadline:
+            time.sleep(2)
+        final = d.serving()
+        metrics = read_metrics(f"http://127.0.0.1:{setup.metrics_port}/metrics")
+        decisions = d.decisions()
+        # an autoscaler that dies leaves the deployment as it is
+        d.procs["autoscale"].send_signal(signal.SIGKILL)
+        d.procs["autoscale"].wait()
+        time.sleep(8)
+        after_kill = d.serving()
+        still = complete(d.frontend.url, trace[0], 0, seed=2)
+        log = (d.tmp / "autoscale.log").read_text()
+
+    failed = [r for r in results if r.error is not None]
+    assert not failed, f"{len(failed)} of {len(results)} requests failed: {[r.error for r in failed[:5]]}"
+    assert len(results) == len(trace)
+    changes = [(x["t"] - t_start, dd) for x in decisions for dd in x["decisions"] if dd["current"] != dd["desired"]]
+    print("decisions:")
+    for t, dd in changes:
+        print(f"  {t:7.1f} s {dd['role']} {dd['current']} -> {dd['desired']}: {dd['reason']}")
+    high_start, high_end = PHASES[0].duration_s, PHASES[0].duration_s + PHASES[1].duration_s
+    ups = [(t, dd) for t, dd in changes if dd["desired"] > dd["current"] and dd["current"] >= 1]
+    downs = [(t, dd) for t, dd in changes if dd["desired"] < dd["current"]]
+    assert ups, "no instance was added under the high load"
+    assert all(("SLO" in dd["reason"] or "KV pools" in dd["reason"]) for _, dd in ups), ups
+    assert any(high_start <= t <= high_end + 30 for t, _ in ups), f"no scale-out during the high phase: {ups}"
+    assert downs, "no instance was drained after the load fell"
+    assert all(t > high_end for t, _ in downs), f"a scale-in while the load was high: {downs}"
+    assert all("intervals under" in dd["reason"] for _, dd in downs), downs
+    assert final == {"prefill": 1, "decode": 1}, f"the deployment did not shrink back to its minimum: {final}"
+    # every change is in the log with its reason; the drains too
+    for _, dd in changes:
+        assert f"autoscale: {dd['role']} {dd['current']} -> {dd['desired']}: " in log
+    assert "autoscale: draining " in log
+    # the start that failed (the broken agent's) was reported and replaced
+    assert "without being stopped" in log, "the broken agent's instance exit was not reported"
+    # exported per role
+    gauges = {dict(labels)["role"]: v for (n, labels), v in metrics.items() if n.endswith("_actual_instances")}
+    desired = {dict(labels)["role"]: v for (n, labels), v in metrics.items() if n.endswith("_desired_instances")}
+    assert gauges == {"prefill": 1.0, "decode": 1.0} and desired == {"prefill": 1.0, "decode": 1.0}, metrics
+    assert after_kill == final, f"the deployment changed after the autoscaler died: {final} -> {after_kill}"
+    assert still.error is None, still.error
+
+
+def test_the_agent_refuses_an_unsigned_or_forged_request(tmp_path):
+    """Outside the ramp: an agent's control API answers only requests proving the secret."""
+    import subprocess
+    import sys
+
+    from backend.autoscale.actuator import ActuatorError, AgentClient
+    from backend.disagg.auth import new_secret
+    from backend.launch.drain import members
+    from tests.conftest import private_etcd
+
+    secret_file = tmp_path / "s"
+    secret_file.write_text(new_secret())
+    with private_etcd(tmp_path) as etcd:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "backend.cli",
+                "agent",
+                "--discovery",
+                etcd.url,
+                "--messenger-secret-file",
+                str(secret_file),
+                "--log-dir",
+                str(tmp_path / "inst"),
+            ],
+            stdout=open(tmp_path / "agent.log", "wb"),
+            stderr=subprocess.STDOUT,
+            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        )
+        try:
+            secret = secret_file.read_bytes().strip()
+            deadline = time.monotonic() + 60
+            agents = []
+            while not agents and time.monotonic() < deadline:
+                agents = [r for r in members(etcd.url, "default", secret) if r.role == "agent"]
+                time.sleep(0.3)
+            assert agents, "the agent never registered"
+            url = agents[0].control_url
+            assert requests.get(f"{url}/instances", timeout=5).status_code == 401
+            assert requests.post(f"{url}/instances", json={"role": "decode"}, timeout=5).status_code == 401
+            with pytest.raises(ActuatorError, match="401"):
+                AgentClient(agents[0], new_secret().encode()).start("decode")
+            assert AgentClient(agents[0], secret).instances() == []
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
