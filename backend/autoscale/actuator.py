@@ -61,6 +61,10 @@ class Actuator(Protocol):
 
     def stop(self, instance: Managed) -> None: ...
 
+    def start_failed(self, where: str) -> None:
+        """An instance started at ``where`` exited or never joined: prefer elsewhere for a while."""
+        ...
+
 
 # the agents' control API: requests signed with the deployment secret
 

@@ -129,9 +129,7 @@ class Autoscaler:
         return starting
 
     def _start_failed(self, where: str) -> None:
-        report = getattr(self.actuator, "start_failed", None)
-        if callable(report):
-            report(where)
+        self.actuator.start_failed(where)
 
     def _scrape(self, records: list[InstanceRecord]) -> dict[str, Scrape]:
         by_url: dict[str, list[InstanceRecord]] = defaultdict(list)

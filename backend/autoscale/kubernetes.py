@@ -232,6 +232,10 @@ class KubernetesActuator:
             started_at=time.time(),
         )
 
+    def start_failed(self, where: str) -> None:
+        """Nothing to prefer instead: the scheduler places pods (a pod that failed is logged)."""
+        log.warning("autoscale: a pod of Deployment %s ended or never joined the membership", where)
+
     def stop(self, instance: Managed) -> None:
         """Scale the instance's Deployment in by one, removing exactly the instance's pod (drained
         by its serve process on SIGTERM); nothing to do when the pod is already terminating."""
