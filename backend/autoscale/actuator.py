@@ -154,12 +154,11 @@ class LocalAgents:
         return [AgentClient(r, self._secret) for r in self._agents() if r.control_url and not r.draining]
 
     def managed(self) -> list[Managed]:
+        """Every agent's instances; ``ActuatorError`` when one agent cannot be listed (its
+        starting instances would be unknown, and a decision could start them twice)."""
         out = []
         for client in self._clients():
-            try:
-                out += client.instances()
-            except ActuatorError as e:
-                log.warning("autoscale: cannot list the instances of %s", e)
+            out += client.instances()
         return out
 
     def start_failed(self, where: str) -> None:

@@ -152,11 +152,12 @@ class Autoscaler:
     def step(self) -> Interval:
         now = time.monotonic()
         serving = self._serving()
+        listed = True
         try:
             managed = self.actuator.managed()
         except ActuatorError as e:
-            log.warning("autoscale: cannot list the managed instances: %s", e)
-            managed = []
+            log.warning("autoscale: cannot list the managed instances (%s): holding this interval", e)
+            managed, listed = [], False
         starting = self._starting(serving, managed, now)
         current = {r: len(serving[r]) + starting[r] for r in ROLES}
         scrapes = {r: self._scrape(serving[r]) for r in ROLES}
@@ -179,6 +180,10 @@ class Autoscaler:
             pred = self.model.predict(len(serving["prefill"]), len(serving["decode"]), predicted)
             rec.model_prediction = _clean(asdict(pred))
         decisions = self.policy.decide(now, current, starting, decode_obs, predicted, needed)
+        if not listed:  # what is starting is unknown: change nothing this interval
+            decisions = [
+                Decision(d.role, d.current, d.current, "hold: the actuator's instances are unknown") for d in decisions
+            ]
         rec.decisions = [asdict(d) for d in decisions]
         self.desired = {d.role: d.desired for d in decisions}
         for d in decisions:

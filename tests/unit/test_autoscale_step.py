@@ -278,3 +278,17 @@ def test_exposition_has_desired_and_actual_per_role(scrapes):
     samples = [line for line in text.splitlines() if not line.startswith("#")]
     assert samples and all(line.startswith("triton_disagg_autoscaler_") for line in samples)
     assert all(not math.isinf(float(line.rsplit(" ", 1)[1])) for line in samples)
+
+
+def test_an_actuator_that_cannot_list_its_instances_changes_nothing(scrapes):
+    """Its starting instances are unknown: a start now could start them twice."""
+
+    class Unlisted(FakeActuator):
+        def managed(self) -> list[Managed]:
+            raise ActuatorError("agent a at http://h:1: connection refused")
+
+    act = Unlisted()
+    rec = Autoscaler(FakeMembership([]), act, Policy(config())).step()
+    assert act.started == [] and act.stopped == []
+    assert [(d["current"], d["desired"]) for d in rec.decisions] == [(0, 0), (0, 0)]
+    assert all("unknown" in d["reason"] for d in rec.decisions)
