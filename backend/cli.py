@@ -9,6 +9,7 @@ triton-disagg drain INSTANCE --discovery etcd://HOST:PORT   take one instance ou
 triton-disagg plan [--profile FILE] [--cores N | --nodes N]   recommend a deployment for an SLO
 triton-disagg agent --discovery etcd://HOST:PORT   start and stop this host's instances for the autoscaler
 triton-disagg autoscale --discovery etcd://HOST:PORT --ttft S --itl S   scale prefill and decode to an SLO
+triton-disagg bench SUBCOMMAND     the benchmarks (perf/), each run recorded with its commit and machine
 """
 
 from __future__ import annotations
@@ -492,6 +493,13 @@ def _add_agent_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--log-dir", default=None, help="where its instances' logs go")
 
 
+def cmd_bench(args) -> int:
+    # the benchmarks live in perf/ (tools above the runtime): imported only for this command
+    from perf.cli import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -594,6 +602,9 @@ def _add_plan_args(sp: argparse.ArgumentParser) -> None:
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # everything after it is the benchmark's (argparse's REMAINDER drops a leading --help)
+        return cmd_bench(argparse.Namespace(bench_args=argv[1:]))
     p = argparse.ArgumentParser(
         prog="triton-disagg", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -637,6 +648,9 @@ def main(argv=None) -> int:
     sp = sub.add_parser("agent", help="start and stop this host's instances for the autoscaler")
     _add_agent_args(sp)
     sp.set_defaults(fn=cmd_agent)
+    sp = sub.add_parser("bench", help="run a benchmark (triton-disagg bench --help lists them)", add_help=False)
+    sp.add_argument("bench_args", nargs=argparse.REMAINDER)
+    sp.set_defaults(fn=cmd_bench)
     sp = sub.add_parser("autoscale", help="scale prefill and decode instances to an SLO as the load changes")
     _add_autoscale_args(sp)
     sp.set_defaults(fn=cmd_autoscale)

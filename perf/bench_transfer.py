@@ -384,14 +384,14 @@ def table(r: dict) -> str:
     return "\n".join(out)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--no-probe", action="store_true", help="skip the UCX_PROTO_INFO sub-run")
     ap.add_argument("--no-save", action="store_true", help="do not write JSON")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     result = run(args.reps, args.tokens, args.layers)
     if not args.no_probe:
         result["ucx_protocols"] = ucx_protocols()

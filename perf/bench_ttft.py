@@ -24,7 +24,7 @@ from pathlib import Path
 
 from backend.client import stream_generate
 from perf import servers
-from tests.conftest import metric_values
+from perf.lib.metrics import metric_values
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

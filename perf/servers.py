@@ -8,15 +8,13 @@ with as many torch threads as cores, so the two processes don't fight over the s
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 from pathlib import Path
-
-import requests
 
 from backend.launch.deployment import render_deployment
 from backend.launch.server import TritonServer
 from build_scripts.prepare_model import ensure_model
+from perf.lib.metrics import metric_sum  # noqa: F401  (the benchmarks read it from here)
 
 
 def core_split() -> tuple[str, str, int, int]:
@@ -59,14 +57,3 @@ def start(
         decode_instances=decode_instances,
     )
     return TritonServer(repo, log_file=log_dir / f"tritonserver-{mode}.log", extra_env=extra_env).start(timeout_s=400)
-
-
-def metric_sum(metrics_url: str, name: str, **labels) -> float:
-    """Sum of ``triton_disagg_<name>`` over the series whose labels include ``labels``."""
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    total = 0.0
-    for line in requests.get(metrics_url, timeout=5).text.splitlines():
-        m = re.match(rf"^triton_disagg_{name}\{{(.*)\}}\s+(\S+)$", line)
-        if m and all(w in m.group(1) for w in want):
-            total += float(m.group(2))
-    return total

@@ -25,7 +25,7 @@ import psutil
 
 from backend.client import stream_generate
 from perf import servers
-from tests.conftest import metric_values, read_metrics
+from perf.lib.metrics import metric_values, read_metrics
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -89,14 +89,14 @@ def worker(server, seconds: float, cancel_share: float, bad_share: float, seed: 
                 counts[f"error: {(res.error or '')[:80]}"] += 1
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["aggregated", "disagg"], default="disagg")
     p.add_argument("--minutes", type=float, default=3.0)
     p.add_argument("--concurrency", type=int, default=6)
     p.add_argument("--cancel-share", type=float, default=0.22)
     p.add_argument("--bad-share", type=float, default=0.05)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     server = servers.start(args.mode, overrides={"kv_cache_tokens": "8192"})
     try:
         stream_generate(server.grpc_url, "warm up", 4)

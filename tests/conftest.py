@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import subprocess
 import time
 import uuid
 from pathlib import Path
 
 import pytest
-import requests
+
+from perf.lib.metrics import metric_values, read_metrics  # noqa: F401  (tests import them from here)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -29,24 +29,6 @@ def tokenizer(model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir))
-
-
-def read_metrics(url: str) -> dict:
-    """Parse Prometheus text into {(name, frozenset(labels)): value}."""
-    out = {}
-    for line in requests.get(url, timeout=5).text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = re.match(r"^(\w+)(?:\{(.*)\})?\s+(\S+)$", line)
-        if m:
-            labels = frozenset(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-            out[(m.group(1), labels)] = float(m.group(3))
-    return out
-
-
-def metric_values(url: str, name: str, **labels) -> list[float]:
-    want = set(labels.items())
-    return [v for (n, lab), v in read_metrics(url).items() if n == name and want <= set(lab)]
 
 
 def wait_pool_free(url: str, model: str, timeout_s: float = 30.0) -> None:

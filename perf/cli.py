@@ -1,0 +1,88 @@
+"""``triton-disagg bench SUBCOMMAND [ARGS]``: every benchmark behind one command, each run
+recorded in one results envelope (``perf/lib/results.py``: the command, the git commit, the
+machine, the wall time, the files it wrote and their figures) under ``perf/results/runs/``.
+
+Each subcommand is a module of ``perf/`` with ``main(argv)``; ``ARGS`` go to it unchanged
+(``triton-disagg bench engine --help`` shows its own). ``gpu_check`` and ``soak`` are checks,
+not benchmarks: ``python -m perf.gpu_check``, ``python -m perf.soak``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+
+# name -> (module, what it measures); the order is the help's
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "engine": ("perf.bench_engine", "the engine against transformers: prefill, decode at batch 1 and 16"),
+    "formats": ("perf.bench_formats", "weight formats (float32, bfloat16, int8): speed and quality"),
+    "int8-kernels": ("perf.bench_int8_kernels", "int8 matrix-product kernels side by side"),
+    "spec": ("perf.bench_spec", "speculative decoding: accepted tokens per step, decode tokens/s"),
+    "transfer": ("perf.bench_transfer", "page-level NIXL KV transfer against raw bulk NIXL and memcpy"),
+    "ttft": ("perf.bench_ttft", "TTFT of a long prompt, layer-by-layer against after-prefill KV streaming"),
+    "serve": ("perf.compare_modes", "aggregated against disaggregated serving under Poisson load"),
+    "sweep": ("perf.goodput", "goodput under SLOs over a rate sweep, aggregated budgets and disaggregated"),
+    "multiturn": ("perf.bench_multiturn", "multi-turn chat: prefix caching and KV-aware routing"),
+    "local-prefill": ("perf.bench_local_prefill", "conditional disaggregation of short prompts"),
+    "migration": ("perf.bench_migration", "what a client sees when its decode instance dies"),
+    "perplexity": ("perf.bench_perplexity", "perplexity on held-out text through the server, per format and mode"),
+    "cpp-baseline": ("perf.bench_cpp_baseline", "one stream: our server against llama.cpp's on the same GGUF"),
+    "one-stream": ("perf.one_stream", "one stream's decode speed through a running server"),
+    "autoscale": ("perf.autoscale_ramp", "the autoscaler on a load ramp against fixed deployments"),
+    "plan-check": ("perf.plan_check", "the planner's predictions against measured goodput points"),
+    "served-profile": ("perf.served_profile", "calibrate the planner profile's served overheads"),
+    "lm-eval": ("perf.lm_eval_run", "lm-eval against the OpenAI API"),
+    "genai-perf": ("perf.genai_perf", "NVIDIA genai-perf against the Triton API"),
+    "aiperf": ("perf.aiperf", "NVIDIA AIPerf against the OpenAI API"),
+    "perf-analyzer": ("perf.perf_analyzer", "NVIDIA perf_analyzer --streaming on the front model"),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    lines = "\n".join(f"  {name:<15} {what}" for name, (_, what) in SUBCOMMANDS.items())
+    p = argparse.ArgumentParser(
+        prog="triton-disagg bench",
+        description=__doc__,
+        epilog=f"subcommands:\n{lines}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("subcommand", choices=list(SUBCOMMANDS), metavar="SUBCOMMAND", help="one of the subcommands below")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the subcommand's own arguments")
+    return p
+
+
+def run(name: str, argv: list[str]) -> int:
+    """Run one subcommand and record it; its exit code."""
+    from perf.lib import results
+
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    if any(a in ("-h", "--help") for a in argv):
+        return _exit_code(module, argv)  # a help text is not a run
+    record = results.begin(name, ["triton-disagg", "bench", name, *argv])
+    since = time.time()
+    code = 1
+    try:
+        code = _exit_code(module, argv)
+    finally:
+        path = results.finish(record, since, code)
+        print(f"bench {name}: exit {code}; run recorded in {path}", file=sys.stderr, flush=True)
+    return code
+
+
+def _exit_code(module, argv: list[str]) -> int:
+    try:
+        out = module.main(argv)
+    except SystemExit as e:  # argparse's --help and errors, and modules that exit
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return int(out) if isinstance(out, int) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return run(args.subcommand, list(args.args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

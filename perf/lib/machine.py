@@ -1,0 +1,77 @@
+"""The machine and the code a figure was measured on: CPU model, cores, memory, torch version,
+GPU (if torch sees one) and the git commit (with a mark when the tree had changes)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _cpu_family_model() -> str:
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, sep, value = line.partition(":")
+            if sep and key.strip() in ("cpu family", "model") and key.strip() not in fields:
+                fields[key.strip()] = value.strip()
+            if len(fields) == 2:
+                break
+    except OSError:
+        pass
+    return f"family {fields.get('cpu family', '?')}, model {fields.get('model', '?')}"
+
+
+def commit() -> str:
+    """``git describe``-like: the commit hash, ``+dirty`` when tracked files changed."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def describe() -> dict:
+    """Everything a result records about where it ran."""
+    import torch
+
+    mem_gib = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_gib = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {
+        "cpu": cpu_model(),
+        "cpu_id": _cpu_family_model(),
+        "cores": len(os.sched_getaffinity(0)),
+        "memory_gib": mem_gib,
+        "torch": torch.__version__,
+        "gpu": gpu,
+        "python": platform.python_version(),
+        "host": platform.node(),
+    }

@@ -1,0 +1,116 @@
+"""``triton-disagg bench`` (perf/cli.py): the subcommands it lists are modules with
+``main(argv)``, a run is recorded in the results envelope with its command, commit, machine,
+exit code and the files it wrote, a help text is not recorded, and perf/ imports nothing from
+tests/."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from perf import cli
+from perf.lib import results
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_help_lists_every_subcommand(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for name in (
+        "engine",
+        "serve",
+        "transfer",
+        "sweep",
+        "multiturn",
+        "cpp-baseline",
+        "genai-perf",
+        "aiperf",
+        "perf-analyzer",
+        "autoscale",
+    ):
+        assert f"\n  {name} " in out, name
+
+
+@pytest.mark.parametrize("name", sorted(cli.SUBCOMMANDS))
+def test_each_subcommand_is_a_module_with_main_argv(name):
+    module = cli.SUBCOMMANDS[name][0]
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin, module
+    tree = ast.parse(Path(spec.origin).read_text())
+    mains = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
+    assert mains, f"{module} has no main()"
+    assert [a.arg for a in mains[0].args.args] == ["argv"], f"{module}.main must take argv"
+
+
+@pytest.fixture
+def fake_bench(monkeypatch, tmp_path):
+    """A subcommand ``fake`` whose main writes one JSON result, under a results folder in tmp_path."""
+    out = tmp_path / "results"
+    module = types.ModuleType("fake_bench_module")
+
+    def main(argv):
+        if "--fail" in argv:
+            raise SystemExit(3)
+        if "--help" in argv:
+            raise SystemExit(0)
+        out.mkdir(exist_ok=True)
+        (out / "fake_result.json").write_text(json.dumps({"tokens_per_s": 42.0, "argv": argv}))
+        return 0
+
+    module.main = main
+    monkeypatch.setitem(sys.modules, "fake_bench_module", module)
+    monkeypatch.setitem(cli.SUBCOMMANDS, "fake", ("fake_bench_module", "a fake benchmark"))
+    monkeypatch.setattr(results, "RESULTS", out)
+    return out
+
+
+def test_a_run_is_recorded_with_command_commit_machine_and_figures(fake_bench):
+    assert cli.main(["fake", "--rate", "2"]) == 0
+    run = results.latest("fake")
+    assert run is not None
+    assert run["command"] == ["triton-disagg", "bench", "fake", "--rate", "2"]
+    assert run["exit_code"] == 0 and run["schema"] == results.SCHEMA
+    assert len(run["commit"]) >= 40 or run["commit"] == "unknown"
+    assert run["machine"]["cores"] >= 1 and run["machine"]["cpu"] and run["machine"]["torch"]
+    (name,) = run["files"]
+    assert name.endswith("fake_result.json")
+    assert run["figures"][name] == {"tokens_per_s": 42.0, "argv": ["--rate", "2"]}
+
+
+def test_a_failed_run_is_recorded_with_its_exit_code(fake_bench):
+    assert cli.main(["fake", "--fail"]) == 3
+    run = results.latest("fake")
+    assert run is not None and run["exit_code"] == 3 and run["files"] == []
+
+
+def test_a_help_text_is_not_a_run(fake_bench):
+    assert cli.main(["fake", "--help"]) == 0
+    assert results.latest("fake") is None
+
+
+def test_an_unknown_subcommand_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["no-such-bench"])
+    assert "no-such-bench" in capsys.readouterr().err
+
+
+def test_perf_imports_nothing_from_tests():
+    offenders = []
+    for path in sorted((ROOT / "perf").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n == "tests" or n.startswith("tests.")]
+    assert not offenders, offenders
