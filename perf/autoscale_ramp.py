@@ -31,8 +31,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -354,12 +352,6 @@ class RampDeployment:
         self.stop()
 
 
-@contextmanager
-def deployment(tmp: Path, model_dir: Path, setup: Setup, name: str) -> Iterator[RampDeployment]:
-    with RampDeployment(tmp, model_dir, setup, name) as d:
-        yield d
-
-
 def summarize(results: list[Result], usage: dict, setup: Setup, duration_s: float) -> dict:
     met = sum(r.met(setup.ttft_s, setup.itl_s) for r in results)
     ttft = [r.ttft_s for r in results if r.error is None and not math.isnan(r.ttft_s)]
@@ -421,7 +413,7 @@ def run_one(tmp: Path, model_dir: Path, setup: Setup, trace: list[TraceRequest],
         f"{setup.min_decode}..{setup.max_decode})",
         flush=True,
     )
-    with deployment(tmp / name, model_dir, setup, name) as d:
+    with RampDeployment(tmp / name, model_dir, setup, name) as d:
         meter = InstanceMeter(d.agents).start()
         t0 = time.monotonic()
         assert d.frontend is not None

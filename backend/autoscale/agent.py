@@ -75,8 +75,10 @@ class _Child:
         rc = self.proc.poll()
         detail = ""
         if rc is not None:
-            try:
-                detail = self.log_file.read_text(errors="replace")[-600:]
+            try:  # the end of its log only: a log can be large
+                with self.log_file.open("rb") as f:
+                    f.seek(max(0, f.seek(0, 2) - 600))
+                    detail = f.read().decode(errors="replace")
             except OSError:
                 pass
         return Managed(

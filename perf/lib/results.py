@@ -68,10 +68,10 @@ def finish(run: Run, since: float, exit_code: int, results_dir: Path | None = No
     run.exit_code = exit_code
     written = files_since(since, results_dir)
     run.files = [str(p.relative_to(ROOT)) if ROOT in p.parents else str(p) for p in written]
-    for p in written:
+    for p, name in zip(written, run.files):
         if p.suffix == ".json" and p.stat().st_size < 4 << 20:
             try:
-                run.figures[run.files[written.index(p)]] = json.loads(p.read_text())
+                run.figures[name] = json.loads(p.read_text())
             except ValueError:
                 continue
     out_dir.mkdir(parents=True, exist_ok=True)
