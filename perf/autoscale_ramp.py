@@ -4,9 +4,10 @@ A deployment here is a real one: etcd, one ``triton-disagg agent`` (which starts
 and decode instance as a ``triton-disagg serve`` process of its own), ``triton-disagg
 autoscale`` (its own process; for a fixed deployment min = max, so it only brings the
 deployment up) and the OpenAI frontend with ``--discovery`` in front of every decode instance.
-The trace: Poisson arrivals whose rate changes by phase (low, high, low), prompts of uniformly
-drawn lengths (distinct random token ids, so no prefix is shared), outputs of drawn lengths with
-``ignore_eos``. Each request is streamed through ``/v1/completions``; what counts:
+The trace (``ramp_trace``, ``perf/lib/loadgen.py``): Poisson arrivals whose rate changes by
+phase (low, high, low), prompts of uniformly drawn lengths (distinct random token ids, so no
+prefix is shared), outputs of drawn lengths with ``ignore_eos``. Each request is streamed
+through ``/v1/completions``; what counts:
 
 - SLO attainment: the share of requests with TTFT <= ``--ttft`` and p90 of their inter-token
   gaps <= ``--itl`` (a failed request misses);
@@ -42,42 +43,14 @@ from backend.disagg.auth import new_secret
 from backend.launch.drain import members
 from backend.launch.etcd_server import EtcdServer
 from backend.launch.openai_frontend import OpenAIFrontend
-from backend.planner.slo import percentile
 from backend.planner.workload import TraceRequest
+from perf.lib import loadgen
+from perf.lib.loadgen import parse_phases, ramp_trace
+from perf.lib.machine import ROOT, cpu_model
+from perf.lib.results import results_dir
+from perf.lib.stats import percentile
 
-ROOT = Path(__file__).resolve().parents[1]
 INSTANCE_SETS = ("num_threads=1", "kv_cache_tokens=8192", "max_num_batched_tokens=256", "membership_ttl_s=3")
-
-
-@dataclass(frozen=True)
-class Phase:
-    duration_s: float
-    rate: float  # requests per second
-
-
-def parse_phases(text: str) -> list[Phase]:
-    out = []
-    for item in text.split(","):
-        d, _, r = item.partition(":")
-        out.append(Phase(float(d), float(r)))
-    return out
-
-
-def ramp_trace(
-    phases: list[Phase], prompt_tokens: tuple[int, int], output_tokens: tuple[int, int], seed: int = 0
-) -> list[TraceRequest]:
-    """Poisson arrivals at each phase's rate, phase after phase."""
-    rng = random.Random(seed)
-    out, start = [], 0.0
-    for ph in phases:
-        t = start
-        while ph.rate > 0:
-            t += rng.expovariate(ph.rate)
-            if t >= start + ph.duration_s:
-                break
-            out.append(TraceRequest(t, rng.randint(*prompt_tokens), rng.randint(*output_tokens)))
-        start += ph.duration_s
-    return out
 
 
 @dataclass
@@ -97,7 +70,7 @@ class Result:
             self.error is None
             and self.completion_tokens == self.output_tokens
             and self.ttft_s <= ttft_s
-            and percentile(self.gaps, 90) <= itl_s
+            and (not self.gaps or percentile(self.gaps, 90) <= itl_s)
         )
 
 
@@ -147,26 +120,18 @@ def complete(url: str, req: TraceRequest, index: int, seed: int, timeout_s: floa
     return res
 
 
-def replay(url: str, trace: list[TraceRequest], seed: int = 0, progress: bool = True) -> list[Result]:
-    """Send each request at its arrival time (one thread each); wait for all."""
+def replay(
+    url: str, trace: list[TraceRequest], seed: int = 0, progress: bool = True, label: str = "ramp"
+) -> list[Result]:
+    """Send each request at its arrival time (one thread each); wait for all. ``progress``: a
+    progress line (requests finished / planned, labelled ``label``) when progress is shown."""
     results: list[Result | None] = [None] * len(trace)
-    threads = []
-    t0 = time.monotonic()
 
-    def one(i: int, r: TraceRequest) -> None:
-        results[i] = complete(url, r, i, seed)
+    def send(i: int, _t_submit: float) -> None:
+        results[i] = complete(url, trace[i], i, seed)
 
-    for i, r in enumerate(trace):
-        delay = t0 + r.arrival_s - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
-        th = threading.Thread(target=one, args=(i, r), daemon=True)
-        th.start()
-        threads.append(th)
-        if progress and i % 20 == 0:
-            print(f"  [{time.monotonic() - t0:6.0f} s] sent {i + 1}/{len(trace)}", flush=True)
-    for th in threads:
-        th.join(900)
+    offsets = [r.arrival_s for r in trace]
+    loadgen.replay(offsets, send, drain_timeout_s=900, desc=label if progress else None, clock=time.monotonic)
     return [r for r in results if r is not None]
 
 
@@ -417,7 +382,7 @@ def run_one(tmp: Path, model_dir: Path, setup: Setup, trace: list[TraceRequest],
         meter = InstanceMeter(d.agents).start()
         t0 = time.monotonic()
         assert d.frontend is not None
-        results = replay(d.frontend.url, trace, seed)
+        results = replay(d.frontend.url, trace, seed, label=name)
         duration = time.monotonic() - t0
         usage = meter.stop()
         decisions = d.decisions()
@@ -445,16 +410,14 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--phases", default="120:0.1,240:0.6,180:0.1", help="seconds:rate,... (requests/s)")
-    p.add_argument("--prompt-tokens", type=int, nargs=2, default=(32, 384))
-    p.add_argument("--output-tokens", type=int, nargs=2, default=(16, 48))
+    loadgen.add_workload_args(p, prompt_tokens=(32, 384), output_tokens=(16, 48))
     p.add_argument("--ttft", type=float, default=3.0)
     p.add_argument("--itl", type=float, default=0.3)
     p.add_argument("--max-prefill", type=int, default=2)
     p.add_argument("--max-decode", type=int, default=2)
     p.add_argument("--fixed", default="1:1,1:2", help="fixed deployments to compare, prefill:decode,...")
     p.add_argument("--profile", default="", help="engine profile for the autoscaler's model")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="the JSON report (default: in the results folder)")
     args = p.parse_args(argv)
     model_dir = ensure_model(None)
     trace = ramp_trace(parse_phases(args.phases), tuple(args.prompt_tokens), tuple(args.output_tokens), args.seed)
@@ -475,14 +438,7 @@ def main(argv=None) -> int:
         pre, dec = map(int, spec.split(":"))
         setup = Setup(**base, min_prefill=pre, max_prefill=pre, min_decode=dec, max_decode=dec)
         runs.append(run_one(tmp, model_dir, setup, trace, f"fixed {pre}P:{dec}D", args.seed))
-    cpu = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in Path("/proc/cpuinfo").read_text().splitlines()
-            if ln.startswith("model name")
-        ),
-        "?",
-    )
+    cpu = cpu_model()
     report = {
         "phases": args.phases,
         "requests": len(trace),
@@ -493,7 +449,7 @@ def main(argv=None) -> int:
         "cores": os.cpu_count(),
         "runs": runs,
     }
-    out = Path(args.out or ROOT / "perf" / "results" / f"autoscale-ramp-{stamp}.json")
+    out = Path(args.out) if args.out else results_dir() / f"autoscale-ramp-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     print("| deployment | mean instances | attainment | goodput/instance-s | failed |")

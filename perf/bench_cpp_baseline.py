@@ -9,7 +9,8 @@ checkpoint is prepared from. Ours is ``triton-disagg``'s aggregated deployment
 up, times ``--streams`` streams of ``--tokens`` tokens one after the other (greedy, end of
 sequence ignored), stops it, then does the same with the other; which goes first alternates.
 Reports tokens/s after the first token (best and median per round), ITL p50, and the ratio
-ours/baseline per round and over the rounds' medians. Writes JSON to perf/results/.
+ours/baseline per round and over the rounds' medians. Writes JSON to the results folder
+(``perf/results/``). The llama.cpp server is started by ``perf/lib/servers.py``.
 
     python -m perf.bench_cpp_baseline [--rounds 3] [--baseline-threads 2] [--engine-threads 1]
 """
@@ -19,121 +20,52 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
-from backend.launch.ports import free_port
-from perf.tool_venv import ensure_tool
+from perf.lib import stats
+from perf.lib.progress import bar
+from perf.lib.results import results_dir
+from perf.lib.servers import start_llama_cpp
 
-RESULTS = Path(__file__).resolve().parent / "results"
-LLAMA_CPP = "llama-cpp-python[server]==0.3.36"
 PROMPT = "Explain how a refrigerator works."
 
 
-def _rates(times: list[float]) -> tuple[float, float]:
-    """Tokens/s after the first token, and the median gap between tokens (ms)."""
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    return (len(times) - 1) / (times[-1] - times[0]), 1e3 * statistics.median(gaps)
-
-
-def _summary(runs: list[tuple[float, float]]) -> dict:
+def _summary(streams: list[list[float]]) -> dict:
+    """Over the streams (each one's token arrival times): tokens/s after the first token, best
+    and median, and the median of each stream's median gap between tokens (ms)."""
+    rates = [stats.decode_rate(times) for times in streams]
     return {
-        "tok_s_best": max(r for r, _ in runs),
-        "tok_s_median": statistics.median(r for r, _ in runs),
-        "itl_p50_ms": statistics.median(g for _, g in runs),
+        "tok_s_best": max(rates),
+        "tok_s_median": stats.median(rates),
+        "itl_p50_ms": stats.median(1e3 * stats.median(stats.gaps(times)) for times in streams),
     }
 
 
 def run_ours(weights: str, threads: int, streams: int, tokens: int) -> dict:
     from backend.client import stream_generate
-    from perf import servers
+    from perf.lib import servers
 
-    server = servers.start(
+    with servers.started(
         "aggregated",
         overrides={"weights_dtype": weights},
         per_model={"llm": {"num_threads": str(threads)}},
-        log_dir=RESULTS / f"cpp-baseline-ours-{weights}",
-    )
-    try:
+        log_dir=results_dir() / f"cpp-baseline-ours-{weights}",
+    ) as server:
         stream_generate(server.grpc_url, "warm up", 8, ignore_eos=True)
         runs = []
         for _ in range(streams):
             res = stream_generate(server.grpc_url, PROMPT, tokens, ignore_eos=True, temperature=0.0)
             if res.error is not None:
                 raise RuntimeError(f"our server: {res.error}")
-            runs.append(_rates(res.times))
+            runs.append(list(res.times))
         return _summary(runs)
-    finally:
-        server.stop()
-
-
-def _llama_cpp_server(gguf: Path, threads: int, port: int, log_path: Path) -> subprocess.Popen:
-    python = ensure_tool("llama-cpp", LLAMA_CPP, "python")
-    cmd = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads", str(threads)]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048"]
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama.cpp server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("llama.cpp server not ready")
-
-
-def _stream_cpp(client, prompt: str, tokens: int) -> list[float]:
-    """Arrival times of the streamed tokens (llama-cpp-python sends one token per chunk, then a
-    final chunk with no text)."""
-    times = []
-    stream = client.completions.create(
-        model="baseline",
-        prompt=prompt,
-        max_tokens=tokens,
-        temperature=0.0,
-        stream=True,
-        extra_body={"logit_bias_type": "input_ids", "logit_bias": {"2": -100.0}},  # <|im_end|> (EOS) off
-    )
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
-            times.append(time.perf_counter())
-    return times
 
 
 def run_baseline(gguf: Path, threads: int, streams: int, tokens: int) -> dict:
-    from openai import OpenAI
-
-    port = free_port()
-    proc = _llama_cpp_server(gguf, threads, port, RESULTS / "cpp-baseline-llama-cpp" / "server.log")
-    try:
-        _wait_ready(f"http://127.0.0.1:{port}", proc)
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
-        _stream_cpp(client, "warm up", 8)
-        runs = []
-        for _ in range(streams):
-            times = _stream_cpp(client, PROMPT, tokens)
-            if len(times) < tokens // 2:
-                raise RuntimeError(f"llama.cpp streamed {len(times)} of {tokens} tokens")
-            runs.append(_rates(times))
-        return {**_summary(runs), "tokens_streamed": len(times)}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with start_llama_cpp(gguf, threads, results_dir() / "cpp-baseline-llama-cpp" / "server.log") as server:
+        runs = server.timed_streams(PROMPT, tokens, streams)
+    return {**_summary(runs), "tokens_streamed": len(runs[-1])}
 
 
 def main(argv=None) -> int:
@@ -149,7 +81,7 @@ def main(argv=None) -> int:
 
     gguf = find_packaged_gguf()
     rounds = []
-    for i in range(args.rounds):
+    for i in bar(range(args.rounds), "rounds"):
         if i % 2 == 0:  # alternate which server goes first: the second run of a pair can be slower
             ours = run_ours(args.weights, args.engine_threads, args.streams, args.tokens)
             base = run_baseline(gguf, args.baseline_threads, args.streams, args.tokens)
@@ -170,10 +102,9 @@ def main(argv=None) -> int:
             f"| {i} | {o['tok_s_median']:.1f}, {o['tok_s_best']:.1f} | {o['itl_p50_ms']:.1f} "
             f"| {b['tok_s_median']:.1f}, {b['tok_s_best']:.1f} | {b['itl_p50_ms']:.1f} | {r['ratio_median']:.2f}x |"
         )
-    overall = statistics.median(r["ratio_median"] for r in rounds)
+    overall = stats.median(r["ratio_median"] for r in rounds)
     md = f"settings {vars(args)}\n\n" + "\n".join(rows) + f"\n\nmedian ratio over rounds: {overall:.2f}x\n"
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"cpp_baseline_{time.strftime('%Y%m%d_%H%M%S')}.json"
+    path = results_dir() / f"cpp_baseline_{time.strftime('%Y%m%d_%H%M%S')}.json"
     path.write_text(json.dumps({"settings": vars(args), "rounds": rounds, "median_ratio": overall}, indent=2))
     print(md)
     print(f"JSON: {path}")

@@ -5,7 +5,7 @@ at batch 1 (engine vs ``generate`` with its own KV cache) and the engine's aggre
 at batch 16 with a 256-token context (vs transformers' batch-1 decode; transformers' batch-16
 ``generate`` is shown for reference). The machine is shared, so prefill is the best of ``--repeats``
 runs and decode rates come from the median step time; ours and transformers' runs are interleaved.
-Prints a markdown table; writes JSON to perf/results/.
+Prints a markdown table; writes JSON to the results folder (``perf/results/``).
 
     python -m perf.bench_engine [--model DIR] [--threads 2] [--repeats 3]
 """
@@ -17,19 +17,21 @@ import json
 import logging
 import os
 import platform
-import statistics
 import time
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from backend.engine.config import EngineConfig  # noqa: E402
-from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.engine.sampling_params import SamplingParams  # noqa: E402
+from perf.lib.progress import bar  # noqa: E402
+from perf.lib.results import results_dir  # noqa: E402
+from perf.lib.stats import gaps, median  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+if TYPE_CHECKING:
+    from backend.engine.llm_engine import LLMEngine
+
 TARGETS = {"prefill": 0.8, "decode_b1": 1.0, "decode_b16": 4.0}
 
 
@@ -76,7 +78,7 @@ class StepClock:
         return scores
 
     def step_times(self) -> list[float]:
-        return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+        return gaps(self.stamps)
 
 
 def hf_decode_step_times(model, prompts: list[list[int]], new_tokens: int) -> list[float]:
@@ -96,15 +98,15 @@ def hf_decode_step_times(model, prompts: list[list[int]], new_tokens: int) -> li
     return clock.step_times()
 
 
-def compare_decode(engine, hf, prompts: list[list[int]], new_tokens: int, repeats: int, hf_repeats: int):
+def compare_decode(engine, hf, prompts: list[list[int]], new_tokens: int, repeats: int, hf_repeats: int, desc: str):
     """Decode tokens/s from the median step time (robust to stalls on a shared machine), ours and
     transformers' runs interleaved. Returns (ours, transformers) tokens/s for the whole batch."""
     ours, theirs = [], []
-    for r in range(repeats):
+    for r in bar(range(repeats), desc):
         ours += engine_decode_step_times(engine, prompts, new_tokens)
         if r < hf_repeats:
             theirs += hf_decode_step_times(hf, prompts, new_tokens)
-    return len(prompts) / statistics.median(ours), len(prompts) / statistics.median(theirs)
+    return len(prompts) / median(ours), len(prompts) / median(theirs)
 
 
 def main(argv=None) -> dict:
@@ -122,6 +124,9 @@ def main(argv=None) -> dict:
         args.model = str(ensure_model())
 
     from transformers import AutoModelForCausalLM
+
+    from backend.engine.config import EngineConfig
+    from backend.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(
         EngineConfig(
@@ -142,7 +147,7 @@ def main(argv=None) -> dict:
         hf(ids[:, :64], logits_to_keep=1)  # warm-up: one-time kernel and allocator set-up on both sides
         engine_prefill(engine, prompt512[:64])
         ours, theirs = [], []
-        for _ in range(args.repeats):
+        for _ in bar(range(args.repeats), "prefill"):
             theirs.append(timed(lambda: hf(ids, logits_to_keep=1)))
             ours.append(timed(lambda: engine_prefill(engine, prompt512)))
         results["prefill"] = {
@@ -152,7 +157,9 @@ def main(argv=None) -> dict:
         }
 
         n = args.decode_tokens
-        ours_b1, hf_b1 = compare_decode(engine, hf, [random_prompt(32, vocab, 1)], n, args.repeats, args.repeats)
+        ours_b1, hf_b1 = compare_decode(
+            engine, hf, [random_prompt(32, vocab, 1)], n, args.repeats, args.repeats, "decode b1"
+        )
         results["decode_b1"] = {
             "ours_tok_s": ours_b1,
             "hf_tok_s": hf_b1,
@@ -160,7 +167,7 @@ def main(argv=None) -> dict:
         }
 
         b16 = [random_prompt(256, vocab, 2 + i) for i in range(16)]
-        ours_b16, hf_b16 = compare_decode(engine, hf, b16, n, args.repeats, 1)
+        ours_b16, hf_b16 = compare_decode(engine, hf, b16, n, args.repeats, 1, "decode b16")
         results["decode_b16"] = {
             "ours_tok_s": ours_b16,
             "hf_tok_s": hf_b1,
@@ -185,8 +192,7 @@ def main(argv=None) -> dict:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     print_table(report)
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"bench_engine_{time.strftime('%Y%m%d_%H%M%S')}.json"
+    path = results_dir() / f"bench_engine_{time.strftime('%Y%m%d_%H%M%S')}.json"
     path.write_text(json.dumps(report, indent=2))
     print(f"\nwrote {path}")
     return report

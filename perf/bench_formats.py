@@ -15,7 +15,7 @@ count (``--server-threads``; one thread leaves a core to Triton and the client):
 the first token. Each format runs with each ``--decoders`` setting (``EngineConfig.decoder``:
 ``transformers``, transformers' modules; ``auto``, the lean layer loop); quality is measured
 against the first variant (float32 through transformers' modules by default). Prints a markdown
-table; writes JSON to perf/results/.
+table; writes ``formats.{json,md}`` to the results folder (``perf/results/``).
 
     python -m perf.bench_formats [--formats float32,bfloat16,int8] [--decoders transformers,auto]
                                  [--threads 2] [--server] [--heldout FILE] [--windows N]
@@ -26,22 +26,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from backend.engine.config import EngineConfig  # noqa: E402
-from backend.engine.llm_engine import LLMEngine  # noqa: E402
-from backend.engine.paged_attention import BatchEntry  # noqa: E402
 from backend.engine.sampling_params import SamplingParams  # noqa: E402
+from perf.lib.loadgen import HELDOUT  # noqa: E402
+from perf.lib.progress import bar  # noqa: E402
+from perf.lib.results import results_dir  # noqa: E402
+from perf.lib.stats import median  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
-HELDOUT = Path(__file__).resolve().parent / "data" / "heldout_en.txt"
+if TYPE_CHECKING:
+    from backend.engine.llm_engine import LLMEngine
+
 WINDOW, WINDOW_DECODE, PREFILL_CHUNK = 512, 32, 256
 PROMPTS = [
     "The history of the printing press begins",
@@ -56,6 +58,9 @@ PROMPTS = [
 
 
 def _engine(model_dir: str, fmt: str, decoder: str, threads: int) -> LLMEngine:
+    from backend.engine.config import EngineConfig
+    from backend.engine.llm_engine import LLMEngine
+
     config = EngineConfig(
         model_path=model_dir,
         weights_dtype=fmt,
@@ -94,7 +99,7 @@ def _decode_rate(engine: LLMEngine, batch: int, ids: list[int], steps: int = 24)
         engine.step()
         if decoding and len(engine.scheduler.running) == batch:
             times.append(time.perf_counter() - t0)
-    return batch / statistics.median(times[2:] or times)
+    return batch / median(times[2:] or times)
 
 
 def _prefill_rate(engine: LLMEngine, ids: list[int]) -> float:
@@ -123,6 +128,8 @@ def _teacher_forced(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     """Logits at every position of ``ids`` but the last: its first WINDOW tokens prefilled in
     chunks of PREFILL_CHUNK (logits of every position), the rest one decode step each. Runs the
     engine's runner directly, on pages of the idle engine's pool (prefix caching off)."""
+    from backend.engine.paged_attention import BatchEntry
+
     runner = engine.runner
     pages = list(range(-(-len(ids) // runner.pool.page_size)))
     out = []
@@ -179,7 +186,7 @@ def engine_figures(
     long_prompt = (tokenizer.encode(" ".join(PROMPTS), add_special_tokens=False) * 20)[:512]
     context = long_prompt[:256]
     results, reference, heldout_reference = {}, None, None
-    for fmt, decoder in variants:
+    for fmt, decoder in bar(variants, "formats"):
         engine = _engine(model_dir, fmt, decoder, threads)
         greedy = [_greedy(engine, ids, 64) for ids in prompts]
         logits = _last_logits(engine, prompts[0])
@@ -210,30 +217,27 @@ def server_figures(
     """Per variant, engine thread count and server environment (``envs``: name -> variables):
     the best of 2 streams' tokens/s after the first token."""
     from backend.client import stream_generate
-    from perf import servers
+    from perf.lib import servers
 
     out: dict = {}
-    for fmt, decoder in variants:
+    runs = [(fmt, decoder, env, n) for fmt, decoder in variants for env in envs.items() for n in threads]
+    for fmt, decoder, (env_name, env), n in bar(runs, "server runs"):
         label = _label(fmt, decoder)
-        for (env_name, env), n in ((e, n) for e in envs.items() for n in threads):
-            server = servers.start(
-                "aggregated",
-                overrides={"weights_dtype": fmt, "decoder": decoder},
-                per_model={"llm": {"num_threads": str(n)}},
-                log_dir=RESULTS / f"formats-{fmt}-{decoder}-{n}",
-                extra_env=env,
-            )
-            try:
-                stream_generate(server.grpc_url, "warm up", 8, ignore_eos=True)
-                rates = []
-                for _ in range(2):
-                    res = stream_generate(server.grpc_url, PROMPTS[2], tokens, ignore_eos=True, temperature=0.0)
-                    assert res.error is None, res.error
-                    rates.append((len(res.token_ids) - 1) / (res.times[-1] - res.times[0]))
-                out.setdefault(label, {})[f"server_stream_tok_s_{n}_threads{env_name}"] = max(rates)
-            finally:
-                server.stop()
-            print(label, n, env_name, out[label], flush=True)
+        with servers.started(
+            "aggregated",
+            overrides={"weights_dtype": fmt, "decoder": decoder},
+            per_model={"llm": {"num_threads": str(n)}},
+            log_dir=results_dir() / f"formats-{fmt}-{decoder}-{n}",
+            extra_env=env,
+        ) as server:
+            stream_generate(server.grpc_url, "warm up", 8, ignore_eos=True)
+            rates = []
+            for _ in range(2):
+                res = stream_generate(server.grpc_url, PROMPTS[2], tokens, ignore_eos=True, temperature=0.0)
+                assert res.error is None, res.error
+                rates.append((len(res.token_ids) - 1) / (res.times[-1] - res.times[0]))
+            out.setdefault(label, {})[f"server_stream_tok_s_{n}_threads{env_name}"] = max(rates)
+        print(label, n, env_name, out[label], flush=True)
     return out
 
 
@@ -296,9 +300,9 @@ def main(argv=None) -> int:
             f"| {server} |"
         )
     md = f"settings {vars(args)}\n\n" + "\n".join(rows) + "\n"
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "formats.json").write_text(json.dumps({"settings": vars(args), "results": results}, indent=2))
-    (RESULTS / "formats.md").write_text(md)
+    out = results_dir()
+    (out / "formats.json").write_text(json.dumps({"settings": vars(args), "results": results}, indent=2))
+    (out / "formats.md").write_text(md)
     print(md)
     return 0
 

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 import warnings
 
 import torch
+
+from perf.lib.progress import bar
+from perf.lib.stats import median
 
 HIDDEN, INTER, KV, VOCAB, LAYERS = 576, 1536, 192, 49152, 30
 SHAPES = [(HIDDEN, HIDDEN), (HIDDEN, KV), (HIDDEN, KV), (HIDDEN, HIDDEN), (HIDDEN, INTER), (HIDDEN, INTER)]
@@ -43,15 +45,20 @@ def _layers(dtype=torch.float32) -> torch.nn.ModuleList:
     return torch.nn.ModuleList([torch.nn.Linear(i, o, bias=False) for i, o in SHAPES]).to(dtype).eval()
 
 
+def _per_channel_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 weights per output channel (row): (the int8 weights, each row's scale)."""
+    scale = w.abs().amax(1).clamp_min(1e-12) / 127
+    return torch.round(w / scale[:, None]).to(torch.int8), scale
+
+
 class _IntMM(torch.nn.Module):
     """Per-row symmetric int8 activations x per-channel int8 weights through ``torch._int_mm``."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.in_features = linear.in_features
-        w = linear.weight.detach()
-        self.w_scale = w.abs().amax(1).clamp_min(1e-12) / 127
-        self.w_t = torch.round(w / self.w_scale[:, None]).to(torch.int8).t().contiguous()
+        w, self.w_scale = _per_channel_int8(linear.weight.detach())
+        self.w_t = w.t().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = x.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127
@@ -64,9 +71,7 @@ class _WeightInt8Pack(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.in_features = linear.in_features
-        w = linear.weight.detach()
-        self.scale = w.abs().amax(1).clamp_min(1e-12) / 127
-        self.w = torch.round(w / self.scale[:, None]).to(torch.int8)
+        self.w, self.scale = _per_channel_int8(linear.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.w, self.scale)
@@ -133,7 +138,8 @@ def main(argv=None) -> int:
             dtype: {n: torch.randn(batch, n, dtype=dtype) for n in (HIDDEN, INTER)}
             for dtype in {d for _, d in candidates.values()}
         }
-        for round_ in range(13):  # the candidates alternated, so that load on the machine hits all alike
+        # the candidates alternated, so that load on the machine hits all alike
+        for round_ in bar(range(13), f"batch {batch}"):
             for name, (layers, dtype) in candidates.items():
                 elapsed = _run_once(layers, inputs[dtype])
                 if round_ >= 3:
@@ -141,7 +147,7 @@ def main(argv=None) -> int:
     header = " | ".join(f"ms, batch {b}" for b in batches)
     print(f"threads {args.threads}\n\n| format | {header} |\n|---|{'---|' * len(batches)}")
     for name in candidates:
-        cells = " | ".join(f"{1e3 * statistics.median(times[(name, b)]):.1f}" for b in batches)
+        cells = " | ".join(f"{1e3 * median(times[(name, b)]):.1f}" for b in batches)
         print(f"| {name} | {cells} |", flush=True)
     return 0
 

@@ -1,9 +1,10 @@
 """Benchmark: conditional disaggregation for short prompts at low load. The same disaggregated
-deployment (1 prefill + 1 decode, cores split as in ``perf/servers.py``) twice, side by side in
+deployment (1 prefill + 1 decode, cores split as in ``perf/lib/servers.py``) twice, side by side in
 one run: every prefill remote (``local_prefill_max_tokens=0``) vs short prefills run on the
 decode instance (``local_prefill_max_tokens=N``). One request at a time, distinct prompts (no
 prefix reuse), prompt lengths up to ~200 tokens; TTFT p50 per length, and the decode instance's
-``prefill_local_total`` / ``prefill_remote_total`` to show which path ran.
+``prefill_local_total`` / ``prefill_remote_total`` to show which path ran. Writes
+``local_prefill.{json,md}`` to the results folder (``perf/results/``).
 
     python -m perf.bench_local_prefill [--lengths 16,64,128,200] [--reps 5] [--local-max 256]
 """
@@ -12,15 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
-from pathlib import Path
 
 from backend.client import stream_generate
-from perf import servers
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from perf.lib import loadgen, servers
+from perf.lib.metrics import metric_sum
+from perf.lib.results import results_dir
+from perf.lib.stats import median
 
 
 def _prompt(tokenizer, n: int, seed: int) -> str:
@@ -31,12 +31,11 @@ def _prompt(tokenizer, n: int, seed: int) -> str:
 
 
 def run(local_max: int, lengths: list[int], reps: int, tokenizer, tag: str) -> dict:
-    server = servers.start(
+    with servers.started(
         "disagg",
         per_model={"decode": {"local_prefill_max_tokens": str(local_max)}},
-        log_dir=RESULTS / f"local_prefill-{tag}",
-    )
-    try:
+        log_dir=results_dir() / f"local_prefill-{tag}",
+    ) as server:
         stream_generate(server.grpc_url, "warm up", 4, ignore_eos=True)
         out = {}
         for n in lengths:
@@ -46,13 +45,11 @@ def run(local_max: int, lengths: list[int], reps: int, tokenizer, tag: str) -> d
                 if res.error:
                     raise RuntimeError(res.error)
                 ttfts.append(res.ttft)
-            out[n] = {"ttft_p50_s": statistics.median(ttfts), "ttft_all_s": ttfts}
+            out[n] = {"ttft_p50_s": median(ttfts), "ttft_all_s": ttfts}
         time.sleep(0.6)  # metrics refresh
-        out["prefill_local_total"] = servers.metric_sum(server.metrics_url, "prefill_local_total", model="decode_0")
-        out["prefill_remote_total"] = servers.metric_sum(server.metrics_url, "prefill_remote_total", model="decode_0")
+        for path in ("prefill_local_total", "prefill_remote_total"):
+            out[path] = metric_sum(server.metrics_url, path, model="decode_0")
         return out
-    finally:
-        server.stop()
 
 
 def main(argv=None) -> int:
@@ -61,11 +58,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--local-max", type=int, default=256)
     args = p.parse_args(argv)
-    from transformers import AutoTokenizer
-
-    from build_scripts.prepare_model import ensure_model
-
-    tokenizer = AutoTokenizer.from_pretrained(str(ensure_model(None)))
+    tokenizer = loadgen.load_tokenizer()
     lengths = [int(x) for x in args.lengths.split(",")]
     remote = run(0, lengths, args.reps, tokenizer, "remote")
     local = run(args.local_max, lengths, args.reps, tokenizer, "local")
@@ -78,9 +71,9 @@ def main(argv=None) -> int:
         f"local run {local['prefill_remote_total']:.0f} remote / {local['prefill_local_total']:.0f} local"
     )
     md = "\n".join(rows) + "\n\n" + paths + "\n"
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "local_prefill.json").write_text(json.dumps({"remote": remote, "local": local}, indent=2, default=str))
-    (RESULTS / "local_prefill.md").write_text(md)
+    out = results_dir()
+    (out / "local_prefill.json").write_text(json.dumps({"remote": remote, "local": local}, indent=2, default=str))
+    (out / "local_prefill.md").write_text(md)
     print(md)
     return 0
 

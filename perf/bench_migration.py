@@ -3,7 +3,7 @@
 python -m perf.bench_migration [--rounds 6] [--seconds 180] [--kill-every 60]
 
 One server, 1 prefill + 2 decode instances behind the front model ``llm`` (cores split as in
-``perf/servers.py``). Two measurements, each side by side with migration on (``migration_limit``
+``perf/lib/servers.py``). Two measurements, each side by side with migration on (``migration_limit``
 3, the default) and off (0), on fresh servers in one run:
 
 1. The gap: ``--rounds`` times, 4 greedy streams of 200 tokens start; once every stream has 40
@@ -16,7 +16,8 @@ One server, 1 prefill + 2 decode instances behind the front model ``llm`` (cores
    ``--seconds``; ``decode_0`` is killed every ``--kill-every`` seconds. Goodput: requests
    finished without error per second (and their tokens per second); failures by kind.
 
-JSON to ``perf/results/migration.json``; the machine (CPU model, cores) is recorded with it.
+JSON to ``migration.json`` in the results folder (``perf/results/``); the machine (CPU model,
+cores) is recorded with it. Percentiles are ``perf/lib/stats.py``'s (linear interpolation).
 """
 
 from __future__ import annotations
@@ -24,17 +25,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
-import statistics
 import threading
 import time
 from pathlib import Path
 
 from backend.client import stream_generate
-from perf import servers
+from perf.lib import servers
+from perf.lib.machine import cpu_model
+from perf.lib.metrics import metric_sum
+from perf.lib.progress import bar
+from perf.lib.results import results_dir
+from perf.lib.stats import gaps as gaps_of
+from perf.lib.stats import median, percentile
 
-RESULTS = Path(__file__).parent / "results"
 PROMPTS = [
     "Write a long story about a lighthouse keeper and the sea.",
     "Explain how a steam engine works, step by step, in detail.",
@@ -43,22 +47,9 @@ PROMPTS = [
 ]
 
 
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
-
-
-def start(migration_limit: int, log_dir: Path):
-    return servers.start(
+def started(migration_limit: int, log_dir: Path):
+    """The server for a ``with`` block: 1 prefill + 2 decode instances, migration as given."""
+    return servers.started(
         "disagg",
         decode_instances=2,
         overrides={"kv_cache_tokens": "8192", "kv_quarantine_s": "3", "local_prefill_max_tokens": "0"},
@@ -68,7 +59,7 @@ def start(migration_limit: int, log_dir: Path):
 
 
 def active(server, model: str) -> float:
-    return servers.metric_sum(server.metrics_url, "requests_active", model=model)
+    return metric_sum(server.metrics_url, "requests_active", model=model)
 
 
 def kill_decode_0(server) -> int:
@@ -81,7 +72,7 @@ def wait_back(server, old_pid: int, timeout_s: float = 180) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         pid = server.instance_pids().get("decode_0_0_0")
-        up = servers.metric_sum(server.metrics_url, "decode_target_up", target="decode_0")
+        up = metric_sum(server.metrics_url, "decode_target_up", target="decode_0")
         if pid not in (None, old_pid) and up == 1.0:
             return
         time.sleep(0.5)
@@ -118,7 +109,7 @@ def one_round(server, k: int) -> tuple[list, float, int, int]:
 
 def gap_rounds(server, rounds: int) -> dict:
     gaps, baselines, failed, moved_streams = [], [], 0, 0
-    for k in range(rounds):
+    for k in bar(range(rounds), "gap rounds"):
         results, t_kill, on_victim, pid = one_round(server, k)
         for r in results:
             if r.error is not None:
@@ -126,12 +117,12 @@ def gap_rounds(server, rounds: int) -> dict:
                 continue
             if not r.times or r.times[-1] < t_kill:
                 continue
-            steps = [b - a for a, b in zip(r.times, r.times[1:])]
+            steps = gaps_of(r.times)
             longest = max(steps)
-            if longest > 5 * statistics.median(steps):  # this stream was interrupted: it moved
+            if longest > 5 * median(steps):  # this stream was interrupted: it moved
                 moved_streams += 1
                 gaps.append(longest)
-                baselines.append(statistics.median(steps))
+                baselines.append(median(steps))
         print(
             f"round {k}: {on_victim} stream(s) on decode_0 when killed; errors {[r.error for r in results if r.error]}"
         )
@@ -140,10 +131,10 @@ def gap_rounds(server, rounds: int) -> dict:
         "rounds": rounds,
         "streams_moved": moved_streams,
         "streams_failed": failed,
-        "gap_p50_s": percentile(gaps, 0.5),
-        "gap_p99_s": percentile(gaps, 0.99),
+        "gap_p50_s": percentile(gaps, 50),
+        "gap_p99_s": percentile(gaps, 99),
         "gap_max_s": max(gaps) if gaps else float("nan"),
-        "inter_token_median_s": statistics.median(baselines) if baselines else float("nan"),
+        "inter_token_median_s": median(baselines),
     }
 
 
@@ -205,17 +196,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     out: dict = {"machine": {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0))}, "args": vars(args)}
     for label, limit in (("migration_on", 3), ("migration_off", 0)):
-        server = start(limit, Path(args.log_dir) / label)
-        try:
+        with started(limit, Path(args.log_dir) / label) as server:
             print(f"== {label}: gap rounds", flush=True)
             out[label] = {"gap": gap_rounds(server, args.rounds)}
             print(f"== {label}: goodput with decode_0 killed every {args.kill_every:g}s", flush=True)
             out[label]["goodput"] = goodput(server, args.seconds, args.kill_every)
-        finally:
-            server.stop()
         print(json.dumps(out[label], indent=1), flush=True)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "migration.json").write_text(json.dumps(out, indent=1))
+    (results_dir() / "migration.json").write_text(json.dumps(out, indent=1))
     on, off = out["migration_on"]["goodput"], out["migration_off"]["goodput"]
     print(
         f"goodput: on {on['goodput_req_s']:.3f} req/s ({on['ok']}/{on['requests']} ok), "

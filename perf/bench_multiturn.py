@@ -1,13 +1,14 @@
 """Benchmark: multi-turn conversations with a shared system prompt, prefix caching off vs on,
 aggregated and disaggregated, side by side in one run (each deployment started here with
-``perf/servers.py``; ``enable_prefix_caching`` false / true).
+``perf/lib/servers.py``; ``enable_prefix_caching`` false / true).
 
 Workload (the KV-reuse issue's, scaled by the options): ``--conversations`` conversations run
 concurrently, each ``--turns`` turns; every prompt starts with the same ~``--system-tokens``
 system prompt; each turn adds ~``--user-tokens`` user tokens to the whole history (the
 assistant's previous answers included) and asks for ``--output-tokens`` tokens; a think time
 of ``--think-s`` seconds between turns. Reports TTFT p50 of turn 1 and of turns 2.., completed
-requests/s, and (disaggregated) KV bytes sent per request.
+requests/s, and (disaggregated) KV bytes sent per request. Writes ``multiturn.{json,md}``
+(``multiturn-routing.{json,md}`` with ``--routing``) to the results folder (``perf/results/``).
 
     python -m perf.bench_multiturn [--conversations 8] [--turns 6] [--output-tokens 64]
 
@@ -25,12 +26,13 @@ import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
 from backend.client import stream_generate
-from perf import servers
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from perf.lib import loadgen, servers
+from perf.lib.metrics import metric_sum
+from perf.lib.progress import Progress
+from perf.lib.results import results_dir
+from perf.lib.stats import median
 
 
 def _words(tokenizer, n_tokens: int, rng: random.Random) -> str:
@@ -51,8 +53,7 @@ def run(mode: str, caching: bool, args, tokenizer, routing_weight: float | None 
         overrides["kv_routing_weight"] = str(routing_weight)
         render = {"decode_instances": 2, "per_model": {"front": {"kv_routing_weight": str(routing_weight)}}}
         tag += f"-routing{routing_weight}"
-    server = servers.start(mode, overrides=overrides, log_dir=RESULTS / f"multiturn-{tag}", **render)
-    try:
+    with servers.started(mode, overrides=overrides, log_dir=results_dir() / f"multiturn-{tag}", **render) as server:
         rng = random.Random(7)
         system = "System: " + _words(tokenizer, args.system_tokens, rng)
         users = [
@@ -60,7 +61,9 @@ def run(mode: str, caching: bool, args, tokenizer, routing_weight: float | None 
         ]
         records, errors = [], []
         stream_generate(server.grpc_url, "warm up", 4, ignore_eos=True)
-        bytes0 = servers.metric_sum(server.metrics_url, "kv_transfer_bytes_total") if mode == "disagg" else 0.0
+        bytes0 = metric_sum(server.metrics_url, "kv_transfer_bytes_total") if mode == "disagg" else 0.0
+
+        progress = Progress(args.conversations * args.turns, tag, unit="req")
 
         def conversation(c: int) -> None:
             history = system
@@ -74,6 +77,7 @@ def run(mode: str, caching: bool, args, tokenizer, routing_weight: float | None 
                     errors.append(res.error)
                     return
                 records.append((t, res.ttft, len(tokenizer.encode(history, add_special_tokens=False))))
+                progress.update()
                 history += res.text
                 time.sleep(args.think_s)
 
@@ -82,28 +86,26 @@ def run(mode: str, caching: bool, args, tokenizer, routing_weight: float | None 
         [t.start() for t in threads]
         [t.join() for t in threads]
         wall = time.perf_counter() - t0
+        progress.close()
         time.sleep(0.6)  # metrics refresh
-        sent = (servers.metric_sum(server.metrics_url, "kv_transfer_bytes_total") - bytes0) if mode == "disagg" else 0.0
-        hits = servers.metric_sum(server.metrics_url, "prefix_cache_hit_tokens_total")
+        sent = (metric_sum(server.metrics_url, "kv_transfer_bytes_total") - bytes0) if mode == "disagg" else 0.0
+        hits = metric_sum(server.metrics_url, "prefix_cache_hit_tokens_total")
         decode_hits = sum(
-            servers.metric_sum(server.metrics_url, "prefix_cache_hit_tokens_total", model=f"decode_{i}")
-            for i in range(2)
+            metric_sum(server.metrics_url, "prefix_cache_hit_tokens_total", model=f"decode_{i}") for i in range(2)
         )
         # a disaggregated deployment counts bytes on both sides (sent and received): halve it
         n = len(records)
         return {
             "requests": n,
             "errors": errors[:3],
-            "ttft_turn1_p50_s": statistics.median([r[1] for r in records if r[0] == 0]),
-            "ttft_later_p50_s": statistics.median([r[1] for r in records if r[0] > 0]),
+            "ttft_turn1_p50_s": median(r[1] for r in records if r[0] == 0),
+            "ttft_later_p50_s": median(r[1] for r in records if r[0] > 0),
             "prompt_tokens_mean": statistics.mean(r[2] for r in records),
             "requests_per_s": n / wall,
             "kv_bytes_per_request": sent / 2 / n if n and mode == "disagg" else None,
             "prefix_hit_tokens": hits,
             "decode_hit_tokens": decode_hits if mode == "disagg" else None,
         }
-    finally:
-        server.stop()
 
 
 def main(argv=None) -> int:
@@ -121,11 +123,7 @@ def main(argv=None) -> int:
         help="instead: KV-aware routing vs least loaded (disaggregated, 1 prefill + 2 decode instances, caching on)",
     )
     args = p.parse_args(argv)
-    from transformers import AutoTokenizer
-
-    from build_scripts.prepare_model import ensure_model
-
-    tokenizer = AutoTokenizer.from_pretrained(str(ensure_model(None)))
+    tokenizer = loadgen.load_tokenizer()
     if args.routing:
         return _routing(args, tokenizer)
     results = {}
@@ -180,9 +178,9 @@ def _routing(args, tokenizer) -> int:
 def _write(name: str, args, results: dict, rows: list[str]) -> int:
     settings = {k: v for k, v in vars(args).items()}
     md = f"settings {settings}\n\n" + "\n".join(rows) + "\n"
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps({"settings": settings, "results": results}, indent=2))
-    (RESULTS / f"{name}.md").write_text(md)
+    out = results_dir()
+    (out / f"{name}.json").write_text(json.dumps({"settings": settings, "results": results}, indent=2))
+    (out / f"{name}.md").write_text(md)
     print(md)
     return 0
 

@@ -18,7 +18,7 @@ cache as the engine's default), one real ``tritonserver`` with the OpenAI fronte
   1-minute load average beside it (the rate is sensitive to other work on the cores).
 
 Then llama.cpp's server (``llama-cpp-python[server]``, built on first use into
-``.venv/tools/llama-cpp``, see perf/bench_cpp_baseline.py) on the Q4_1 GGUF our checkpoint is
+``.venv/tools/llama-cpp``, started by ``perf/lib/servers.py``) on the Q4_1 GGUF our checkpoint is
 prepared from, with ``logits_all`` (needed for ``echo`` + ``logprobs``): its completions API
 takes text only, so each window goes as its decoded text (the run checks that llama.cpp cuts it
 into the same number of tokens, and reports how many token strings equal ours), after the BOS
@@ -26,7 +26,7 @@ text ``<|im_start|>``: llama-cpp-python pairs each echoed prompt token with the 
 that follows it unless the prompt starts with BOS (abetlen/llama-cpp-python#1983), and the GGUF
 adds none. Our float32 (first mode) is scored once more with the same BOS first: llama.cpp's
 perplexity and top-1 agreement are against that. Also its one-stream tokens/s.
-Prints a markdown table; writes JSON to perf/results/.
+Prints a markdown table; writes JSON to the results folder (``perf/results/``).
 
     python -m perf.bench_perplexity [--formats float32,bfloat16,int8] [--modes aggregated,disagg]
                                     [--window 512] [--tokens 128] [--streams 3] [--no-llama-cpp]
@@ -40,32 +40,17 @@ import json
 import math
 import os
 import platform
-import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import requests
 
-from backend.launch.ports import free_port
+from perf.lib import loadgen, stats
+from perf.lib.machine import cpu_id, cpu_model
+from perf.lib.progress import bar
+from perf.lib.results import results_dir
 
-RESULTS = Path(__file__).resolve().parent / "results"
-LLAMA_CPP = "llama-cpp-python[server]==0.3.36"
-TEXT = Path(__file__).resolve().parent / "data" / "heldout_en.txt"
 DECODE_PROMPT = "Write a long story about a lighthouse keeper and the sea."
-
-
-def cpu_model() -> str:
-    """/proc/cpuinfo's model name, with the family and model numbers (a VM may say no more than
-    "AMD EPYC")."""
-    info: dict[str, str] = {}
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            info.setdefault(key.strip(), value.strip())
-            if not line.strip():
-                break
-    return f"{info.get('model name', '?')} (family {info.get('cpu family', '?')}, model {info.get('model', '?')})"
 
 
 def windows(ids: list[int], size: int) -> list[list[int]]:
@@ -109,10 +94,11 @@ def score_text(url: str, model: str, text: str, n: int) -> dict:
     return _scored(lp, 1, n, url)
 
 
-def perplexity(score, wins: list[list[int]]) -> dict:
-    """Perplexity over the windows, ``score(window)`` giving each window's scored tokens."""
+def perplexity(score, wins: list[list[int]], desc: str = "windows") -> dict:
+    """Perplexity over the windows, ``score(window)`` giving each window's scored tokens
+    (``desc``: the progress line's label)."""
     t0 = time.monotonic()
-    scored = [score(w) for w in wins]
+    scored = [score(w) for w in bar(wins, desc)]
     lps = [x for s in scored for x in s["logprobs"]]
     nll = -sum(lps) / len(lps)
     hits = [t == top for s in scored for t, top in zip(s["tokens"], s["top1"])]
@@ -133,22 +119,29 @@ def agreement(a: list, b: list) -> float:
     return sum(x == y for x, y in zip(a, b)) / len(a)
 
 
+def decode_figures(streams: list[list[float]]) -> dict:
+    """One-stream tokens/s after the first token over ``streams`` (each one's token arrival times),
+    with the 1-minute load average."""
+    rates = [stats.decode_rate(times) for times in streams]
+    return {
+        "tok_s_median": stats.median(rates),
+        "tok_s_best": max(rates),
+        "streams": len(streams),
+        "loadavg_1m": os.getloadavg()[0],  # other work on the machine: these rates are sensitive to it
+    }
+
+
 def decode_rate(grpc_url: str, tokens: int, streams: int) -> dict:
     from backend.client import stream_generate
 
     stream_generate(grpc_url, "warm up", 8, ignore_eos=True)
-    rates = []
+    runs = []
     for i in range(streams):
         res = stream_generate(grpc_url, f"{i} {DECODE_PROMPT}", tokens, ignore_eos=True, temperature=0.0)
         if res.error is not None or len(res.times) < 2:
             raise RuntimeError(f"stream {i}: {res.error}")
-        rates.append((len(res.times) - 1) / (res.times[-1] - res.times[0]))
-    return {
-        "tok_s_median": statistics.median(rates),
-        "tok_s_best": max(rates),
-        "streams": streams,
-        "loadavg_1m": os.getloadavg()[0],  # other work on the machine: these rates are sensitive to it
-    }
+        runs.append(list(res.times))
+    return decode_figures(runs)
 
 
 def run_ours(mode: str, fmt: str, wins: list[list[int]], args, bos_id: int | None = None) -> dict:
@@ -156,9 +149,9 @@ def run_ours(mode: str, fmt: str, wins: list[list[int]], args, bos_id: int | Non
     the windows scored after that token (``bos``: the context llama.cpp's figures have)."""
     from backend.launch.openai_frontend import OpenAIFrontend
     from build_scripts.prepare_model import ensure_model
-    from perf import servers
+    from perf.lib import servers
 
-    log_dir = RESULTS / f"perplexity-{mode}-{fmt}"
+    log_dir = results_dir() / f"perplexity-{mode}-{fmt}"
     overrides = {"weights_dtype": fmt, "max_tokens_limit": str(max(256, args.tokens))}
     if mode == "disagg":
         overrides["local_prefill_max_tokens"] = "0"  # every window's prefill crosses the KV fabric
@@ -171,9 +164,12 @@ def run_ours(mode: str, fmt: str, wins: list[list[int]], args, bos_id: int | Non
         frontend.start()
         url, model = frontend.url, frontend.served_model_name
         score_window(url, model, wins[0][:16], args.max_tokens)  # warm up
-        res = perplexity(lambda w: score_window(url, model, w, args.max_tokens), wins)
+        res = perplexity(lambda w: score_window(url, model, w, args.max_tokens), wins, f"{mode} {fmt}")
         if bos_id is not None:
-            res["bos"] = perplexity(lambda w: score_window(url, model, w, args.max_tokens, (bos_id,)), wins)
+            bos = (bos_id,)
+            res["bos"] = perplexity(
+                lambda w: score_window(url, model, w, args.max_tokens, bos), wins, f"{mode} {fmt}, after BOS"
+            )
         res["decode"] = decode_rate(server.grpc_url, args.tokens, args.streams)
         return res
     finally:
@@ -185,51 +181,25 @@ def run_llama_cpp(wins: list[list[int]], texts: list[str], args) -> dict:
     """llama.cpp's server on the packaged GGUF with ``logits_all``: perplexity over the windows
     sent as text (``texts``: each window decoded, after the BOS text), and one-stream tokens/s
     (perf/bench_cpp_baseline.py's measurement)."""
-    from openai import OpenAI
-
     from build_scripts.prepare_model import find_packaged_gguf
-    from perf.bench_cpp_baseline import _rates, _stream_cpp, _wait_ready
-    from perf.tool_venv import ensure_tool
+    from perf.lib.servers import start_llama_cpp
 
-    python = ensure_tool("llama-cpp", LLAMA_CPP, "python")
-    port = free_port()
     gguf = find_packaged_gguf()
-    cmd = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads", str(args.cpp_threads)]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(max(2048, args.window + 16))]
-    cmd += ["--logits_all", "true", "--model_alias", "baseline"]
-    log_dir = RESULTS / "perplexity-llama-cpp"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    with open(log_dir / "server.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(url, proc)
+    with start_llama_cpp(
+        gguf,
+        args.cpp_threads,
+        results_dir() / "perplexity-llama-cpp" / "server.log",
+        n_ctx=max(2048, args.window + 16),
+        extra=("--logits_all", "true", "--model_alias", "baseline"),
+    ) as server:
+        url = server.url
         score_text(url, "baseline", texts[0], len(wins[0]))  # warm up
         by_text = dict(zip(map(tuple, wins), texts))
-        res = perplexity(lambda w: score_text(url, "baseline", by_text[tuple(w)], len(w)), wins)
-        client = OpenAI(base_url=f"{url}/v1", api_key="none")
-        _stream_cpp(client, "warm up", 8)
-        rates = []
-        for _ in range(args.streams):
-            times = _stream_cpp(client, DECODE_PROMPT, args.tokens)
-            if len(times) < args.tokens // 2:
-                raise RuntimeError(f"llama.cpp streamed {len(times)} of {args.tokens} tokens")
-            rates.append(_rates(times)[0])
-        res["decode"] = {
-            "tok_s_median": statistics.median(rates),
-            "tok_s_best": max(rates),
-            "streams": args.streams,
-            "loadavg_1m": os.getloadavg()[0],
-        }
-        res["threads"] = args.cpp_threads
-        res["gguf"] = gguf.name
-        return res
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        res = perplexity(lambda w: score_text(url, "baseline", by_text[tuple(w)], len(w)), wins, "llama.cpp")
+        res["decode"] = decode_figures(server.timed_streams(DECODE_PROMPT, args.tokens, args.streams))
+    res["threads"] = args.cpp_threads
+    res["gguf"] = gguf.name
+    return res
 
 
 def table(rows: list[dict], cpu: str) -> str:
@@ -264,7 +234,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--formats", default="float32,bfloat16,int8")
     p.add_argument("--modes", default="aggregated,disagg")
-    p.add_argument("--text", default=str(TEXT))
+    p.add_argument("--text", default=str(loadgen.HELDOUT))
     p.add_argument("--window", type=int, default=512, help="tokens per window (non-overlapping)")
     p.add_argument("--max-tokens", type=int, default=0, help="max_tokens of the scoring requests (0 or 1)")
     p.add_argument("--tokens", type=int, default=128, help="decode tokens per stream")
@@ -280,14 +250,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers import AutoTokenizer
-
-    from build_scripts.prepare_model import ensure_model
-
-    tok = AutoTokenizer.from_pretrained(str(ensure_model()))
+    tok = loadgen.load_tokenizer()
     ids = tok(Path(args.text).read_text())["input_ids"]
     wins = windows(ids, args.window)
-    cpu = cpu_model()
+    cpu = f"{cpu_model()} ({cpu_id()})"
     print(f"{args.text}: {len(ids)} tokens, {len(wins)} windows of <= {args.window}; CPU {cpu}", flush=True)
     modes, formats = args.modes.split(","), args.formats.split(",")
     # llama-cpp-python's echoed log-probabilities are one position off unless the prompt starts
@@ -333,8 +299,7 @@ def main(argv=None) -> int:
         emit(row)
     md = table(rows, cpu)
     print(md)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"perplexity-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = results_dir() / f"perplexity-{time.strftime('%Y%m%d-%H%M%S')}.json"
     summary = {
         "cpu": cpu,
         "machine": platform.machine(),

@@ -10,7 +10,7 @@ Each prompt runs with speculation off and on (``--k`` drafts, ``--method`` draft
 ``--repeats`` times; the median decode time counts. Reports accepted draft tokens per step,
 tokens per step, decode tokens/s with and without, and their ratio (targets: >= 1.5x on the
 lookup-friendly workload, >= 0.95x on the other); checks the outputs are identical.
-Prints a markdown table; writes JSON to perf/results/.
+Prints a markdown table; writes JSON to the results folder (``perf/results/``).
 
     python -m perf.bench_spec [--model DIR] [--k 4] [--method lookup] [--max-tokens 64] [--repeats 2]
 """
@@ -22,15 +22,18 @@ import json
 import os
 import statistics
 import time
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from backend.engine.config import EngineConfig  # noqa: E402
-from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.engine.sampling_params import SamplingParams  # noqa: E402
+from perf.lib.progress import bar  # noqa: E402
+from perf.lib.results import results_dir  # noqa: E402
+from perf.lib.stats import median  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+if TYPE_CHECKING:
+    from backend.engine.llm_engine import LLMEngine
+
 TARGETS = {"lookup_friendly": 1.5, "no_lookup": 0.95, "rejected_drafts": 0.95}
 CODE = """def load_users(path):
     users = []
@@ -102,7 +105,7 @@ def bench(engine, tokenizer, k: int, method: str, max_tokens: int, repeats: int)
                 [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
             )
             runs = {"off": [], "on": []}
-            for _ in range(repeats):
+            for _ in bar(range(repeats), f"{name}: {text[:20]}"):
                 for mode, n in (("off", 0), ("on", k)):
                     runs[mode].append(
                         decode_run(
@@ -112,8 +115,8 @@ def bench(engine, tokenizer, k: int, method: str, max_tokens: int, repeats: int)
                         )
                     )
             off, on = runs["off"][0], runs["on"][0]
-            t_off = statistics.median(r["seconds"] for r in runs["off"])
-            t_on = statistics.median(r["seconds"] for r in runs["on"])
+            t_off = median(r["seconds"] for r in runs["off"])
+            t_on = median(r["seconds"] for r in runs["on"])
             rows.append(
                 {
                     "prompt": text[:50],
@@ -146,6 +149,8 @@ def bench(engine, tokenizer, k: int, method: str, max_tokens: int, repeats: int)
 def main(argv=None) -> None:
     from transformers import AutoTokenizer
 
+    from backend.engine.config import EngineConfig
+    from backend.engine.llm_engine import LLMEngine
     from build_scripts.prepare_model import ensure_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -176,8 +181,7 @@ def main(argv=None) -> None:
             f"| {name} | {r['tokens_per_step']:.2f} | {r['accepted_per_step']:.2f} | {r['tok_s_off']:.1f} | "
             f"{r['tok_s_on']:.1f} | {r['speedup']:.2f}x | >= {r['target']}x | {r['identical']} |"
         )
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"bench_spec_{time.strftime('%Y%m%d_%H%M%S')}.json"
+    path = results_dir() / f"bench_spec_{time.strftime('%Y%m%d_%H%M%S')}.json"
     path.write_text(
         json.dumps(
             {

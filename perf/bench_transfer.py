@@ -14,7 +14,7 @@ free lists are fragmented). It compares in the same run with
 * a local memcpy of the same bytes.
 
 Times are to the receiver seeing completion (CLOCK_MONOTONIC is shared by processes on one
-host). Prints a markdown table and writes JSON to ``perf/results/``. A short sub-run with
+host). Prints a markdown table and writes JSON to the results folder (``perf/results/``). A short sub-run with
 ``UCX_PROTO_INFO=y`` reports the UCX transports/protocols chosen.
 
     python -m perf.bench_transfer [--reps 5] [--tokens 2048]
@@ -29,12 +29,10 @@ import os
 import platform
 import random
 import re
-import statistics
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -44,8 +42,12 @@ from fabric_bridge import control
 from fabric_bridge.agent import FabricAgent
 from fabric_bridge.layout import KVLayout
 from fabric_bridge.plan import build_plan, expected_writes
+from perf.lib.machine import ROOT
+from perf.lib.progress import ENV as PROGRESS_ENV
+from perf.lib.progress import bar
+from perf.lib.results import results_dir
+from perf.lib.stats import median
 
-RESULTS = Path(__file__).resolve().parent / "results"
 POLL_S = 0.0002  # raw baseline polls as often as the agent's progress thread does
 
 
@@ -244,7 +246,7 @@ def run(reps: int, tokens: int, layers: int) -> dict:
         bulk_dst = np.array([[raw_addr, total_bytes, 0]], dtype=np.uint64)
         keys = ("page_scattered", "page_contiguous", "page_fresh_alloc", "page_churned_alloc")
         runs = {k: [] for k in (*keys, "raw_pages_scattered", "raw_per_layer", "raw_bulk")}
-        for rep in range(reps + 1):  # the first repetition warms connections up, not reported
+        for rep in bar(range(reps + 1), "transfers"):  # the first repetition warms connections up, not reported
             scattered = random.Random(rep).sample(range(2 * pages), pages)
             res = {
                 "page_scattered": page_level(f"s{rep}", scattered),
@@ -285,7 +287,7 @@ def run(reps: int, tokens: int, layers: int) -> dict:
         b.copy_(a)
         runs["memcpy"].append({"transfer_s": time.perf_counter() - t})
 
-    med = {k: {f: statistics.median(r[f] for r in v) for f in v[0]} for k, v in runs.items()}
+    med = {k: {f: median(r[f] for r in v) for f in v[0]} for k, v in runs.items()}
     raw_t = med["raw_bulk"]["transfer_s"]
     for m in med.values():
         m["bw_vs_raw_bulk"] = raw_t / m["transfer_s"]
@@ -318,14 +320,14 @@ def run(reps: int, tokens: int, layers: int) -> dict:
 def ucx_protocols() -> list[str]:
     """Re-run a tiny transfer with UCX_PROTO_INFO=y; return one line per distinct UCX
     protocol table: operation, then the size ranges with the protocol and transport used."""
-    env = dict(os.environ, UCX_PROTO_INFO="y")
+    env = dict(os.environ, UCX_PROTO_INFO="y", **{PROGRESS_ENV: "0"})
     out = subprocess.run(
         [sys.executable, "-m", "perf.bench_transfer", "--reps", "1", "--layers", "2", "--no-probe", "--no-save"],
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=ROOT,
     )
     cells = [re.sub(r"^\[[^]]*\] \[[^]]*\]\s*", "", ln).strip() for ln in (out.stdout + out.stderr).splitlines()]
     summary, block = set(), []
@@ -399,8 +401,7 @@ def main(argv: list[str] | None = None) -> None:
     for line in result.get("ucx_protocols", []):
         print("    ", line)
     if not args.no_save:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        path = RESULTS / f"bench_transfer_{time.strftime('%Y%m%d_%H%M%S')}.json"
+        path = results_dir() / f"bench_transfer_{time.strftime('%Y%m%d_%H%M%S')}.json"
         path.write_text(json.dumps(result, indent=2))
         print(f"\nJSON: {path}")
 

@@ -1,14 +1,14 @@
 """Time to first token of one long prompt: aggregated vs disaggregated, and how much of the
 KV transfer overlaps the prefill compute (layer-wise streaming vs sending after the prefill).
 
-Runs four deployments one after the other on this machine (see ``perf/servers.py``):
+Runs four deployments one after the other on this machine (see ``perf/lib/servers.py``):
 aggregated with every core, aggregated on only the prefill instance's cores (the same compute
 as the disaggregated prefill, which isolates what disaggregation itself adds), disaggregated
 with layer-wise streaming, disaggregated sending all KV after the prefill
 (``stream_layers=false``). Requests are sequential (low load). For the disaggregated
 runs the prefill instance's counters give the compute time and the *transfer tail* (from the
 last chunk computed to every write done): with layer-wise streaming the tail is what did
-not overlap with compute.
+not overlap with compute. Writes JSON to the results folder (``perf/results/``).
 
     python -m perf.bench_ttft [--prompt-tokens 1024] [--repeats 3]
 """
@@ -18,15 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import time
-from pathlib import Path
 
 from backend.client import stream_generate
-from perf import servers
+from perf.lib import loadgen, servers
 from perf.lib.metrics import metric_values
-
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+from perf.lib.results import results_dir
+from perf.lib.stats import median
 
 
 def long_prompt(tokenizer, n_tokens: int) -> str:
@@ -55,7 +53,7 @@ def measure(server, prompt: str, repeats: int, disagg: bool) -> dict:
         r = stream_generate(server.grpc_url, prompt, 4, ignore_eos=True)
         assert r.error is None, r.error
         ttfts.append(r.ttft)
-    out = {"ttft_s": ttfts, "ttft_p50_s": statistics.median(ttfts), "n_prompt_tokens": None}
+    out = {"ttft_s": ttfts, "ttft_p50_s": median(ttfts), "n_prompt_tokens": None}
     if disagg:
         time.sleep(0.6)
         after = counters(server.metrics_url, "prefill_0")
@@ -73,15 +71,11 @@ def measure(server, prompt: str, repeats: int, disagg: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    from transformers import AutoTokenizer
-
-    from build_scripts.prepare_model import ensure_model
-
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
-    tok = AutoTokenizer.from_pretrained(str(ensure_model()))
+    tok = loadgen.load_tokenizer()
     prompt = long_prompt(tok, args.prompt_tokens)
     n_tokens = len(tok.encode(prompt, add_special_tokens=False))
     common = {"kv_cache_tokens": "8192", "max_num_batched_tokens": "256", "max_tokens_limit": "64"}
@@ -94,12 +88,9 @@ def main(argv=None) -> int:
         ("disagg_layerwise", "disagg", {"prefill": {"stream_layers": "true"}}),
         ("disagg_after_prefill", "disagg", {"prefill": {"stream_layers": "false"}}),
     ):
-        server = servers.start(mode, overrides=common, per_model=per_model)
-        try:
+        with servers.started(mode, overrides=common, per_model=per_model) as server:
             runs[name] = measure(server, prompt, args.repeats, mode == "disagg")
             runs[name]["n_prompt_tokens"] = n_tokens
-        finally:
-            server.stop()
         print(name, json.dumps(runs[name]), flush=True)
     agg = runs["aggregated"]["ttft_p50_s"]
     agg_same = runs["aggregated_prefill_cores"]["ttft_p50_s"]
@@ -129,8 +120,7 @@ def main(argv=None) -> int:
         f"(tail {lw['transfer_tail_s'] * 1e3:.1f} ms vs {after['transfer_tail_s'] * 1e3:.1f} ms "
         "when sending after the prefill)."
     )
-    RESULTS_DIR.mkdir(exist_ok=True)
-    out = RESULTS_DIR / f"bench_ttft_{time.strftime('%Y%m%d_%H%M%S')}.json"
+    out = results_dir() / f"bench_ttft_{time.strftime('%Y%m%d_%H%M%S')}.json"
     out.write_text(json.dumps({"runs": runs, "overlap_fraction": overlap}, indent=2))
     print(f"results: {out}")
     return 0

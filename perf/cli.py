@@ -1,16 +1,21 @@
 """``triton-disagg bench SUBCOMMAND [ARGS]``: every benchmark behind one command, each run
 recorded in one results envelope (``perf/lib/results.py``: the command, the git commit, the
-machine, the wall time, the files it wrote and their figures) under ``perf/results/runs/``.
+machine, the wall time, the files it wrote and their figures) under ``perf/runs/``.
 
 Each subcommand is a module of ``perf/`` with ``main(argv)``; ``ARGS`` go to it unchanged
-(``triton-disagg bench engine --help`` shows its own). ``gpu_check`` and ``soak`` are checks,
-not benchmarks: ``python -m perf.gpu_check``, ``python -m perf.soak``.
+(``triton-disagg bench engine --help`` shows its own). ``triton-disagg bench report`` writes
+``perf/REPORT.md`` from the newest successful run of each (``perf/lib/report.py``).
+``gpu_check`` and ``soak`` are checks, not benchmarks: ``python -m perf.gpu_check``,
+``python -m perf.soak``.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import importlib
+import io
 import sys
 import time
 
@@ -40,8 +45,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+REPORT_HELP = "perf/REPORT.md from the newest successful run of each benchmark (not a benchmark)"
+
+
 def parser() -> argparse.ArgumentParser:
-    lines = "\n".join(f"  {name:<15} {what}" for name, (_, what) in SUBCOMMANDS.items())
+    lines = "\n".join(
+        f"  {name:<15} {what}" for name, (_, what) in [*SUBCOMMANDS.items(), ("report", ("", REPORT_HELP))]
+    )
     p = argparse.ArgumentParser(
         prog="triton-disagg bench",
         description=__doc__,
@@ -63,12 +73,37 @@ def run(name: str, argv: list[str]) -> int:
     record = results.begin(name, ["triton-disagg", "bench", name, *argv])
     since = time.time()
     code = 1
+    printed = _Tee(sys.stdout)
     try:
-        code = _exit_code(module, argv)
+        with contextlib.redirect_stdout(printed):
+            code = _exit_code(module, argv)
     finally:
+        record.output = printed.tail()
         path = results.finish(record, since, code)
         print(f"bench {name}: exit {code}; run recorded in {path}", file=sys.stderr, flush=True)
     return code
+
+
+class _Tee(io.TextIOBase):
+    """What the benchmark prints goes on to the terminal and is kept (its tail) for the envelope."""
+
+    def __init__(self, out, keep: int = 32 << 10):
+        self.out, self.keep, self.size = out, keep, 0
+        self.parts: collections.deque[str] = collections.deque()
+
+    def write(self, text: str) -> int:
+        self.out.write(text)
+        self.parts.append(text)
+        self.size += len(text)
+        while self.size > self.keep and len(self.parts) > 1:
+            self.size -= len(self.parts.popleft())
+        return len(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def tail(self) -> str:
+        return "".join(self.parts)[-self.keep :]
 
 
 def _exit_code(module, argv: list[str]) -> int:
@@ -79,7 +114,24 @@ def _exit_code(module, argv: list[str]) -> int:
     return int(out) if isinstance(out, int) else 0
 
 
+def report(argv: list[str]) -> int:
+    from pathlib import Path
+
+    from perf.lib import report as generated
+
+    p = argparse.ArgumentParser(prog="triton-disagg bench report", description=REPORT_HELP)
+    p.add_argument("--runs", type=Path, default=None, help="folder of run envelopes (default perf/runs/)")
+    p.add_argument("--out", type=Path, default=generated.REPORT, help="the report to write")
+    args = p.parse_args(argv)
+    generated.generate(SUBCOMMANDS, args.runs, args.out)
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["report"]:
+        return report(argv[1:])
     args = parser().parse_args(argv)
     return run(args.subcommand, list(args.args))
 

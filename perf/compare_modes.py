@@ -5,7 +5,7 @@ them, started and stopped by this harness, side by side in one run.
 Reports per-stream decode tokens/s (p50), inter-token latency p50/p99/max, TTFT p50/p99,
 requests/s completed and the ratios (b)/(a); plots inter-token latency over time for a few
 streams per mode and the CDF of inter-token latency; writes a markdown report with the
-figures, the plots, the machine and the command.
+figures, the plots, the machine and the command, into the results folder (``perf/results/``).
 
     python -m perf.compare_modes [--rate 0.1] [--duration 120] [--low-rate 0.03]
 """
@@ -23,15 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
-from perf import loadgen, servers
+from perf.lib import loadgen, servers
+from perf.lib.results import results_dir
+from perf.lib.stats import percentile
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODES = ("aggregated", "disagg")
 TARGETS = {"decode_tps_p50": (">=", 1.8), "itl_p99": ("<=", 0.3), "ttft_p50_low_load": ("<=", 1.3)}
-
-
-def pct(values, q) -> float:
-    return float(np.percentile(values, q)) if len(values) else float("nan")
 
 
 def summarize(records, wall_s: float) -> dict:
@@ -43,12 +40,12 @@ def summarize(records, wall_s: float) -> dict:
         "requests": len(records),
         "completed": len(ok),
         "errors": [r.error for r in records if r.error][:5],
-        "decode_tps_p50": pct(tps, 50),
-        "itl_p50": pct(gaps, 50),
-        "itl_p99": pct(gaps, 99),
+        "decode_tps_p50": percentile(tps, 50),
+        "itl_p50": percentile(gaps, 50),
+        "itl_p99": percentile(gaps, 99),
         "itl_max": max(gaps) if gaps else float("nan"),
-        "ttft_p50": pct(ttft, 50),
-        "ttft_p99": pct(ttft, 99),
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p99": percentile(ttft, 99),
         "req_per_s": len(ok) / wall_s if wall_s > 0 else float("nan"),
         "wall_s": wall_s,
     }
@@ -157,8 +154,8 @@ def report(stats: dict, low: dict, plots: list[Path], w: loadgen.Workload, args,
     return text
 
 
-def run_mode(mode: str, tokenizer, w: loadgen.Workload, args) -> tuple[list, float]:
-    server = servers.start(
+def run_mode(mode: str, tokenizer, w: loadgen.Workload, args, desc: str) -> tuple[list, float]:
+    with servers.started(
         mode,
         overrides={
             "kv_cache_tokens": "16384",
@@ -167,35 +164,26 @@ def run_mode(mode: str, tokenizer, w: loadgen.Workload, args) -> tuple[list, flo
             "max_num_seqs": "32",
             "weights_dtype": args.weights_dtype,
         },
-    )
-    try:
+    ) as server:
         loadgen.warm_up(server.grpc_url, tokenizer)
-        return loadgen.run(server.grpc_url, tokenizer, w)
-    finally:
-        server.stop()
+        return loadgen.run(server.grpc_url, tokenizer, w, desc=desc)
 
 
 def main(argv=None) -> int:
-    from transformers import AutoTokenizer
-
-    from build_scripts.prepare_model import ensure_model
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rate", type=float, default=0.1, help="requests/s for the main comparison")
     p.add_argument("--duration", type=float, default=120.0)
     p.add_argument("--low-rate", type=float, default=0.03, help="requests/s for the low-load TTFT check (0: skip)")
     p.add_argument("--low-duration", type=float, default=90.0)
-    p.add_argument("--prompt-tokens", type=int, nargs=2, default=(512, 1024))
-    p.add_argument("--output-tokens", type=int, nargs=2, default=(64, 128))
+    loadgen.add_workload_args(p, prompt_tokens=(512, 1024), output_tokens=(64, 128))
     p.add_argument("--token-budget", type=int, default=256, help="per-step token budget (chunked prefill)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--weights-dtype", default="float32", help="weights_dtype of every instance (float32, bfloat16, int8)"
     )
     args = p.parse_args(argv)
-    tok = AutoTokenizer.from_pretrained(str(ensure_model()))
+    tok = loadgen.load_tokenizer()
     stamp = time.strftime("%Y%m%d_%H%M%S")
-    RESULTS_DIR.mkdir(exist_ok=True)
+    out_dir = results_dir()
     w = loadgen.Workload(
         rate=args.rate,
         duration_s=args.duration,
@@ -205,7 +193,7 @@ def main(argv=None) -> int:
     )
     runs, stats, low = {}, {}, {}
     for mode in MODES:
-        recs, wall = run_mode(mode, tok, w, args)
+        recs, wall = run_mode(mode, tok, w, args, mode)
         runs[mode], stats[mode] = recs, summarize(recs, wall)
         print(mode, json.dumps(stats[mode]), flush=True)
         if args.low_rate > 0:
@@ -216,18 +204,18 @@ def main(argv=None) -> int:
                 output_tokens=w.output_tokens,
                 seed=args.seed + 1,
             )
-            lrecs, lwall = run_mode(mode, tok, lw, args)
+            lrecs, lwall = run_mode(mode, tok, lw, args, f"{mode}, low load")
             low[mode] = summarize(lrecs, lwall)
             print(mode, "low load", json.dumps(low[mode]), flush=True)
-    plots = plot(runs, RESULTS_DIR, stamp)
-    text = report(stats, low, plots, w, args, RESULTS_DIR / f"report_{stamp}.md")
-    (RESULTS_DIR / f"compare_{stamp}.json").write_text(
+    plots = plot(runs, out_dir, stamp)
+    text = report(stats, low, plots, w, args, out_dir / f"report_{stamp}.md")
+    (out_dir / f"compare_{stamp}.json").write_text(
         json.dumps(
             {"stats": stats, "low_load": low, "records": {m: loadgen.records_to_json(r) for m, r in runs.items()}}
         )
     )
     print(text)
-    print(f"report: {RESULTS_DIR / f'report_{stamp}.md'}")
+    print(f"report: {out_dir / f'report_{stamp}.md'}")
     return 0
 
 

@@ -10,9 +10,9 @@ deployment: T = ``--ttft-factor`` x its TTFT, tight I = ``--tight-itl-factor`` x
 such that every rate up to it has >= 90% attainment. A deployment's sweep stops after a rate
 where fewer than half its requests attain the loose SLO.
 
-Writes ``perf/results/goodput_<stamp>.json`` (every request, the SLOs, the goodput), a trace per
-measured point (``trace_<deployment>_<rate>.jsonl``, for ``triton-disagg plan --trace``), the
-attainment-vs-rate plot and a markdown report.
+Writes, into the results folder (``perf/results/``), ``goodput_<stamp>.json`` (every request,
+the SLOs, the goodput), a trace per measured point (``trace_<deployment>_<rate>.jsonl``, for
+``triton-disagg plan --trace``), the attainment-vs-rate plot and a markdown report.
 
     python -m perf.goodput [--deployments agg64,agg128,agg256,agg512,disagg] [--rates 0.1,0.2,0.3,0.45,0.65]
 """
@@ -27,12 +27,12 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 from backend.planner.workload import TraceRequest, save_trace
-from perf import loadgen, servers
+from perf.lib import loadgen, servers
+from perf.lib.metrics import metric_sum
+from perf.lib.results import results_dir
+from perf.lib.stats import median, percentile
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 ATTAINMENT_GOAL = 0.9
 
 
@@ -45,16 +45,13 @@ def deployment(name: str) -> tuple[str, int]:
     raise SystemExit(f"unknown deployment {name!r}: aggN (N = per-step token budget) or disagg")
 
 
-def p90(values) -> float:
-    return float(np.percentile(values, 90)) if len(values) else 0.0
-
-
 def attains(rec: dict, ttft_slo: float, itl_slo: float) -> bool:
+    """Complete, TTFT within its SLO and the p90 of the gaps within theirs (a one-token answer has none)."""
     return (
         rec["error"] is None
         and rec["n_tokens"] == rec["max_tokens"]
         and rec["ttft"] <= ttft_slo
-        and p90(rec["gaps"]) <= itl_slo
+        and (not rec["gaps"] or percentile(rec["gaps"], 90) <= itl_slo)
     )
 
 
@@ -89,7 +86,7 @@ def wait_idle(server, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         time.sleep(2.0)
-        if servers.metric_sum(server.metrics_url, "requests_active") == 0:
+        if metric_sum(server.metrics_url, "requests_active") == 0:
             return
     print("warning: requests still active after the drain; starting the next point anyway", flush=True)
 
@@ -102,13 +99,13 @@ def unloaded(server, tok, args) -> dict:
         w = loadgen.Workload(
             rate=100.0, n_requests=1, prompt_tokens=(n_in, n_in), output_tokens=(n_out, n_out), seed=1000 + i
         )
-        recs += loadgen.run(server.grpc_url, tok, w)[0]
+        recs += loadgen.run(server.grpc_url, tok, w, desc=None)[0]
     ok = [r for r in recs if r.error is None]
     if not ok:
         raise SystemExit(f"unloaded requests failed: {[r.error for r in recs]}")
     return {
-        "ttft": float(np.median([r.ttft for r in ok])),
-        "itl": float(np.median([g for r in ok for g in r.gaps])),
+        "ttft": median(r.ttft for r in ok),
+        "itl": median(g for r in ok for g in r.gaps),
         "prompt_tokens": n_in,
         "output_tokens": n_out,
     }
@@ -135,8 +132,7 @@ def sweep(name: str, tok, args, unloaded_by: dict, out: dict) -> None:
         "max_num_seqs": "32",
         "weights_dtype": args.weights_dtype,
     }
-    server = servers.start(mode, overrides=overrides)
-    try:
+    with servers.started(mode, overrides=overrides) as server:
         loadgen.warm_up(server.grpc_url, tok)
         unloaded_by[name] = unloaded(server, tok, args)
         print(name, "unloaded", json.dumps(unloaded_by[name]), flush=True)
@@ -152,11 +148,12 @@ def sweep(name: str, tok, args, unloaded_by: dict, out: dict) -> None:
                 drain_timeout_s=args.drain,
             )
             t0 = time.perf_counter()
-            recs, wall = loadgen.run(server.grpc_url, tok, w)
+            desc = f"{name} rate {rate} ({k + 1}/{len(args.rates)})"
+            recs, wall = loadgen.run(server.grpc_url, tok, w, desc=desc)
             recs = [as_dict(r) for r in recs]
             out[name]["points"][str(rate)] = {"wall_s": wall, "records": recs}
             save_trace(
-                RESULTS_DIR / f"trace_{args.stamp}_{name}_{rate}.jsonl",
+                results_dir() / f"trace_{args.stamp}_{name}_{rate}.jsonl",
                 [TraceRequest(r["offset"], r["prompt_tokens"], r["max_tokens"]) for r in recs],
             )
             loose = attainment(recs, s["ttft"], s["loose_itl"])
@@ -168,8 +165,6 @@ def sweep(name: str, tok, args, unloaded_by: dict, out: dict) -> None:
             wait_idle(server)
             if loose < 0.5:
                 break
-    finally:
-        server.stop()
 
 
 def plot(results: dict, s: dict, path: Path) -> None:
@@ -265,16 +260,11 @@ def report(results: dict, s: dict, args, plot_path: Path) -> str:
 
 
 def main(argv=None) -> int:
-    from transformers import AutoTokenizer
-
-    from build_scripts.prepare_model import ensure_model
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--deployments", default="agg512,agg256,agg128,agg64,disagg")
     p.add_argument("--rates", default="0.1,0.2,0.3,0.45,0.65", help="request rates to sweep, ascending")
     p.add_argument("--requests", type=int, default=20, help="Poisson requests per rate")
-    p.add_argument("--prompt-tokens", type=int, nargs=2, default=(256, 512))
-    p.add_argument("--output-tokens", type=int, nargs=2, default=(32, 64))
+    loadgen.add_workload_args(p, prompt_tokens=(256, 512), output_tokens=(32, 64))
     p.add_argument("--unloaded-requests", type=int, default=3)
     p.add_argument("--ttft-factor", type=float, default=3.0)
     p.add_argument("--tight-itl-factor", type=float, default=1.5)
@@ -283,7 +273,6 @@ def main(argv=None) -> int:
     p.add_argument("--tight-itl-slo", type=float, default=0.0, help="seconds")
     p.add_argument("--loose-itl-slo", type=float, default=0.0, help="seconds")
     p.add_argument("--drain", type=float, default=120.0, help="seconds to wait for stragglers after the last arrival")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--weights-dtype", default="float32")
     p.add_argument("--from-json", default=None, help="report on a saved run instead of measuring")
     args = p.parse_args(argv)
@@ -300,21 +289,21 @@ def main(argv=None) -> int:
     names = [n.strip() for n in args.deployments.split(",") if n.strip()]
     for n in names:
         deployment(n)
-    tok = AutoTokenizer.from_pretrained(str(ensure_model()))
-    RESULTS_DIR.mkdir(exist_ok=True)
+    tok = loadgen.load_tokenizer()
+    out_dir = results_dir()
     results, unloaded_by = {}, {}
     for name in names:
         sweep(name, tok, args, unloaded_by, results)
     s = slos(unloaded_by, args)
-    plot_path = RESULTS_DIR / f"goodput_{args.stamp}.png"
+    plot_path = out_dir / f"goodput_{args.stamp}.png"
     plot(results, s, plot_path)
     text = report(results, s, args, plot_path)
-    (RESULTS_DIR / f"goodput_{args.stamp}.json").write_text(
+    (out_dir / f"goodput_{args.stamp}.json").write_text(
         json.dumps({"slo": s, "args": {k: v for k, v in vars(args).items()}, "results": results})
     )
-    (RESULTS_DIR / f"goodput_{args.stamp}.md").write_text(text)
+    (out_dir / f"goodput_{args.stamp}.md").write_text(text)
     print(text)
-    print(f"results: {RESULTS_DIR / f'goodput_{args.stamp}.json'}")
+    print(f"results: {out_dir / f'goodput_{args.stamp}.json'}")
     return 0 if all(math.isfinite(u["ttft"]) for u in unloaded_by.values()) else 1
 
 

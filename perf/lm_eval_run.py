@@ -25,7 +25,8 @@ from pathlib import Path
 
 import requests
 
-from perf.tool_venv import ROOT, ensure_tool
+from perf.lib.machine import ROOT
+from perf.lib.tools import ensure_tool
 
 LM_EVAL = "lm-eval[api]==0.4.13"
 # the Hugging Face tokenizer backend; the project's version, so both count tokens the same way

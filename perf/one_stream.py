@@ -11,17 +11,17 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 
 from backend.client import stream_generate
-from perf import servers
+from perf.lib import servers
+from perf.lib.machine import cpu_model
+from perf.lib.stats import median
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea. " * 4
 
 
 def run_mode(mode: str, tokens: int, streams: int, overrides: dict) -> dict:
-    server = servers.start(mode, overrides=overrides)
-    try:
+    with servers.started(mode, overrides=overrides) as server:
         stream_generate(server.grpc_url, "warm up", 8, ignore_eos=True)
         rates, ttfts = [], []
         for i in range(streams):
@@ -31,13 +31,7 @@ def run_mode(mode: str, tokens: int, streams: int, overrides: dict) -> dict:
             rates.append((len(res.token_ids) - 1) / (res.times[-1] - res.times[0]))
             ttfts.append(res.ttft)
             print(json.dumps({"mode": mode, "stream": i, "tok_s": round(rates[-1], 2), "ttft_s": round(res.ttft, 3)}))
-        return {
-            "tok_s_median": statistics.median(rates),
-            "tok_s_best": max(rates),
-            "ttft_median": statistics.median(ttfts),
-        }
-    finally:
-        server.stop()
+        return {"tok_s_median": median(rates), "tok_s_best": max(rates), "ttft_median": median(ttfts)}
 
 
 def main(argv=None) -> int:
@@ -49,9 +43,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     overrides = {"weights_dtype": args.weights_dtype, "max_tokens_limit": str(max(256, args.tokens))}
     summary = {m: run_mode(m, args.tokens, args.streams, overrides) for m in args.modes.split(",")}
-    with open("/proc/cpuinfo") as f:
-        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
-    print(json.dumps({"cpu": cpu, "machine": platform.machine(), "summary": summary}))
+    print(json.dumps({"cpu": cpu_model(), "machine": platform.machine(), "summary": summary}))
     return 0
 
 

@@ -31,7 +31,8 @@ import sys
 from pathlib import Path
 
 from backend.planner.profile import EngineProfile
-from perf import loadgen, servers
+from perf.lib import loadgen, servers
+from perf.lib.stats import median
 
 BATCHES = (1, 2, 4, 8)
 BATCH_PROMPT = 128
@@ -39,7 +40,7 @@ BATCH_OUTPUT = 48
 
 
 def measure(mode: str, tok, args, per_model: dict | None = None) -> dict:
-    server = servers.start(
+    with servers.started(
         mode,
         overrides={
             "kv_cache_tokens": "16384",
@@ -48,8 +49,7 @@ def measure(mode: str, tok, args, per_model: dict | None = None) -> dict:
             "weights_dtype": args.weights_dtype,
         },
         per_model=per_model,
-    )
-    try:
+    ) as server:
         loadgen.warm_up(server.grpc_url, tok)
         itl = {}
         for b in BATCHES:
@@ -60,17 +60,15 @@ def measure(mode: str, tok, args, per_model: dict | None = None) -> dict:
                 output_tokens=(BATCH_OUTPUT, BATCH_OUTPUT),
                 seed=b,
             )
-            recs, _ = loadgen.run(server.grpc_url, tok, w)
-            itl[b] = statistics.median(g for r in recs for g in r.gaps[-(BATCH_OUTPUT * 2 // 3) :])
+            recs, _ = loadgen.run(server.grpc_url, tok, w, desc=f"{mode}, {b} streams")
+            itl[b] = median(g for r in recs for g in r.gaps[-(BATCH_OUTPUT * 2 // 3) :])
         ttft = []
         for i in range(args.ttft_requests):
             n = args.prompt_tokens
             w = loadgen.Workload(rate=1000.0, n_requests=1, prompt_tokens=(n, n), output_tokens=(4, 4), seed=500 + i)
-            recs, _ = loadgen.run(server.grpc_url, tok, w)
+            recs, _ = loadgen.run(server.grpc_url, tok, w, desc=None)
             ttft.append(recs[0].ttft)
-        return {"itl": itl, "ttft": statistics.median(ttft)}
-    finally:
-        server.stop()
+        return {"itl": itl, "ttft": median(ttft)}
 
 
 def overheads(prof: EngineProfile, threads: int, itl: dict) -> list[float]:
@@ -80,10 +78,6 @@ def overheads(prof: EngineProfile, threads: int, itl: dict) -> list[float]:
 
 
 def main(argv=None) -> int:
-    from transformers import AutoTokenizer
-
-    from build_scripts.prepare_model import ensure_model
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", required=True, help="engine profile from triton-disagg plan")
     p.add_argument("--out", required=True, help="where to save the calibrated profile")
@@ -93,7 +87,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     prof = EngineProfile.load(Path(args.profile))
     prof.served_overhead_s = {}
-    tok = AutoTokenizer.from_pretrained(str(ensure_model()))
+    tok = loadgen.load_tokenizer()
     cores = len(os.sched_getaffinity(0))
     _, _, n_pre, n_dec = servers.core_split()
     agg = measure("aggregated", tok, args)

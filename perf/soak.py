@@ -8,7 +8,7 @@ requests is cancelled by the client after a random number of responses, another 
 bad request (NaN temperature, out-of-range end_id, an oversized stop-word list). At the end it
 waits for the pools to drain and reports requests by outcome, the pages and requests still held
 per model (must be 0), and the resident memory of every stub process before and after. The
-JSON goes to ``perf/results/soak_<mode>.json``.
+JSON goes to ``soak_<mode>.json`` in the results folder (``perf/results/``).
 """
 
 from __future__ import annotations
@@ -19,15 +19,13 @@ import random
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import psutil
 
 from backend.client import stream_generate
-from perf import servers
+from perf.lib import servers
 from perf.lib.metrics import metric_values, read_metrics
-
-RESULTS = Path(__file__).parent / "results"
+from perf.lib.results import results_dir
 
 
 def stub_rss(server) -> dict[str, float]:
@@ -97,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cancel-share", type=float, default=0.22)
     p.add_argument("--bad-share", type=float, default=0.05)
     args = p.parse_args(argv)
-    server = servers.start(args.mode, overrides={"kv_cache_tokens": "8192"})
-    try:
+    with servers.started(args.mode, overrides={"kv_cache_tokens": "8192"}) as server:
         stream_generate(server.grpc_url, "warm up", 4)
         rss_before = stub_rss(server)
         counts, lock = Counter(), threading.Lock()
@@ -121,8 +118,6 @@ def main(argv: list[str] | None = None) -> int:
                 break
             time.sleep(0.5)
         rss_after = stub_rss(server)
-    finally:
-        server.stop()
     growth = {k: round(rss_after.get(k, 0) - v, 1) for k, v in rss_before.items()}
     report = {
         "mode": args.mode,
@@ -133,8 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         "rss_mib_before": {k: round(v, 1) for k, v in rss_before.items()},
         "rss_growth_mib": growth,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"soak_{args.mode}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (results_dir() / f"soak_{args.mode}.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
     leaked = any(v["kv_pages_used"] or v["requests_active"] for v in still.values())
     bad = counts.get("failed", 0) + counts.get("bad-not-refused", 0)

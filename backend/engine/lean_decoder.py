@@ -16,7 +16,7 @@ int8 activation quantization amplified to logits 4.6 apart): with int8 weights t
 equal transformers' bit for bit (a fused product quantizes each row of its one input as the
 separate ones did); with float weights a fused product may sum in another order (last bits). The fused modules
 replace the separate ones in the model (``qkv_proj``, ``gate_up_proj``), so the weights are held
-once; a model so changed runs through this loop only. Measured in ``perf/REPORT.md``.
+once; a model so changed runs through this loop only. Measured in ``perf/history/REPORT-2026-12-02.md``.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Computing ``(W @ x.T).T`` instead reads each weight once for all rows and is as 
 matrix-vector kernel for up to 4 rows (the LM head, 49152 x 576, up to 8); with more rows, the
 ordinary path is faster again. Same products, summed in another order: outputs may differ from
 ``F.linear`` in the last bits (greedy tokens are unchanged in the engine's tests against
-transformers). Measured in ``perf/REPORT.md`` (decode step at batch 2: 96 -> 49 ms, 2 threads).
+transformers). Measured in ``perf/history/REPORT-2026-12-02.md`` (decode step at batch 2: 96 -> 49 ms, 2 threads).
 """
 
 from __future__ import annotations

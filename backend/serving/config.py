@@ -14,7 +14,7 @@ from backend.engine.config import EngineConfig, field_types, parse_section, pars
 from backend.engine.sampling_params import DRAFT_METHODS, MAX_DRAFT_TOKENS
 
 ROLES = ("aggregated", "prefill", "decode")
-# measured on the development machine (perf/REPORT.md, "Conditional disaggregation")
+# measured on the development machine (perf/history/REPORT-2026-12-02.md, "Conditional disaggregation")
 LOCAL_PREFILL_MAX_TOKENS = 32
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 

@@ -21,7 +21,8 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def _cpu_family_model() -> str:
+def cpu_id() -> str:
+    """``family F, model M`` from /proc/cpuinfo (a VM may name its CPU no more than "AMD EPYC")."""
     fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -67,7 +68,7 @@ def describe() -> dict:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {
         "cpu": cpu_model(),
-        "cpu_id": _cpu_family_model(),
+        "cpu_id": cpu_id(),
         "cores": len(os.sched_getaffinity(0)),
         "memory_gib": mem_gib,
         "torch": torch.__version__,

@@ -1,27 +1,54 @@
 """The one results envelope every benchmark run is recorded in, and where results live.
 
-``perf/results/runs/<benchmark>-<stamp>.json``::
+A benchmark writes its own files (JSON figures, a markdown table, plots) under
+``results_dir()`` (``perf/results/``, not tracked; ``TRITON_DISAGG_RESULTS`` moves it). Each
+``triton-disagg bench`` run is then recorded in one envelope under ``runs_dir()``
+(``perf/runs/``, tracked: the report is generated from it)::
 
-    {"schema": 1, "benchmark": "engine", "command": ["triton-disagg", "bench", "engine", ...],
+    {"schema": 2, "benchmark": "engine", "command": ["triton-disagg", "bench", "engine", ...],
      "commit": "<sha>[+dirty]", "machine": {cpu, cpu_id, cores, memory_gib, torch, gpu, ...},
      "started": ISO time, "seconds": wall time, "exit_code": 0,
-     "files": [the result files the run wrote under perf/results/], "figures": {...}}
+     "files": [the result files the run wrote],
+     "figures": {file: its JSON, without the parts too large to keep (per-request records)},
+     "markdown": {file: the markdown table it wrote},
+     "output": the tail of what it printed}
 
-``figures`` holds what the benchmark reports in its own terms (its JSON output when it wrote
-one). ``latest(benchmark)`` is the newest envelope of a benchmark.
+``figures`` holds what the benchmark reports in its own terms. ``latest(benchmark)`` is the
+newest envelope of a benchmark; ``latest(benchmark, ok=True)`` the newest that exited 0.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from perf.lib.machine import ROOT, commit, describe
 
-RESULTS = ROOT / "perf" / "results"
-SCHEMA = 1
+SCHEMA = 2
+RESULTS_ENV = "TRITON_DISAGG_RESULTS"  # the raw results folder (and, when set, the envelopes under it)
+RUNS_ENV = "TRITON_DISAGG_RUNS"  # the envelopes' folder
+KEEP_BYTES = 64 << 10  # a figure (a JSON value) or a markdown file larger than this stays in its file only
+RESULT_SUFFIXES = (".json", ".md", ".png", ".csv", ".jsonl")
+
+
+def results_dir() -> Path:
+    """Where benchmarks write their files: ``$TRITON_DISAGG_RESULTS`` or ``perf/results/``."""
+    path = Path(os.environ.get(RESULTS_ENV) or ROOT / "perf" / "results")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def runs_dir() -> Path:
+    """Where envelopes are kept: ``$TRITON_DISAGG_RUNS``; else ``runs/`` inside a results folder
+    set by ``$TRITON_DISAGG_RESULTS``; else ``perf/runs/`` (tracked)."""
+    if os.environ.get(RUNS_ENV):
+        return Path(os.environ[RUNS_ENV])
+    if os.environ.get(RESULTS_ENV):
+        return Path(os.environ[RESULTS_ENV]) / "runs"
+    return ROOT / "perf" / "runs"
 
 
 @dataclass
@@ -35,6 +62,8 @@ class Run:
     exit_code: int | None = None
     files: list[str] = field(default_factory=list)
     figures: dict = field(default_factory=dict)
+    markdown: dict = field(default_factory=dict)
+    output: str = ""
     schema: int = SCHEMA
 
 
@@ -42,15 +71,13 @@ def begin(benchmark: str, command: list[str]) -> Run:
     return Run(benchmark, list(command), commit(), describe(), time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
 
-def files_since(since: float, root: Path | None = None) -> list[Path]:
-    """Result files (JSON, markdown, plots) written under ``root`` (the results folder) since
-    ``since``, envelopes aside."""
-    root = RESULTS if root is None else root
+def files_since(since: float, root: Path) -> list[Path]:
+    """Result files (JSON, markdown, plots) written under ``root`` since ``since``, envelopes aside."""
     if not root.exists():
         return []
     out = []
     for p in root.rglob("*"):
-        if p.is_file() and p.suffix in (".json", ".md", ".png", ".csv", ".jsonl") and root / "runs" not in p.parents:
+        if p.is_file() and p.suffix in RESULT_SUFFIXES and p.parent.name != "runs":
             try:
                 if p.stat().st_mtime >= since:
                     out.append(p)
@@ -59,29 +86,54 @@ def files_since(since: float, root: Path | None = None) -> list[Path]:
     return sorted(out)
 
 
-def finish(run: Run, since: float, exit_code: int, results_dir: Path | None = None) -> Path:
-    """Complete ``run`` with its time, exit code and the files it wrote; save it under the
-    results folder's ``runs/``; its path."""
-    results_dir = RESULTS if results_dir is None else results_dir
-    out_dir = results_dir / "runs"
+def _size(value) -> int:
+    return len(json.dumps(value, default=str))
+
+
+def keepable(figures):
+    """``figures`` without the values too large for an envelope (per-request records, traces):
+    a large dict keeps its small keys, recursively; any other large value is dropped."""
+    if _size(figures) <= KEEP_BYTES:
+        return figures
+    if isinstance(figures, dict):
+        kept = {k: keepable(v) for k, v in figures.items()}
+        return {k: v for k, v in kept.items() if v is not None}
+    return None
+
+
+def finish(run: Run, since: float, exit_code: int, results_root: Path | None = None) -> Path:
+    """Complete ``run`` with its time, exit code and the files it wrote (their figures and
+    markdown); save it under ``runs_dir()``; its path."""
+    root = results_dir() if results_root is None else results_root
     run.seconds = round(time.time() - since, 3)
     run.exit_code = exit_code
-    written = files_since(since, results_dir)
+    written = files_since(since, root)
     run.files = [str(p.relative_to(ROOT)) if ROOT in p.parents else str(p) for p in written]
     for p, name in zip(written, run.files):
-        if p.suffix == ".json" and p.stat().st_size < 4 << 20:
+        if p.suffix == ".json" and p.stat().st_size < 64 << 20:
             try:
-                run.figures[name] = json.loads(p.read_text())
+                kept = keepable(json.loads(p.read_text()))
             except ValueError:
                 continue
+            if kept is not None:
+                run.figures[name] = kept
+        elif p.suffix == ".md" and p.stat().st_size <= KEEP_BYTES:
+            run.markdown[name] = p.read_text()
+    out_dir = runs_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{run.benchmark}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(since))}.json"
-    path.write_text(json.dumps(asdict(run), indent=1, default=str))
+    path.write_text(json.dumps(asdict(run), indent=1, default=str) + "\n")
     return path
 
 
-def latest(benchmark: str, results_dir: Path | None = None) -> dict | None:
-    """The newest envelope of ``benchmark`` (None if it never ran)."""
-    out_dir = (RESULTS if results_dir is None else results_dir) / "runs"
-    found = sorted(out_dir.glob(f"{benchmark}-*.json")) if out_dir.exists() else []
-    return json.loads(found[-1].read_text()) if found else None
+def envelopes(benchmark: str, runs: Path | None = None) -> list[dict]:
+    """Every envelope of ``benchmark``, oldest first."""
+    out_dir = runs_dir() if runs is None else runs
+    found = sorted(out_dir.glob(f"{benchmark}-[0-9]*.json")) if out_dir.exists() else []
+    return [json.loads(p.read_text()) for p in found]
+
+
+def latest(benchmark: str, runs: Path | None = None, ok: bool = False) -> dict | None:
+    """The newest envelope of ``benchmark`` (None if it never ran); ``ok``: of a run that exited 0."""
+    found = [e for e in envelopes(benchmark, runs) if not ok or e.get("exit_code") == 0]
+    return found[-1] if found else None

@@ -22,7 +22,8 @@ import time
 import pytest
 import requests
 
-from perf.autoscale_ramp import Phase, RampDeployment, Setup, complete, ramp_trace, replay
+from perf.autoscale_ramp import RampDeployment, Setup, complete, replay
+from perf.lib.loadgen import Phase, ramp_trace
 from tests.conftest import read_metrics
 
 pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")

@@ -1,7 +1,7 @@
 """NVIDIA's benchmark tools run end to end against real deployments on a tiny load: genai-perf
 over Triton's gRPC API (TensorRT-LLM tensor names), AIPerf over the OpenAI API with goodput.
-Each installs into its own venv on first use (``perf/tool_venv.py``); the figures live in
-``perf/REPORT.md``."""
+Each installs into its own venv on first use (``perf/lib/tools.py``); the figures live in
+``perf/history/REPORT-2026-12-02.md``."""
 
 from __future__ import annotations
 

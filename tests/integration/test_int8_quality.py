@@ -2,7 +2,8 @@
 English (``perf/data/heldout_en.txt``) teacher forced through the engine's runner, a 512-token
 prompt prefilled in chunks of 256 (``max_num_batched_tokens``' default), then 32 tokens fed one
 decode step at a time. The former int8 scheme (one activation scale per step) measured 2.2x
-float32's perplexity on this text through chunked prefill; per-row scales ~1.02x (``perf/REPORT.md``)."""
+float32's perplexity on this text through chunked prefill; per-row scales ~1.02x
+(``perf/history/REPORT-2026-12-02.md``)."""
 
 from __future__ import annotations
 

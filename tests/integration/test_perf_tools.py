@@ -1,6 +1,7 @@
 """The benchmark tools work end to end on a tiny load (figures themselves live in perf/)."""
 
-from perf import compare_modes, loadgen
+from perf import compare_modes
+from perf.lib import loadgen
 
 
 def test_loadgen_records_and_report_pieces(aggregated_server, tokenizer, tmp_path):

@@ -9,6 +9,7 @@ import ast
 import importlib.util
 import json
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -64,12 +65,16 @@ def fake_bench(monkeypatch, tmp_path):
             raise SystemExit(0)
         out.mkdir(exist_ok=True)
         (out / "fake_result.json").write_text(json.dumps({"tokens_per_s": 42.0, "argv": argv}))
+        if "--table" in argv:
+            print("noise\nSpeed per thread count:\n| threads | tok/s |\n|---|---|\n| 1 | 42 |\ndone")
+            (out / "fake_result.json").unlink()
         return 0
 
     module.main = main
     monkeypatch.setitem(sys.modules, "fake_bench_module", module)
     monkeypatch.setitem(cli.SUBCOMMANDS, "fake", ("fake_bench_module", "a fake benchmark"))
-    monkeypatch.setattr(results, "RESULTS", out)
+    monkeypatch.setenv(results.RESULTS_ENV, str(out))
+    monkeypatch.delenv(results.RUNS_ENV, raising=False)
     return out
 
 
@@ -84,6 +89,13 @@ def test_a_run_is_recorded_with_command_commit_machine_and_figures(fake_bench):
     (name,) = run["files"]
     assert name.endswith("fake_result.json")
     assert run["figures"][name] == {"tokens_per_s": 42.0, "argv": ["--rate", "2"]}
+
+
+def test_an_envelope_keeps_summaries_not_per_request_records(fake_bench):
+    big = {"stats": {"ttft_p50": 0.5}, "records": [{"token_times": list(range(50))} for _ in range(400)]}
+    kept = results.keepable(big)
+    assert kept == {"stats": {"ttft_p50": 0.5}}
+    assert results.keepable({"a": 1}) == {"a": 1}
 
 
 def test_a_failed_run_is_recorded_with_its_exit_code(fake_bench):
@@ -114,3 +126,45 @@ def test_perf_imports_nothing_from_tests():
                 names = [node.module]
             offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n == "tests" or n.startswith("tests.")]
     assert not offenders, offenders
+
+
+def test_the_report_is_generated_from_the_newest_good_run_of_each(fake_bench, monkeypatch, tmp_path):
+    from perf.lib import report
+
+    assert cli.main(["fake", "--rate", "1"]) == 0
+    time.sleep(1.1)  # envelopes are named by the second
+    assert cli.main(["fake", "--fail"]) == 3
+    out = tmp_path / "REPORT.md"
+    subcommands = {"fake": cli.SUBCOMMANDS["fake"], "engine": cli.SUBCOMMANDS["engine"]}
+    text = report.generate(subcommands, results.runs_dir(), out)
+    assert out.read_text() == text
+    assert "## fake: a fake benchmark" in text
+    assert "`triton-disagg bench fake --rate 1`" in text  # the good run, not the failed one
+    assert "1 later run(s) failed" in text
+    assert "| `tokens_per_s` | 42 |" in text
+    assert "| `engine` | not run yet | | |" in text
+
+
+def test_a_printed_table_is_kept_and_reported_when_no_file_was_written(fake_bench, tmp_path):
+    from perf.lib import report
+
+    assert cli.main(["fake", "--table"]) == 0
+    run = results.latest("fake")
+    assert run is not None and "| 1 | 42 |" in run["output"] and not run["files"]
+    text = report.generate({"fake": cli.SUBCOMMANDS["fake"]}, results.runs_dir(), tmp_path / "R.md")
+    assert "Speed per thread count:\n\n| threads | tok/s |\n|---|---|\n| 1 | 42 |" in text
+    assert "noise" not in text
+
+
+def test_report_subcommand_writes_the_file(fake_bench, tmp_path):
+    out = tmp_path / "R.md"
+    assert cli.main(["report", "--runs", str(tmp_path / "none"), "--out", str(out)]) == 0
+    assert out.read_text().startswith("# Measured figures")
+
+
+def test_markdown_headings_are_demoted_under_the_section():
+    from perf.lib import report
+
+    assert report.demote("# Title\n\ntext\n## Sub") == "### Title\n\ntext\n#### Sub"
+    flat = report.flatten({"a": {"b": 1.5, "c": [1, 2]}, "s": "x"})
+    assert flat == [("a.b", 1.5), ("a.c[0]", 1), ("a.c[1]", 2), ("s", "x")]

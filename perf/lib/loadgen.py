@@ -1,0 +1,239 @@
+"""Load generation: arrival processes, the prompts and texts requests are made of, and an
+open-loop replay over gRPC streaming.
+
+- Arrival processes (each a generator of arrival offsets in seconds, drawing from the caller's
+  ``random.Random``, so that lengths drawn between arrivals come from the same seeded stream):
+  ``poisson_arrivals`` at a fixed rate; ``phased_arrivals``, Poisson at a rate that changes by
+  ``Phase`` (``ramp_trace``: a whole trace of them with uniformly drawn lengths).
+- Datasets: ``make_prompt`` (distinct prompts of a given token length), ``HELDOUT`` (held-out
+  English prose, ``perf/data/heldout_en.txt``), ``load_tokenizer``.
+- ``replay``: send each request in a thread of its own at its arrival time, then wait for all
+  (with a progress line: requests finished / planned); ``run`` replays a ``Workload`` of Poisson
+  arrivals with fixed-length outputs (``ignore_eos``) against a server and records, per request,
+  its submit time, the arrival time of every token, and token counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+from perf.lib import stats
+from perf.lib.machine import ROOT
+from perf.lib.progress import Progress
+
+if TYPE_CHECKING:
+    from backend.planner.workload import TraceRequest
+
+HELDOUT = ROOT / "perf" / "data" / "heldout_en.txt"
+
+
+# --- arrival processes ---
+
+
+def poisson_arrivals(rate: float, rng: random.Random, start: float = 0.0) -> Iterator[float]:
+    """Poisson arrivals at ``rate`` per second after ``start``, without end."""
+    t = start
+    while True:
+        t += rng.expovariate(rate)
+        yield t
+
+
+@dataclass(frozen=True)
+class Phase:
+    duration_s: float
+    rate: float  # requests per second
+
+
+def parse_phases(text: str) -> list[Phase]:
+    """``seconds:rate,seconds:rate,...`` -> phases."""
+    out = []
+    for item in text.split(","):
+        d, _, r = item.partition(":")
+        out.append(Phase(float(d), float(r)))
+    return out
+
+
+def phased_arrivals(phases: Sequence[Phase], rng: random.Random) -> Iterator[float]:
+    """Poisson arrivals at each phase's rate (none in a phase of rate 0), phase after phase."""
+    start = 0.0
+    for ph in phases:
+        if ph.rate > 0:
+            for t in poisson_arrivals(ph.rate, rng, start):
+                if t >= start + ph.duration_s:
+                    break
+                yield t
+        start += ph.duration_s
+
+
+def ramp_trace(
+    phases: Sequence[Phase], prompt_tokens: tuple[int, int], output_tokens: tuple[int, int], seed: int = 0
+) -> list[TraceRequest]:
+    """Phased Poisson arrivals, each with a prompt and an output length drawn uniformly."""
+    from backend.planner.workload import TraceRequest
+
+    rng = random.Random(seed)
+    return [
+        TraceRequest(t, rng.randint(*prompt_tokens), rng.randint(*output_tokens)) for t in phased_arrivals(phases, rng)
+    ]
+
+
+def add_workload_args(p: argparse.ArgumentParser, prompt_tokens: tuple[int, int], output_tokens: tuple[int, int]):
+    """``--prompt-tokens MIN MAX`` and ``--output-tokens MIN MAX`` (uniform, inclusive) with
+    these defaults, and ``--seed`` (default 0)."""
+    p.add_argument("--prompt-tokens", type=int, nargs=2, default=prompt_tokens)
+    p.add_argument("--output-tokens", type=int, nargs=2, default=output_tokens)
+    p.add_argument("--seed", type=int, default=0)
+
+
+# --- datasets ---
+
+
+def load_tokenizer(model: str | None = None):
+    """The Hugging Face tokenizer of ``model`` (default: the prepared checkpoint)."""
+    from transformers import AutoTokenizer
+
+    from build_scripts.prepare_model import ensure_model
+
+    return AutoTokenizer.from_pretrained(str(ensure_model(model)))
+
+
+def make_prompt(tokenizer, n_tokens: int, rng: random.Random) -> str:
+    """A distinct prompt of about ``n_tokens`` tokens (no prefix shared across requests)."""
+    words = " ".join(
+        f"{rng.choice(['item', 'case', 'note', 'part'])}{rng.randint(0, 99999)} is {rng.randint(0, 999)};"
+        for _ in range(n_tokens // 4 + 8)
+    )
+    ids = tokenizer.encode(words, add_special_tokens=False)[:n_tokens]
+    return tokenizer.decode(ids)
+
+
+# --- open-loop replay ---
+
+
+def replay(
+    offsets: Sequence[float],
+    send: Callable[[int, float], object],
+    *,
+    drain_timeout_s: float,
+    desc: str | None = "requests",
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Call ``send(i, t_submit)`` in a thread of its own ``offsets[i]`` seconds after the start
+    (``t_submit``: ``clock()`` as it is sent), then wait for every request, up to
+    ``drain_timeout_s`` after the last arrival. A progress line (``desc``; None: none) counts
+    the requests finished. Returns the start, by ``clock``."""
+    threads = []
+    t0 = clock()
+    with Progress(len(offsets), desc or "", unit="req", show=desc is not None) as progress:
+
+        def one(i: int, t_submit: float) -> None:
+            try:
+                send(i, t_submit)
+            finally:
+                progress.update()
+
+        for i, offset in enumerate(offsets):
+            delay = t0 + offset - clock()
+            if delay > 0:
+                time.sleep(delay)
+            th = threading.Thread(target=one, args=(i, clock()), daemon=True)
+            th.start()
+            threads.append(th)
+        deadline = clock() + drain_timeout_s
+        for th in threads:
+            th.join(max(0.0, deadline - clock()))
+    return t0
+
+
+@dataclass
+class Workload:
+    rate: float = 0.1  # requests per second (Poisson)
+    duration_s: float = 120.0
+    prompt_tokens: tuple[int, int] = (512, 1024)
+    output_tokens: tuple[int, int] = (64, 128)
+    seed: int = 0
+    drain_timeout_s: float = 300.0
+    n_requests: int = 0  # > 0: exactly this many arrivals (duration_s is then ignored)
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    prompt_tokens: int
+    max_tokens: int
+    t_submit: float
+    offset: float = 0.0  # planned arrival, seconds after the run's start
+    token_times: list[float] = field(default_factory=list)
+    n_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.t_submit if self.token_times else float("nan")
+
+    @property
+    def e2e(self) -> float:
+        return self.token_times[-1] - self.t_submit if self.token_times else float("nan")
+
+    @property
+    def gaps(self) -> list[float]:
+        return stats.gaps(self.token_times)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Per-stream decode speed: tokens after the first over the time they took."""
+        return stats.decode_rate(self.token_times)
+
+
+def plan_requests(tokenizer, w: Workload) -> list[tuple[float, str, int, int]]:
+    """(arrival offset, prompt, prompt tokens, max_tokens) for the whole run, from the seed."""
+    rng = random.Random(w.seed)
+    out: list[tuple[float, str, int, int]] = []
+    for t in poisson_arrivals(w.rate, rng):
+        if (len(out) >= w.n_requests) if w.n_requests > 0 else (t >= w.duration_s):
+            break
+        n_in = rng.randint(*w.prompt_tokens)
+        prompt = make_prompt(tokenizer, n_in, rng)
+        out.append((t, prompt, len(tokenizer.encode(prompt, add_special_tokens=False)), rng.randint(*w.output_tokens)))
+    return out
+
+
+def run(
+    url: str, tokenizer, w: Workload, model: str = "llm", desc: str | None = "requests"
+) -> tuple[list[RequestRecord], float]:
+    """Replay the planned requests against ``url``; returns records and the run's wall time.
+    ``desc``: the progress line's label (None: no progress line)."""
+    from backend.client import stream_generate
+
+    plan = plan_requests(tokenizer, w)
+    records = [RequestRecord(i, n_in, n_out, math.nan, offset) for i, (offset, _, n_in, n_out) in enumerate(plan)]
+
+    def send(i: int, t_submit: float) -> None:
+        # the scheduled submit time counts for TTFT, not the one stream_generate stamps
+        rec = records[i]
+        rec.t_submit = t_submit
+        prompt = plan[i][1]
+        res = stream_generate(url, prompt, rec.max_tokens, model=model, ignore_eos=True, timeout_s=w.drain_timeout_s)
+        rec.token_times = list(res.times)
+        rec.n_tokens = len(res.token_ids)
+        rec.error = res.error
+
+    t0 = replay([offset for offset, *_ in plan], send, drain_timeout_s=w.drain_timeout_s, desc=desc)
+    return records, time.perf_counter() - t0
+
+
+def warm_up(url: str, tokenizer, model: str = "llm") -> None:
+    """Two short requests, so a measurement does not pay for first-call costs."""
+    w = Workload(rate=1.0, n_requests=2, prompt_tokens=(64, 64), output_tokens=(4, 4), seed=99)
+    run(url, tokenizer, w, model, desc=None)
+
+
+def records_to_json(records: list[RequestRecord]) -> list[dict]:
+    return [asdict(r) for r in records]

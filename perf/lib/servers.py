@@ -1,0 +1,178 @@
+"""The servers the benchmarks start: our deployments, on one machine split between roles, and
+llama.cpp's server as a baseline.
+
+Ours (``start``; ``started`` for a ``with`` block): aggregated, ``llm`` gets every core;
+disaggregated (1 prefill + N decode), the prefill instance is pinned to the first half of the
+cores and the decode instances to the rest, each with as many torch threads as cores, so the
+processes don't fight over the same cores.
+
+llama.cpp's (``start_llama_cpp``): ``llama-cpp-python[server]``, installed on first use into
+``.venv/tools/llama-cpp`` (it compiles llama.cpp: minutes), serving a GGUF on the OpenAI API.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from perf.lib.tools import ensure_tool
+
+if TYPE_CHECKING:
+    from backend.launch.server import TritonServer
+
+LLAMA_CPP = "llama-cpp-python[server]==0.3.36"
+LLAMA_CPP_EOS = "2"  # <|im_end|>, the checkpoint's end of sequence, as a logit-bias key
+
+
+def core_split() -> tuple[str, str, int, int]:
+    """(prefill cores, decode cores, their counts): the first half of the usable cores and the rest."""
+    cores = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cores) // 2)
+    pre, dec = cores[:half], cores[half:] or cores[:half]
+    return ",".join(map(str, pre)), ",".join(map(str, dec)), len(pre), len(dec)
+
+
+def start(
+    mode: str,
+    *,
+    model: str | None = None,
+    overrides: dict | None = None,
+    per_model: dict | None = None,
+    log_dir: Path | None = None,
+    decode_instances: int = 1,
+    extra_env: dict | None = None,
+) -> TritonServer:
+    """``mode``: ``aggregated`` or ``disagg`` (1 prefill + ``decode_instances`` decode instances,
+    cores split between the roles). ``extra_env``: added to the server's environment."""
+    from backend.launch.deployment import render_deployment
+    from backend.launch.server import TritonServer
+    from build_scripts.prepare_model import ensure_model
+
+    model_dir = ensure_model(model)
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="triton-disagg-perf-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    overrides = dict(overrides or {})
+    per_model = dict(per_model or {})
+    if mode == "aggregated":
+        n = len(os.sched_getaffinity(0))
+        per_model.setdefault("llm", {}).setdefault("num_threads", str(n))
+    elif mode == "disagg":
+        pre, dec, n_pre, n_dec = core_split()
+        per_model["prefill"] = {"cpu_affinity": pre, "num_threads": str(n_pre), **per_model.get("prefill", {})}
+        per_model["decode"] = {"cpu_affinity": dec, "num_threads": str(n_dec), **per_model.get("decode", {})}
+    repo = render_deployment(
+        log_dir / f"repo-{mode}",
+        mode=mode,
+        model_path=str(model_dir),
+        overrides=overrides,
+        per_model=per_model,
+        decode_instances=decode_instances,
+    )
+    return TritonServer(repo, log_file=log_dir / f"tritonserver-{mode}.log", extra_env=extra_env).start(timeout_s=400)
+
+
+@contextmanager
+def started(mode: str, **kw) -> Iterator[TritonServer]:
+    """``start(mode, **kw)`` for a ``with`` block, which stops the server as it ends."""
+    server = start(mode, **kw)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class LlamaCppServer:
+    """A running llama.cpp server (``url``: ``http://127.0.0.1:PORT``); ``stop()`` ends it, and
+    ``with`` does too."""
+
+    def __init__(self, proc: subprocess.Popen, url: str):
+        self.proc, self.url = proc, url
+        self._client: Any = None  # the OpenAI client, made on first use
+
+    def wait_ready(self, timeout_s: float = 120.0) -> LlamaCppServer:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama.cpp server exited with {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("llama.cpp server not ready")
+
+    def stream(self, prompt: str, tokens: int) -> list[float]:
+        """Arrival times of the tokens of one greedy completion with end of sequence off
+        (llama-cpp-python sends one token per chunk, then a final chunk with no text)."""
+        if self._client is None:
+            from openai import OpenAI
+
+            self._client = OpenAI(base_url=f"{self.url}/v1", api_key="none")
+        times = []
+        stream = self._client.completions.create(
+            model="baseline",
+            prompt=prompt,
+            max_tokens=tokens,
+            temperature=0.0,
+            stream=True,
+            extra_body={"logit_bias_type": "input_ids", "logit_bias": {LLAMA_CPP_EOS: -100.0}},
+        )
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                times.append(time.perf_counter())
+        return times
+
+    def timed_streams(self, prompt: str, tokens: int, streams: int) -> list[list[float]]:
+        """A warm-up, then ``streams`` streams of ``tokens`` tokens one after the other: each
+        one's token arrival times (a stream of fewer than half the tokens is an error)."""
+        self.stream("warm up", 8)
+        out = []
+        for _ in range(streams):
+            times = self.stream(prompt, tokens)
+            if len(times) < tokens // 2:
+                raise RuntimeError(f"llama.cpp streamed {len(times)} of {tokens} tokens")
+            out.append(times)
+        return out
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+    def __enter__(self) -> LlamaCppServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_llama_cpp(
+    gguf: Path, threads: int, log_path: Path, *, n_ctx: int = 2048, extra: tuple[str, ...] = ()
+) -> LlamaCppServer:
+    """llama.cpp's server on ``gguf`` with ``threads`` threads, a free local port and its log in
+    ``log_path`` (``extra``: more server options), once it answers."""
+    from backend.launch.ports import free_port
+
+    python = ensure_tool("llama-cpp", LLAMA_CPP, "python")
+    port = free_port()
+    cmd = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads", str(threads)]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(n_ctx), *extra]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        server = LlamaCppServer(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), f"http://127.0.0.1:{port}")
+    try:
+        return server.wait_ready()
+    except BaseException:
+        server.stop()
+        raise
