@@ -30,6 +30,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -422,7 +423,8 @@ def main(argv=None) -> int:
     model_dir = ensure_model(None)
     trace = ramp_trace(parse_phases(args.phases), tuple(args.prompt_tokens), tuple(args.output_tokens), args.seed)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    tmp = Path(f"/tmp/autoscale-ramp-{stamp}")
+    tmp = Path(tempfile.mkdtemp(prefix=f"autoscale-ramp-{stamp}-"))  # etcd, logs, decisions
+    print(f"deployment files (etcd, logs, the autoscaler's decisions): {tmp}", flush=True)
     base = dict(ttft_s=args.ttft, itl_s=args.itl, profile=args.profile)
     runs = [
         run_one(

@@ -78,7 +78,14 @@ def main(argv=None) -> int:
     tok = loadgen.load_tokenizer()
     prompt = long_prompt(tok, args.prompt_tokens)
     n_tokens = len(tok.encode(prompt, add_special_tokens=False))
-    common = {"kv_cache_tokens": "8192", "max_num_batched_tokens": "256", "max_tokens_limit": "64"}
+    # Every request repeats one prompt: without this the prefix cache would serve it after the
+    # warm-up, and the disaggregated runs would send no KV at all.
+    common = {
+        "kv_cache_tokens": "8192",
+        "max_num_batched_tokens": "256",
+        "max_tokens_limit": "64",
+        "enable_prefix_caching": "false",
+    }
     runs = {}
     pre_cores, _, n_pre, _ = servers.core_split()
     same_compute = {"llm": {"cpu_affinity": pre_cores, "num_threads": str(n_pre)}}

@@ -17,13 +17,12 @@ import json
 import math
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from perf.lib import loadgen, servers
+from perf.lib import loadgen, results, servers
 from perf.lib.results import results_dir
 from perf.lib.stats import percentile
 
@@ -148,7 +147,7 @@ def report(stats: dict, low: dict, plots: list[Path], w: loadgen.Workload, args,
         met = (v >= goal) if op == ">=" else (v <= goal)
         lines.append(f"| {k} (b)/(a) | {v:.2f} | {op} {goal} | {'yes' if met else 'no'} |")
     lines += [""] + [f"![{p.stem}]({p.name})" for p in plots]
-    lines += ["", "Reproduce:", "", "```", "python -m perf.compare_modes " + " ".join(sys.argv[1:]), "```"]
+    lines += ["", "Reproduce:", "", "```", results.command_line("perf.compare_modes"), "```"]
     text = "\n".join(lines) + "\n"
     out.write_text(text)
     return text

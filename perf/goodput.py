@@ -23,14 +23,13 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
 from backend.planner.workload import TraceRequest, save_trace
 from perf.lib import loadgen, servers
 from perf.lib.metrics import metric_sum
-from perf.lib.results import results_dir
+from perf.lib.results import command_line, results_dir
 from perf.lib.stats import median, percentile
 
 ATTAINMENT_GOAL = 0.9
@@ -248,14 +247,7 @@ def report(results: dict, s: dict, args, plot_path: Path) -> str:
                 f"({best_name}) {best:g}: {ratio}."
             )
     lines += ["", sensitivity(results, s), ""]
-    lines += [
-        "",
-        f"![attainment vs rate]({plot_path.name})",
-        "",
-        "```",
-        "python -m perf.goodput " + " ".join(sys.argv[1:]),
-        "```",
-    ]
+    lines += ["", f"![attainment vs rate]({plot_path.name})", "", "```", command_line("perf.goodput"), "```"]
     return "\n".join(lines) + "\n"
 
 

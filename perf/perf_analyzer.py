@@ -4,7 +4,9 @@ perf_analyzer ships only in the manylinux ``tritonclient==2.50.0`` wheel; ``scri
 unpacks it into ``.venv/perf_analyzer/``. It needs Debian's ``libb64-0d`` (installed with
 apt-get when missing and we are root) and ``libcudart.so.12`` (pip ``nvidia-cuda-runtime-cu12``,
 put on LD_LIBRARY_PATH): ``perf/lib/tools.py`` sees to both. This script starts the chosen
-deployment itself unless ``--url`` points at a running server.
+deployment itself unless ``--url`` points at a running server. Its CSV, and the same rows as
+JSON (``perf_analyzer_<stamp>.json``, the figures of the run's envelope), go to the results
+folder.
 
     python -m perf.perf_analyzer [--mode aggregated|disagg] [--concurrency 1:2] [--url HOST:PORT]
 """
@@ -12,12 +14,15 @@ deployment itself unless ``--url`` points at a running server.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+from perf.lib.results import results_dir
 from perf.lib.tools import ensure_perf_analyzer, pa_env
 
 PROMPTS = [
@@ -42,6 +47,13 @@ def input_file(max_tokens: int, path: Path) -> Path:
     return path
 
 
+def _number(text: str):
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["aggregated", "disagg"], default="aggregated")
@@ -53,6 +65,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     pa = ensure_perf_analyzer()
     tmp = Path(tempfile.mkdtemp(prefix="perf-analyzer-"))
+    out = results_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    csv_path = out / f"perf_analyzer_{stamp}.csv"
     server = None
     if args.url is None:
         from perf.lib import servers
@@ -83,7 +99,7 @@ def main(argv=None) -> int:
         "--max-trials",
         "4",
         "-f",
-        str(tmp / "perf_analyzer.csv"),
+        str(csv_path),
     ]
     print(" ".join(cmd), flush=True)
     try:
@@ -91,7 +107,12 @@ def main(argv=None) -> int:
     finally:
         if server is not None:
             server.stop()
-    print(f"csv: {tmp / 'perf_analyzer.csv'}")
+    if rc == 0 and csv_path.exists():
+        rows = [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(csv_path.open())]
+        summary = {"mode": None if args.url else args.mode, "url": args.url, "max_tokens": args.max_tokens}
+        summary["rows"] = rows
+        csv_path.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    print(f"csv: {csv_path}")
     return rc
 
 

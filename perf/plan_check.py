@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from backend.planner.profile import EngineProfile
 from backend.planner.simulator import Deployment, InstanceSpec, RequestResult, simulate
 from backend.planner.slo import SLO, attainment, summary
 from backend.planner.workload import TraceRequest
+from perf.lib import results
 
 TOLERANCE = 0.25
 
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
                 f"{att['loose'][0] * 100:.0f}% / {att['loose'][1] * 100:.0f}% |"
             )
     lines.append(f"\n{within} of {total} predictions within {TOLERANCE:.0%} of the measurement.")
-    lines += ["", "```", "python -m perf.plan_check " + " ".join(sys.argv[1:]), "```"]
+    lines += ["", "```", results.command_line("perf.plan_check"), "```"]
     text = "\n".join(lines) + "\n"
     if args.out:
         Path(args.out).write_text(text)

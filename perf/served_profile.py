@@ -27,11 +27,10 @@ import argparse
 import json
 import os
 import statistics
-import sys
 from pathlib import Path
 
 from backend.planner.profile import EngineProfile
-from perf.lib import loadgen, servers
+from perf.lib import loadgen, results, servers
 from perf.lib.stats import median
 
 BATCHES = (1, 2, 4, 8)
@@ -113,7 +112,7 @@ def main(argv=None) -> int:
         f"request {prof.request_overhead_s * 1e3:.1f}; handoff {prof.handoff_s * 1e3:.1f}"
     )
     Path(args.out).with_suffix(".measured.json").write_text(json.dumps(measured, indent=1))
-    print(f"calibrated profile: {args.out}  (python -m perf.served_profile {' '.join(sys.argv[1:])})")
+    print(f"calibrated profile: {args.out}  ({results.command_line('perf.served_profile')})")
     return 0
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -67,8 +69,21 @@ class Run:
     schema: int = SCHEMA
 
 
+_running: list[Run] = []  # the run being recorded in this process (``begin`` .. ``finish``)
+
+
 def begin(benchmark: str, command: list[str]) -> Run:
-    return Run(benchmark, list(command), commit(), describe(), time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    run = Run(benchmark, list(command), commit(), describe(), time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    _running[:] = [run]
+    return run
+
+
+def command_line(module: str) -> str:
+    """The command that reproduces this run, for a benchmark's own report: the recorded
+    ``triton-disagg bench ...`` one, or ``python -m <module> ...`` when run directly."""
+    if _running:
+        return shlex.join(_running[0].command)
+    return shlex.join(["python", "-m", module, *sys.argv[1:]])
 
 
 def files_since(since: float, root: Path) -> list[Path]:
@@ -105,6 +120,7 @@ def finish(run: Run, since: float, exit_code: int, results_root: Path | None = N
     """Complete ``run`` with its time, exit code and the files it wrote (their figures and
     markdown); save it under ``runs_dir()``; its path."""
     root = results_dir() if results_root is None else results_root
+    _running.clear()
     run.seconds = round(time.time() - since, 3)
     run.exit_code = exit_code
     written = files_since(since, root)

@@ -65,6 +65,8 @@ def fake_bench(monkeypatch, tmp_path):
             raise SystemExit(0)
         out.mkdir(exist_ok=True)
         (out / "fake_result.json").write_text(json.dumps({"tokens_per_s": 42.0, "argv": argv}))
+        if "--reproduce" in argv:
+            print("reproduce:", results.command_line("perf.fake"))
         if "--table" in argv:
             print("noise\nSpeed per thread count:\n| threads | tok/s |\n|---|---|\n| 1 | 42 |\ndone")
             (out / "fake_result.json").unlink()
@@ -96,6 +98,13 @@ def test_an_envelope_keeps_summaries_not_per_request_records(fake_bench):
     kept = results.keepable(big)
     assert kept == {"stats": {"ttft_p50": 0.5}}
     assert results.keepable({"a": 1}) == {"a": 1}
+
+
+def test_a_benchmark_names_the_command_that_reproduces_it(fake_bench, capsys, monkeypatch):
+    assert cli.main(["fake", "--reproduce", "--rate", "2"]) == 0
+    assert "reproduce: triton-disagg bench fake --reproduce --rate 2\n" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", ["perf/fake.py", "--rate", "3 4"])  # run directly, not recorded
+    assert results.command_line("perf.fake") == "python -m perf.fake --rate '3 4'"
 
 
 def test_a_failed_run_is_recorded_with_its_exit_code(fake_bench):
