@@ -16,7 +16,8 @@ output channel) with
   torchao``).
 
 Median of 10 runs each, the candidates alternated round by round; this is how the engine's
-int8 kernel was chosen.
+int8 kernel was chosen. Prints a table and writes ``int8_kernels_<stamp>.json`` (ms per step,
+each candidate and batch) to the results folder.
 
     python -m perf.bench_int8_kernels [--threads 2] [--batches 1,16] [--torchao-path DIR]
 """
@@ -24,6 +25,7 @@ int8 kernel was chosen.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -31,7 +33,9 @@ import warnings
 
 import torch
 
+from perf.lib.machine import cpu_model
 from perf.lib.progress import bar
+from perf.lib.results import results_dir
 from perf.lib.stats import median
 
 HIDDEN, INTER, KV, VOCAB, LAYERS = 576, 1536, 192, 49152, 30
@@ -149,6 +153,11 @@ def main(argv=None) -> int:
     for name in candidates:
         cells = " | ".join(f"{1e3 * median(times[(name, b)]):.1f}" for b in batches)
         print(f"| {name} | {cells} |", flush=True)
+    ms = {name: {str(b): 1e3 * median(times[(name, b)]) for b in batches} for name in candidates}
+    out = results_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"cpu": cpu_model(), "threads": args.threads, "runs_per_median": 10, "ms_per_step": ms}
+    (out / f"int8_kernels_{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(json.dumps(result, indent=1))
     return 0
 
 

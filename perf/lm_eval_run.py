@@ -19,13 +19,13 @@ import argparse
 import json
 import os
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
 import requests
 
 from perf.lib.machine import ROOT
+from perf.lib.results import results_dir
 from perf.lib.tools import ensure_tool
 
 LM_EVAL = "lm-eval[api]==0.4.13"
@@ -109,12 +109,12 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER), help="Hugging Face tokenizer folder or name")
     p.add_argument("--tasks", default="td_smoke")
     p.add_argument("--include-path", default=str(TASKS_DIR), help="folder of extra task YAMLs ('' for none)")
-    p.add_argument("--out", default=None, help="lm-eval's output folder (default: a temporary one)")
+    p.add_argument("--out", default=None, help="lm-eval's output folder (default: lm_eval/ in the results folder)")
     p.add_argument("--limit", type=int, default=None, help="at most this many documents per task")
     p.add_argument("--num-concurrent", type=int, default=1)
     p.add_argument("--max-length", type=int, default=2048, help="context length lm-eval assumes")
     args = p.parse_args(argv)
-    out = Path(args.out or tempfile.mkdtemp(prefix="lm-eval-"))
+    out = Path(args.out) if args.out else results_dir() / "lm_eval"
     res = run(
         args.url.rstrip("/"),
         out,

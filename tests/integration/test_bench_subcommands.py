@@ -8,9 +8,7 @@ tools (genai-perf, AIPerf, lm-eval, perf_analyzer, llama.cpp; installed on first
 The results folder is a temporary one (``TRITON_DISAGG_RESULTS``), so nothing lands in
 ``perf/results/`` or the tracked ``perf/runs/``. Each run must exit 0 and leave exactly one
 envelope for its subcommand, exit code 0, with the commit and the machine, whose figures (the
-JSON the benchmark wrote) hold its key numbers, finite and positive. A few subcommands write no
-JSON yet (``int8-kernels``, ``one-stream``): their numbers are read from what
-they print.
+JSON the benchmark wrote) hold its key numbers, finite and positive.
 
 The settings are the smallest that still go through each benchmark's real path: one repeat,
 a few tokens, seconds of load, one round. ``plan-check`` checks the points of the tiny ``sweep``
@@ -72,7 +70,7 @@ TINY: dict[str, list[str]] = {
     "genai-perf": ["--url", "{grpc_url}", "--requests", "2", "--concurrency", "1", "--isl", "16", "--osl", "4"],
     "aiperf": ["--url", "{openai_url}", "--requests", "2", "--concurrency", "1", "--isl", "16", "--osl", "4"]
     + ["--slo-ttft-ms", "60000", "--slo-itl-ms", "60000"],
-    "lm-eval": ["--url", "{openai_url}", "--limit", "1", "--out", "{results}/lm_eval"],
+    "lm-eval": ["--url", "{openai_url}", "--limit", "1"],  # its exports land in the results folder
 }
 
 
@@ -226,11 +224,12 @@ def _transfer(run: Run) -> None:
 
 @check("int8-kernels")
 def _int8_kernels(run: Run) -> None:
-    # no JSON yet: the markdown table it prints, ms per step of every candidate at batch 1
-    rows = dict(re.findall(r"^\| ([^|]+?) \| ([0-9.]+) \|$", run.stdout, re.M))
-    assert len(rows) >= 6, run.stdout[-2000:]
-    positive(*(float(v) for v in rows.values()))
-    assert "int8, per-row activations, fbgemm (weights_dtype=int8)" in rows, rows
+    ms = run.figure("int8_kernels_*.json")["ms_per_step"]
+    assert len(ms) >= 6 and "int8, per-row activations, fbgemm (weights_dtype=int8)" in ms, ms
+    for by_batch in ms.values():
+        assert set(by_batch) == {"1"}, by_batch
+        positive(*by_batch.values())
+    assert "| int8, per-row activations, fbgemm (weights_dtype=int8) |" in run.stdout  # the table printed
 
 
 @check("spec")
@@ -266,9 +265,9 @@ def _formats(run: Run) -> None:
 
 @check("one-stream")
 def _one_stream(run: Run) -> None:
-    # no JSON file yet: the summary line it prints last
-    line = next(ln for ln in reversed(run.stdout.splitlines()) if ln.startswith('{"cpu"'))
-    s = json.loads(line)["summary"]["disagg"]
+    r = run.figure("one_stream_*.json")
+    s = r["summary"]["disagg"]
+    assert len(s["tok_s"]) == 1 and r["args"]["tokens"] == 8, r
     positive(s["tok_s_median"], s["tok_s_best"], s["ttft_median"])
 
 
