@@ -62,6 +62,13 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", default="1:2")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--requests-per-window", type=int, default=8)
+    p.add_argument(
+        "--stability-percentage",
+        type=float,
+        default=50,
+        help="how far (%%) the last three windows may spread and still count as stable (default 50)",
+    )
+    p.add_argument("--max-trials", type=int, default=4, help="windows tried before giving up (default 4)")
     args = p.parse_args(argv)
     pa = ensure_perf_analyzer()
     tmp = Path(tempfile.mkdtemp(prefix="perf-analyzer-"))
@@ -95,9 +102,9 @@ def main(argv=None) -> int:
         "--measurement-request-count",
         str(args.requests_per_window),
         "--stability-percentage",
-        "50",
+        f"{args.stability_percentage:g}",
         "--max-trials",
-        "4",
+        str(args.max_trials),
         "-f",
         str(csv_path),
     ]

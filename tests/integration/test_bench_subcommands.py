@@ -66,7 +66,9 @@ TINY: dict[str, list[str]] = {
     "cpp-baseline": ["--rounds", "1", "--streams", "1", "--tokens", "16"],
     "perplexity": ["--formats", "float32", "--modes", "aggregated", "--text", "{text}", "--window", "64"]
     + ["--tokens", "8", "--streams", "1"],
-    "perf-analyzer": ["--url", "{grpc_url}", "--concurrency", "1", "--max-tokens", "4", "--requests-per-window", "2"],
+    # two requests a window spread widely on a shared 2-core machine: a wide stability band
+    "perf-analyzer": ["--url", "{grpc_url}", "--concurrency", "1", "--max-tokens", "4", "--requests-per-window", "2"]
+    + ["--stability-percentage", "100", "--max-trials", "10"],
     "genai-perf": ["--url", "{grpc_url}", "--requests", "2", "--concurrency", "1", "--isl", "16", "--osl", "4"],
     "aiperf": ["--url", "{openai_url}", "--requests", "2", "--concurrency", "1", "--isl", "16", "--osl", "4"]
     + ["--slo-ttft-ms", "60000", "--slo-itl-ms", "60000"],
