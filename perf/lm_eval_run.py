@@ -6,11 +6,18 @@ prompts, ``echo`` + ``logprobs`` for the loglikelihood tasks, greedy generation 
 By default it runs this repository's small task group ``td_smoke`` (``tests/data/lm_eval/``:
 8 multiple-choice questions, 4 paragraphs for word perplexity, 4 short generated answers);
 ``--tasks`` takes any lm-eval task (those of lm-eval's own catalogue download their data sets
-from the Hugging Face Hub). Prints the scores as JSON and writes lm-eval's output under
-``--out``.
+from the Hugging Face Hub).
 
-    python -m perf.lm_eval_run --url http://127.0.0.1:9000 [--model llm] [--tasks td_smoke]
-                               [--tokenizer models/SmolLM2-135M-Instruct] [--out DIR] [--limit N]
+Without ``--url`` it starts each deployment of ``--modes`` itself (``perf/lib/servers.py``, the
+OpenAI frontend in front; the disaggregated one with ``--disagg-chunk``-token prefill chunks, so
+the prompts cross chunk boundaries and the KV transfer), runs the tasks on each into
+``--out``/<mode>/, and prints the scores side by side with whether every loglikelihood (within
+1e-3 nats) and every generated text agree across the modes (``summary.{json,md}``). With
+``--url`` it runs once against that frontend into ``--out`` and prints the scores as JSON.
+
+    python -m perf.lm_eval_run [--modes aggregated,disagg] [--url http://127.0.0.1:9000]
+        [--model llm] [--tasks td_smoke] [--tokenizer models/SmolLM2-135M-Instruct] [--out DIR]
+        [--limit N]
 """
 
 from __future__ import annotations
@@ -102,9 +109,124 @@ def run(
     return {"results": data["results"], "samples": samples, "wall_s": round(time.monotonic() - t0, 1)}
 
 
+LL_ATOL = 1e-3  # nats: two modes' loglikelihoods of one request agree within this
+# the figures of the side-by-side table: (task, lm-eval metric, column title)
+COLUMNS = (
+    ("td_mc", "acc,none", "td_mc acc"),
+    ("td_mc", "acc_norm,none", "acc_norm"),
+    ("td_ppl", "word_perplexity,none", "td_ppl word perplexity"),
+    ("td_ppl", "byte_perplexity,none", "byte perplexity"),
+    ("td_ppl", "bits_per_byte,none", "bits/byte"),
+    ("td_gen", "exact_match,strip", "td_gen exact_match"),
+)
+
+
+def _responses(samples: list[dict]) -> list:
+    """Each logged sample's responses in document order: loglikelihoods or generated texts."""
+    ordered = sorted(samples, key=lambda s: (s["doc_id"], str(s.get("arguments"))))
+    return [s.get("filtered_resps", s.get("resps")) for s in ordered]
+
+
+def _close(a, b) -> bool:
+    """Responses agree: numbers (or numeric strings) within ``LL_ATOL``, everything else equal."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    x, y = _float(a), _float(b)
+    if x is not None and y is not None:
+        return abs(x - y) <= LL_ATOL
+    return a == b
+
+
+def _float(v) -> float | None:
+    """A logged number (lm-eval logs loglikelihoods as strings), or None."""
+    if isinstance(v, bool):
+        return None
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def agreement(by_mode: dict[str, dict]) -> dict[str, bool]:
+    """task -> whether every mode's logged responses equal the first mode's (loglikelihoods
+    within ``LL_ATOL``), for the tasks every mode logged."""
+    runs = [r["samples"] for r in by_mode.values() if "samples" in r]
+    if len(runs) < 2:
+        return {}
+    tasks = set.intersection(*(set(s) for s in runs))
+    return {t: all(_close(_responses(runs[0][t]), _responses(s[t])) for s in runs[1:]) for t in sorted(tasks)}
+
+
+def table(by_mode: dict[str, dict]) -> str:
+    """The scores of each mode as a markdown table (an error row for a mode that failed)."""
+    rows = ["| mode | " + " | ".join(c[2] for c in COLUMNS) + " | wall (s) |", "|---" * (len(COLUMNS) + 2) + "|"]
+    for mode, r in by_mode.items():
+        if "error" in r:
+            rows.append(f"| {mode} | " + " | ".join(["-"] * len(COLUMNS)) + f" | {r['error'][:120]} |")
+            continue
+        cells = [r["results"].get(task, {}).get(metric) for task, metric, _ in COLUMNS]
+        shown = " | ".join("-" if v is None else f"{v:.4g}" for v in cells)
+        rows.append(f"| {mode} | {shown} | {r['wall_s']} |")
+    return "\n".join(rows)
+
+
+def run_modes(args, out: Path) -> int:
+    """Start each deployment of ``args.modes`` with the OpenAI frontend, run lm-eval on it, stop
+    it; write and print the side-by-side summary. 0 when every mode ran."""
+    from backend.launch.openai_frontend import OpenAIFrontend
+    from build_scripts.prepare_model import ensure_model
+    from perf.lib import servers
+
+    lm_eval_exe()  # the install on first use, before any server starts
+    model_dir = ensure_model(None)
+    by_mode: dict[str, dict] = {}
+    for mode in args.modes.split(","):
+        overrides = {"max_num_batched_tokens": str(args.disagg_chunk)} if mode == "disagg" else {}
+        server = frontend = None
+        try:
+            server = servers.start(mode, log_dir=out / f"logs-{mode}", overrides=overrides)
+            frontend = OpenAIFrontend(server.grpc_url, model_dir, log_file=out / f"logs-{mode}" / "openai.log")
+            frontend.start()
+            by_mode[mode] = run(
+                frontend.url,
+                out / mode,
+                model=frontend.served_model_name,
+                tokenizer=args.tokenizer,
+                tasks=args.tasks,
+                include_path=args.include_path or None,
+                limit=args.limit,
+                num_concurrent=args.num_concurrent,
+                max_length=args.max_length,
+            )
+        except Exception as exc:  # the exact error in the summary; the next mode still runs
+            by_mode[mode] = {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            if frontend is not None:
+                frontend.stop()
+            if server is not None:
+                server.stop()
+        print(f"{mode}: {json.dumps(by_mode[mode].get('results', by_mode[mode]))}", flush=True)
+    agree = agreement(by_mode)
+    settings = {"tasks": args.tasks, "limit": args.limit, "disagg_chunk": args.disagg_chunk}
+    summary = {
+        "settings": settings,
+        "results": {m: {k: r[k] for k in ("results", "wall_s", "error") if k in r} for m, r in by_mode.items()},
+        "responses_agree_across_modes": agree,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    agrees = ", ".join(f"{t}: {'yes' if ok else 'NO'}" for t, ok in agree.items()) or "-"
+    title = f"lm-eval {LM_EVAL.split('==')[1]}, settings {settings}"
+    md = f"{title}\n\n{table(by_mode)}\n\nresponses agree across modes: {agrees}\n"
+    (out / "summary.md").write_text(md)
+    print(md)
+    return 0 if all("error" not in r for r in by_mode.values()) else 1
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", required=True, help="the OpenAI frontend, http://HOST:PORT")
+    p.add_argument("--url", default=None, help="a running OpenAI frontend, http://HOST:PORT (default: start --modes)")
+    p.add_argument("--modes", default="aggregated,disagg", help="deployments to start when no --url")
+    p.add_argument("--disagg-chunk", type=int, default=32, help="the disaggregated deployment's prefill chunk (tokens)")
     p.add_argument("--model", default=None, help="served model name (default: the first of /v1/models)")
     p.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER), help="Hugging Face tokenizer folder or name")
     p.add_argument("--tasks", default="td_smoke")
@@ -115,6 +237,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-length", type=int, default=2048, help="context length lm-eval assumes")
     args = p.parse_args(argv)
     out = Path(args.out) if args.out else results_dir() / "lm_eval"
+    if args.url is None:
+        return run_modes(args, out)
     res = run(
         args.url.rstrip("/"),
         out,
