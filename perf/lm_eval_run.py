@@ -110,15 +110,15 @@ def run(
 
 
 LL_ATOL = 1e-3  # nats: two modes' loglikelihoods of one request agree within this
-# the figures of the side-by-side table: (task, lm-eval metric, column title)
-COLUMNS = (
-    ("td_mc", "acc,none", "td_mc acc"),
-    ("td_mc", "acc_norm,none", "acc_norm"),
-    ("td_ppl", "word_perplexity,none", "td_ppl word perplexity"),
-    ("td_ppl", "byte_perplexity,none", "byte perplexity"),
-    ("td_ppl", "bits_per_byte,none", "bits/byte"),
-    ("td_gen", "exact_match,strip", "td_gen exact_match"),
-)
+# the figures of the side-by-side table: column title -> "task/lm-eval metric"
+COLUMNS = {
+    "td_mc acc": "td_mc/acc,none",
+    "acc_norm": "td_mc/acc_norm,none",
+    "td_ppl word perplexity": "td_ppl/word_perplexity,none",
+    "byte perplexity": "td_ppl/byte_perplexity,none",
+    "bits/byte": "td_ppl/bits_per_byte,none",
+    "td_gen exact_match": "td_gen/exact_match,strip",
+}
 
 
 def _responses(samples: list[dict]) -> list:
@@ -159,15 +159,28 @@ def agreement(by_mode: dict[str, dict]) -> dict[str, bool]:
 
 def table(by_mode: dict[str, dict]) -> str:
     """The scores of each mode as a markdown table (an error row for a mode that failed)."""
-    rows = ["| mode | " + " | ".join(c[2] for c in COLUMNS) + " | wall (s) |", "|---" * (len(COLUMNS) + 2) + "|"]
+    rows = ["| mode | " + " | ".join(COLUMNS) + " | wall (s) |", "|---" * (len(COLUMNS) + 2) + "|"]
     for mode, r in by_mode.items():
         if "error" in r:
             rows.append(f"| {mode} | " + " | ".join(["-"] * len(COLUMNS)) + f" | {r['error'][:120]} |")
             continue
-        cells = [r["results"].get(task, {}).get(metric) for task, metric, _ in COLUMNS]
+        cells = [r["results"].get(task, {}).get(metric) for task, metric in (c.split("/") for c in COLUMNS.values())]
         shown = " | ".join("-" if v is None else f"{v:.4g}" for v in cells)
         rows.append(f"| {mode} | {shown} | {r['wall_s']} |")
     return "\n".join(rows)
+
+
+def _options(args) -> dict:
+    """``run``'s keyword arguments from the command line."""
+    return dict(
+        model=args.model,
+        tokenizer=args.tokenizer,
+        tasks=args.tasks,
+        include_path=args.include_path or None,
+        limit=args.limit,
+        num_concurrent=args.num_concurrent,
+        max_length=args.max_length,
+    )
 
 
 def run_modes(args, out: Path) -> int:
@@ -187,17 +200,7 @@ def run_modes(args, out: Path) -> int:
             server = servers.start(mode, log_dir=out / f"logs-{mode}", overrides=overrides)
             frontend = OpenAIFrontend(server.grpc_url, model_dir, log_file=out / f"logs-{mode}" / "openai.log")
             frontend.start()
-            by_mode[mode] = run(
-                frontend.url,
-                out / mode,
-                model=frontend.served_model_name,
-                tokenizer=args.tokenizer,
-                tasks=args.tasks,
-                include_path=args.include_path or None,
-                limit=args.limit,
-                num_concurrent=args.num_concurrent,
-                max_length=args.max_length,
-            )
+            by_mode[mode] = run(frontend.url, out / mode, **dict(_options(args), model=frontend.served_model_name))
         except Exception as exc:  # the exact error in the summary; the next mode still runs
             by_mode[mode] = {"error": f"{type(exc).__name__}: {exc}"}
         finally:
@@ -239,17 +242,7 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else results_dir() / "lm_eval"
     if args.url is None:
         return run_modes(args, out)
-    res = run(
-        args.url.rstrip("/"),
-        out,
-        model=args.model,
-        tokenizer=args.tokenizer,
-        tasks=args.tasks,
-        include_path=args.include_path or None,
-        limit=args.limit,
-        num_concurrent=args.num_concurrent,
-        max_length=args.max_length,
-    )
+    res = run(args.url.rstrip("/"), out, **_options(args))
     print(json.dumps({"results": res["results"], "wall_s": res["wall_s"], "out": str(out)}, indent=1))
     return 0
 
