@@ -45,6 +45,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# benchmark -> the flags that switch it to another measurement: the report keeps a section for each
+VARIANTS: dict[str, tuple[str, ...]] = {"multiturn": ("--routing",), "formats": ("--server",)}
+
 REPORT_HELP = "perf/REPORT.md from the newest successful run of each benchmark (not a benchmark)"
 
 
@@ -123,7 +126,7 @@ def report(argv: list[str]) -> int:
     p.add_argument("--runs", type=Path, default=None, help="folder of run envelopes (default perf/runs/)")
     p.add_argument("--out", type=Path, default=generated.REPORT, help="the report to write")
     args = p.parse_args(argv)
-    generated.generate(SUBCOMMANDS, args.runs, args.out)
+    generated.generate(SUBCOMMANDS, args.runs, args.out, VARIANTS)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

@@ -1,5 +1,7 @@
 """``perf/REPORT.md`` generated from the results: the newest successful envelope of each
 benchmark (``perf/runs/``), one section each, in the order of ``triton-disagg bench --help``.
+A benchmark whose flag switches to another measurement (``multiturn --routing``, ``formats
+--server``: ``variants``) gets a section for each variant it has a run of.
 
 A section gives the command, when and where it ran (CPU model, cores, torch, GPU, commit) and
 the benchmark's own markdown table; a benchmark that wrote none gets its figures flattened into
@@ -138,25 +140,41 @@ def section(name: str, what: str, run: dict, failed_after: list[dict], out: Path
     return lines
 
 
-def generate(subcommands: dict[str, tuple[str, str]], runs: Path | None = None, out: Path = REPORT) -> str:
-    """The report's text, from the envelopes in ``runs`` (``perf/runs/``); written to ``out``."""
+def variant(run: dict, flags: tuple[str, ...]) -> tuple[str, ...]:
+    """Which of ``flags`` (a benchmark's measurement-switching flags) the run's command carries."""
+    return tuple(f for f in flags if f in run.get("command", []))
+
+
+def generate(
+    subcommands: dict[str, tuple[str, str]],
+    runs: Path | None = None,
+    out: Path = REPORT,
+    variants: dict[str, tuple[str, ...]] | None = None,
+) -> str:
+    """The report's text, from the envelopes in ``runs`` (``perf/runs/``); written to ``out``.
+    ``variants``: benchmark -> the flags that make a run another measurement (a section each)."""
     index = ["| benchmark | last good run | machine | seconds |", "|---|---|---|---|"]
     body: list[str] = []
     for name, (_, what) in subcommands.items():
+        flags = (variants or {}).get(name, ())
         all_runs = envelopes(name, runs)
-        good = [r for r in all_runs if r.get("exit_code") == 0]
-        if not good:
-            index.append(f"| `{name}` | not run yet{' (failed runs only)' if all_runs else ''} | | |")
-            continue
-        run = good[-1]
-        failed_after = [r for r in all_runs[all_runs.index(run) + 1 :] if r.get("exit_code") != 0]
-        m = run.get("machine", {})
-        index.append(
-            f"| [`{name}`](#{_anchor(name + ': ' + what)}) | {run.get('started', '?')[:16]} | "
-            f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores{', ' + m['gpu'] if m.get('gpu') else ''} | "
-            f"{run.get('seconds', 0):.0f} |"
-        )
-        body += section(name, what, run, failed_after, out)
+        keys = sorted({variant(r, flags) for r in all_runs} or {()}, key=lambda k: (len(k), k))
+        for key in keys:
+            title = " ".join((name, *key))
+            mine = [r for r in all_runs if variant(r, flags) == key]
+            good = [r for r in mine if r.get("exit_code") == 0]
+            if not good:
+                index.append(f"| `{title}` | not run yet{' (failed runs only)' if mine else ''} | | |")
+                continue
+            run = good[-1]
+            failed_after = [r for r in mine[mine.index(run) + 1 :] if r.get("exit_code") != 0]
+            m = run.get("machine", {})
+            index.append(
+                f"| [`{title}`](#{_anchor(title + ': ' + what)}) | {run.get('started', '?')[:16]} | "
+                f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores{', ' + m['gpu'] if m.get('gpu') else ''} | "
+                f"{run.get('seconds', 0):.0f} |"
+            )
+            body += section(title, what, run, failed_after, out)
     history = sorted(HISTORY.glob("REPORT-*.md")) if HISTORY.exists() else []
     head = [
         "# Measured figures",

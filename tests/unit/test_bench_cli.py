@@ -165,6 +165,24 @@ def test_a_printed_table_is_kept_and_reported_when_no_file_was_written(fake_benc
     assert "noise" not in text
 
 
+def test_a_flag_that_switches_the_measurement_keeps_a_section_of_its_own(fake_bench, tmp_path):
+    from perf.lib import report
+
+    assert cli.main(["fake", "--rate", "1"]) == 0
+    time.sleep(1.1)  # envelopes are named by the second
+    assert cli.main(["fake", "--routing", "--rate", "2"]) == 0
+    time.sleep(1.1)
+    assert cli.main(["fake", "--routing", "--fail"]) == 3
+    fake = {"fake": cli.SUBCOMMANDS["fake"]}
+    text = report.generate(fake, results.runs_dir(), tmp_path / "R.md", {"fake": ("--routing",)})
+    plain, routing = text.index("## fake: a fake benchmark"), text.index("## fake --routing: a fake benchmark")
+    assert plain < routing
+    assert "`triton-disagg bench fake --rate 1`" in text[plain:routing]  # not replaced by the newer variant
+    assert "`triton-disagg bench fake --routing --rate 2`" in text[routing:]
+    assert "1 later run(s) failed" in text[routing:] and "later run(s) failed" not in text[plain:routing]
+    assert "[`fake`](#" in text and "[`fake --routing`](#" in text
+
+
 def test_report_subcommand_writes_the_file(fake_bench, tmp_path):
     out = tmp_path / "R.md"
     assert cli.main(["report", "--runs", str(tmp_path / "none"), "--out", str(out)]) == 0
