@@ -10,9 +10,13 @@ Each prompt runs with speculation off and on (``--k`` drafts, ``--method`` draft
 ``--repeats`` times; the median decode time counts. Reports accepted draft tokens per step,
 tokens per step, decode tokens/s with and without, and their ratio (targets: >= 1.5x on the
 lookup-friendly workload, >= 0.95x on the other); checks the outputs are identical.
+``--decoders transformers,auto`` measures the same with each engine decoder (transformers'
+modules, the lean layer loop), one engine after the other in the same process: a verify step's
+cost relative to a plain step depends on how much of a step is per-token work.
 Prints a markdown table; writes JSON to the results folder (``perf/results/``).
 
     python -m perf.bench_spec [--model DIR] [--k 4] [--method lookup] [--max-tokens 64] [--repeats 2]
+                              [--decoders auto]
 """
 
 from __future__ import annotations
@@ -160,32 +164,41 @@ def main(argv=None) -> None:
     ap.add_argument("--method", default="lookup", choices=["lookup", "hidden"])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--decoders", default="auto", help="EngineConfig.decoder settings to measure, comma-separated")
     args = ap.parse_args(argv)
     model = str(ensure_model(args.model))
-    engine = LLMEngine(
-        EngineConfig(model_path=model, num_threads=args.threads, kv_cache_tokens=4096, max_model_len=2048)
-    )
     tokenizer = AutoTokenizer.from_pretrained(model)
-    results = bench(engine, tokenizer, args.k, args.method, args.max_tokens, args.repeats)
+    by_decoder = {}
+    for decoder in args.decoders.split(","):
+        engine = LLMEngine(
+            EngineConfig(
+                model_path=model, num_threads=args.threads, kv_cache_tokens=4096, max_model_len=2048, decoder=decoder
+            )
+        )
+        by_decoder[decoder] = bench(engine, tokenizer, args.k, args.method, args.max_tokens, args.repeats)
+        engine.close()
     print(
         f"\nSpeculative decoding ({args.method}, k={args.k}) vs plain greedy decoding, one stream, "
         f"{args.max_tokens} max tokens, {args.threads} threads\n"
     )
     print(
-        "| workload | tokens/step (spec) | accepted drafts/step | tok/s plain | tok/s spec | speedup | target "
-        "| identical |"
+        "| decoder | workload | tokens/step (spec) | accepted drafts/step | tok/s plain | tok/s spec | speedup "
+        "| target | identical |"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    for name, r in results.items():
-        print(
-            f"| {name} | {r['tokens_per_step']:.2f} | {r['accepted_per_step']:.2f} | {r['tok_s_off']:.1f} | "
-            f"{r['tok_s_on']:.1f} | {r['speedup']:.2f}x | >= {r['target']}x | {r['identical']} |"
-        )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for decoder, results in by_decoder.items():
+        for name, r in results.items():
+            print(
+                f"| {decoder} | {name} | {r['tokens_per_step']:.2f} | {r['accepted_per_step']:.2f} | "
+                f"{r['tok_s_off']:.1f} | {r['tok_s_on']:.1f} | {r['speedup']:.2f}x | >= {r['target']}x | "
+                f"{r['identical']} |"
+            )
     path = results_dir() / f"bench_spec_{time.strftime('%Y%m%d_%H%M%S')}.json"
     path.write_text(
         json.dumps(
             {
-                "results": results,
+                "results": by_decoder[args.decoders.split(",")[-1]],  # the last decoder listed
+                "by_decoder": by_decoder,
                 "k": args.k,
                 "method": args.method,
                 "max_tokens": args.max_tokens,

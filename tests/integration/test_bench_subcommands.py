@@ -45,7 +45,7 @@ pytestmark = pytest.mark.timeout(1500)
 TINY: dict[str, list[str]] = {
     "transfer": ["--reps", "1", "--tokens", "256", "--layers", "4"],
     "int8-kernels": ["--batches", "1"],
-    "spec": ["--max-tokens", "16", "--repeats", "1"],
+    "spec": ["--max-tokens", "16", "--repeats", "1", "--decoders", "transformers,auto"],
     "engine": ["--repeats", "1", "--decode-tokens", "4"],
     "formats": ["--formats", "float32,int8", "--decoders", "auto", "--windows", "1"],
     "one-stream": ["--tokens", "8", "--streams", "1", "--modes", "disagg"],
@@ -236,13 +236,16 @@ def _int8_kernels(run: Run) -> None:
 
 @check("spec")
 def _spec(run: Run) -> None:
-    r = run.figure("bench_spec_*.json")["results"]
-    assert set(r) == {"lookup_friendly", "no_lookup", "rejected_drafts"}
-    for name, w in r.items():
-        assert w["identical"], f"{name}: speculative output differs from plain greedy"
-        positive(w["tok_s_off"], w["tok_s_on"], w["tokens_per_step"])
-    assert r["lookup_friendly"]["accepted_per_step"] > 0, "no lookup draft accepted on the copy workload"
-    assert r["rejected_drafts"]["accepted_per_step"] == 0
+    figure = run.figure("bench_spec_*.json")
+    assert set(figure["by_decoder"]) == {"transformers", "auto"} and figure["results"] == figure["by_decoder"]["auto"]
+    for decoder, r in figure["by_decoder"].items():
+        assert set(r) == {"lookup_friendly", "no_lookup", "rejected_drafts"}
+        for name, w in r.items():
+            assert w["identical"], f"{decoder} {name}: speculative output differs from plain greedy"
+            positive(w["tok_s_off"], w["tok_s_on"], w["tokens_per_step"])
+        assert r["lookup_friendly"]["accepted_per_step"] > 0, f"{decoder}: no lookup draft accepted on copy prompts"
+        assert r["rejected_drafts"]["accepted_per_step"] == 0
+    assert "| transformers | lookup_friendly |" in run.stdout and "| auto | lookup_friendly |" in run.stdout
 
 
 @check("engine")
