@@ -406,6 +406,51 @@ def run_one(tmp: Path, model_dir: Path, setup: Setup, trace: list[TraceRequest],
     return out
 
 
+def _ms(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def tables(report: dict) -> str:
+    """The runs side by side, each run's scaling changes and its predictions against measurement,
+    as markdown."""
+    slo = report["slo"]
+    out = [
+        f"Trace {report['phases']} (seconds:req/s), {report['requests']} requests; SLO TTFT <= {slo['ttft_s']} s "
+        f"and the request's p90 inter-token gap <= {slo['itl_p90_s']} s:",
+        "",
+        "| deployment | mean instances | SLO attainment | met / s | goodput per instance-second "
+        "| TTFT p50 / p90 (s) | ITL p90 (s) | failed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["runs"]:
+        out.append(
+            f"| {r['name']} | {r['mean_instances']:.2f} | {100 * r['attainment']:.1f} % ({r['slo_met']} of "
+            f"{r['requests']}) | {r['goodput_per_s']:.3f} | {r['goodput_per_instance_s']:.4f} | "
+            f"{_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p90_s'])} | {r['itl_p90_s']:.3f} | {r['failed']} |"
+        )
+    for r in report["runs"]:
+        changes = r.get("changes") or []
+        if changes:
+            first = changes[0]["t"]
+            out += ["", f"{r['name']}: what the autoscaler changed (seconds from its first decision):", ""]
+            out += ["| t (s) | change | reason |", "|---|---|---|"]
+            for c in changes:
+                reason = c["reason"][:160].replace("|", "/")
+                out.append(f"| {c['t'] - first:.0f} | {c['role']} {c['from']} -> {c['to']} | {reason} |")
+        pred = r.get("predictions") or {}
+        if any(pred.get(k, {}).get("intervals") for k in ("rate", "ttft_p90", "itl_p90")):
+            out += ["", f"{r['name']}: each interval's prediction against the next interval's measurement:", ""]
+            out += ["| figure | intervals | median relative error | within 25 % |", "|---|---|---|---|"]
+            for key, title in (("rate", "arrival rate"), ("ttft_p90", "TTFT p90"), ("itl_p90", "ITL p90")):
+                e = pred.get(key, {})
+                med = e.get("median_rel_error")
+                out.append(
+                    f"| {title} | {e.get('intervals', 0)} | {'-' if med is None else f'{100 * med:.0f} %'} | "
+                    f"{e.get('within_25pct', 0)} |"
+                )
+    return "\n".join(out) + "\n"
+
+
 def main(argv=None) -> int:
     from build_scripts.prepare_model import ensure_model
 
@@ -454,12 +499,7 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else results_dir() / f"autoscale-ramp-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
-    print("| deployment | mean instances | attainment | goodput/instance-s | failed |")
-    for r in runs:
-        print(
-            f"| {r['name']} | {r['mean_instances']:.2f} | {r['attainment']:.3f} | "
-            f"{r['goodput_per_instance_s']:.4f} | {r['failed']} |"
-        )
+    print(tables(report))
     print(f"results: {out}")
     return 0
 

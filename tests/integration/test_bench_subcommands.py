@@ -385,6 +385,7 @@ def _autoscale(run: Run) -> None:
     assert 0 <= a["attainment"] <= 1
     positive(a["ttft_p50_s"], a["itl_p90_s"], a["instance_seconds"])
     assert a["mean_instances"] >= 2 - 1e-9, a  # one prefill and one decode instance all along
+    assert "| autoscaled | " in run.stdout and "|---|---|---|---|---|---|---|---|" in run.stdout  # the table
 
 
 @check("cpp-baseline")
