@@ -406,8 +406,9 @@ def run_one(tmp: Path, model_dir: Path, setup: Setup, trace: list[TraceRequest],
     return out
 
 
-def _ms(v) -> str:
-    return "-" if v is None else f"{v:.2f}"
+def _s(v, digits: int = 2) -> str:
+    """Seconds as a table cell; '-' where there is no figure (no request measured)."""
+    return "-" if v is None else f"{v:.{digits}f}"
 
 
 def tables(report: dict) -> str:
@@ -426,7 +427,7 @@ def tables(report: dict) -> str:
         out.append(
             f"| {r['name']} | {r['mean_instances']:.2f} | {100 * r['attainment']:.1f} % ({r['slo_met']} of "
             f"{r['requests']}) | {r['goodput_per_s']:.3f} | {r['goodput_per_instance_s']:.4f} | "
-            f"{_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p90_s'])} | {r['itl_p90_s']:.3f} | {r['failed']} |"
+            f"{_s(r['ttft_p50_s'])} / {_s(r['ttft_p90_s'])} | {_s(r['itl_p90_s'], 3)} | {r['failed']} |"
         )
     for r in report["runs"]:
         changes = r.get("changes") or []
