@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import threading
@@ -187,6 +188,50 @@ def goodput(server, seconds: float, kill_every: float) -> dict:
     }
 
 
+def _failed(goodput_result: dict) -> str:
+    kinds = goodput_result.get("failed_by_kind") or {}
+    return ", ".join(f"{n} {k}" for k, n in kinds.items()) or "none failed"
+
+
+def table(out: dict) -> str:
+    """Migration on against off as markdown: streams on the killed instance, the gap a moved
+    stream saw, goodput under kills."""
+    on, off = out["migration_on"], out["migration_off"]
+    a = out["args"]
+
+    def streams(g: dict) -> str:
+        return f"{g['streams_moved']} moved, {g['streams_failed']} failed"
+
+    def gap(g: dict) -> str:
+        if not g["streams_moved"]:
+            return "-"
+        return f"{g['gap_p50_s']:.2f} s / {g['gap_p99_s']:.2f} s / {g['gap_max_s']:.2f} s"
+
+    def put(r: dict) -> str:
+        return (
+            f"{r['goodput_req_s']:.3f} req/s ({r['ok']}/{r['requests']} ok; {_failed(r)}), "
+            f"{r['goodput_tokens_s']:.1f} tokens/s"
+        )
+
+    ratio = on["goodput"]["goodput_req_s"] / max(off["goodput"]["goodput_req_s"], 1e-9)
+    median = on["gap"]["inter_token_median_s"]
+    rows = [
+        f"Migration on (migration_limit 3) against off (0), each on a fresh server; {a['rounds']} kill rounds, "
+        f"then {a['seconds']:g} s of closed-loop load with decode_0 killed every {a['kill_every']:g} s:",
+        "",
+        "| | migration on | migration off |",
+        "|---|---|---|",
+        f"| streams on the killed instance ({a['rounds']} rounds) | {streams(on['gap'])} | {streams(off['gap'])} |",
+        f"| the gap in a moved stream: p50 / p99 / max | {gap(on['gap'])} | - |",
+        f"| median inter-token time of the same streams | "
+        f"{'-' if math.isnan(median) else f'{1000 * median:.0f} ms'} | - |",
+        f"| goodput, {on['goodput']['kills']} / {off['goodput']['kills']} kills | {put(on['goodput'])} | "
+        f"{put(off['goodput'])} |",
+        f"| goodput ratio | {ratio:.2f}x | 1x |",
+    ]
+    return "\n".join(rows) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=6)
@@ -203,12 +248,7 @@ def main(argv=None) -> int:
             out[label]["goodput"] = goodput(server, args.seconds, args.kill_every)
         print(json.dumps(out[label], indent=1), flush=True)
     (results_dir() / "migration.json").write_text(json.dumps(out, indent=1))
-    on, off = out["migration_on"]["goodput"], out["migration_off"]["goodput"]
-    print(
-        f"goodput: on {on['goodput_req_s']:.3f} req/s ({on['ok']}/{on['requests']} ok), "
-        f"off {off['goodput_req_s']:.3f} req/s ({off['ok']}/{off['requests']} ok); "
-        f"ratio {on['goodput_req_s'] / max(off['goodput_req_s'], 1e-9):.2f}x"
-    )
+    print(table(out))
     return 0
 
 

@@ -374,6 +374,7 @@ def _migration(run: Run) -> None:
     assert on["goodput"]["kills"] >= 1 and on["goodput"]["ok"] == on["goodput"]["requests"] >= 1, on["goodput"]
     positive(on["goodput"]["goodput_req_s"], on["goodput"]["goodput_tokens_s"])
     assert off["goodput"]["requests"] >= 1 and off["goodput"]["kills"] >= 1, off["goodput"]
+    assert "| | migration on | migration off |" in run.stdout and "| goodput ratio |" in run.stdout  # the table
 
 
 @check("autoscale")
