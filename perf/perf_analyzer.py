@@ -54,6 +54,23 @@ def _number(text: str):
         return text
 
 
+def table(rows: list[dict], max_tokens: int) -> str:
+    """perf_analyzer's rows as markdown: requests/s, responses (one per token)/s and its latency
+    percentiles in ms."""
+    out = [
+        f"perf_analyzer --streaming, {max_tokens} tokens per request:",
+        "",
+        "| concurrency | requests/s | responses/s | latency p50 / p90 / p99 (ms) |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        lat = " / ".join(f"{r[f'p{q} latency'] / 1e3:.0f}" for q in (50, 90, 99))
+        out.append(
+            f"| {int(r['Concurrency'])} | {r['Inferences/Second']:.3f} | {r['Response Throughput']:.2f} | {lat} |"
+        )
+    return "\n".join(out) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["aggregated", "disagg"], default="aggregated")
@@ -119,6 +136,7 @@ def main(argv=None) -> int:
         summary = {"mode": None if args.url else args.mode, "url": args.url, "max_tokens": args.max_tokens}
         summary["rows"] = rows
         csv_path.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+        print(table(rows, args.max_tokens))
     print(f"csv: {csv_path}")
     return rc
 

@@ -106,14 +106,46 @@ def main(argv=None) -> int:
     prof.save(Path(args.out))
     measured = {"aggregated": agg, "disagg": dis}
     print(json.dumps(measured, indent=1))
-    print("engine step (ms):", {b: round(prof.cost(cores).step_time([(1, 152)] * b) * 1e3, 1) for b in BATCHES})
-    print(
-        f"served overheads (ms): { ({t: [round(x * 1e3, 1) for x in v] for t, v in prof.served_overhead_s.items()}) }; "
-        f"request {prof.request_overhead_s * 1e3:.1f}; handoff {prof.handoff_s * 1e3:.1f}"
-    )
+    print(table(prof, measured, cores, n_dec, n))
     Path(args.out).with_suffix(".measured.json").write_text(json.dumps(measured, indent=1))
     print(f"calibrated profile: {args.out}  ({results.command_line('perf.served_profile')})")
     return 0
+
+
+def table(prof, measured: dict, cores: int, n_dec: int, prompt_tokens: int) -> str:
+    """Served decode ITL beside the engine's own step, per number of streams, and the calibrated
+    terms, as markdown."""
+    agg, dis = measured["aggregated"], measured["disagg"]
+
+    def step_ms(threads: int, b: int) -> float:
+        return prof.cost(threads).step_time([(1, 152)] * b) * 1e3
+
+    rows = [
+        f"Served decode inter-token latency against the engine's step (ms; aggregated on {cores} threads, the "
+        f"disaggregated decode instance on {n_dec}):",
+        "",
+        "| streams | aggregated served | engine step | disagg decode served | engine step |",
+        "|---|---|---|---|---|",
+    ]
+    for b in BATCHES:
+        rows.append(
+            f"| {b} | {agg['itl'][b] * 1e3:.1f} | {step_ms(cores, b):.1f} | {dis['itl'][b] * 1e3:.1f} | "
+            f"{step_ms(n_dec, b):.1f} |"
+        )
+    served = "; ".join(
+        f"{t} threads {v[0] * 1e3:.1f} / {v[1] * 1e3:.1f}" for t, v in sorted(prof.served_overhead_s.items())
+    )
+    rows += [
+        "",
+        "| calibrated term | value |",
+        "|---|---|",
+        f"| TTFT of one {prompt_tokens}-token request, aggregated / disagg (ms) | {agg['ttft'] * 1e3:.0f} / "
+        f"{dis['ttft'] * 1e3:.0f} |",
+        f"| served overhead per step, 1 stream / 2-8 streams (ms) | {served} |",
+        f"| request overhead (ms) | {prof.request_overhead_s * 1e3:.1f} |",
+        f"| KV handoff (ms) | {prof.handoff_s * 1e3:.1f} |",
+    ]
+    return "\n".join(rows) + "\n"
 
 
 if __name__ == "__main__":

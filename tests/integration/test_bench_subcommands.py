@@ -342,6 +342,7 @@ def _served_profile(run: Run) -> None:
     prof = EngineProfile.load(run.results / "served_profile.json")
     assert set(prof.served_overhead_s) == {1, 2}, prof.served_overhead_s  # the cores; the decode instance's
     assert prof.request_overhead_s >= 0 and prof.handoff_s >= 0
+    assert "| streams | aggregated served | engine step |" in run.stdout and "| KV handoff (ms) |" in run.stdout
 
 
 @check("multiturn")
@@ -420,6 +421,7 @@ def _perf_analyzer(run: Run) -> None:
     assert row["Concurrency"] == 1
     positive(row["Inferences/Second"], row["p50 latency"], row["p90 latency"])
     assert any(f.endswith(".csv") for f in run.envelope["files"]), run.envelope["files"]
+    assert "| concurrency | requests/s | responses/s |" in run.stdout and "\n| 1 | " in run.stdout  # the table
 
 
 def _tool_summary(run: Run, pattern: str) -> dict:
