@@ -109,9 +109,10 @@ def one_round(server, k: int) -> tuple[list, float, int, int]:
 
 
 def gap_rounds(server, rounds: int) -> dict:
-    gaps, baselines, failed, moved_streams = [], [], 0, 0
+    gaps, baselines, failed, moved_streams, on_killed = [], [], 0, 0, 0
     for k in bar(range(rounds), "gap rounds"):
         results, t_kill, on_victim, pid = one_round(server, k)
+        on_killed += on_victim
         for r in results:
             if r.error is not None:
                 failed += 1
@@ -120,7 +121,9 @@ def gap_rounds(server, rounds: int) -> dict:
                 continue
             steps = gaps_of(r.times)
             longest = max(steps)
-            if longest > 5 * median(steps):  # this stream was interrupted: it moved
+            # interrupted: a moved stream, or one on the other instance that paused while the moved
+            # ones were prefilled again on the shared cores
+            if longest > 5 * median(steps):
                 moved_streams += 1
                 gaps.append(longest)
                 baselines.append(median(steps))
@@ -130,7 +133,8 @@ def gap_rounds(server, rounds: int) -> dict:
         wait_back(server, pid)
     return {
         "rounds": rounds,
-        "streams_moved": moved_streams,
+        "streams_on_killed_instance": on_killed,
+        "streams_moved": moved_streams,  # interrupted (a pause > 5x the stream's median gap) and finished
         "streams_failed": failed,
         "gap_p50_s": percentile(gaps, 50),
         "gap_p99_s": percentile(gaps, 99),
@@ -194,13 +198,17 @@ def _failed(goodput_result: dict) -> str:
 
 
 def table(out: dict) -> str:
-    """Migration on against off as markdown: streams on the killed instance, the gap a moved
-    stream saw, goodput under kills."""
+    """Migration on against off as markdown: streams on the killed instance, what became of the
+    streams after the kill (failed; paused and finished, which with migration on includes every
+    moved stream), the pause, goodput under kills."""
     on, off = out["migration_on"], out["migration_off"]
     a = out["args"]
 
+    def victims(g: dict) -> str:
+        return str(g.get("streams_on_killed_instance", "?"))
+
     def streams(g: dict) -> str:
-        return f"{g['streams_moved']} moved, {g['streams_failed']} failed"
+        return f"{g['streams_failed']} failed; {g['streams_moved']} paused and finished"
 
     def gap(g: dict) -> str:
         if not g["streams_moved"]:
@@ -214,17 +222,22 @@ def table(out: dict) -> str:
         )
 
     ratio = on["goodput"]["goodput_req_s"] / max(off["goodput"]["goodput_req_s"], 1e-9)
-    median = on["gap"]["inter_token_median_s"]
+
+    def median_gap(g: dict) -> str:
+        m = g["inter_token_median_s"]
+        return "-" if math.isnan(m) else f"{1000 * m:.0f} ms"
+
     rows = [
         f"Migration on (migration_limit 3) against off (0), each on a fresh server; {a['rounds']} kill rounds, "
         f"then {a['seconds']:g} s of closed-loop load with decode_0 killed every {a['kill_every']:g} s:",
         "",
         "| | migration on | migration off |",
         "|---|---|---|",
-        f"| streams on the killed instance ({a['rounds']} rounds) | {streams(on['gap'])} | {streams(off['gap'])} |",
-        f"| the gap in a moved stream: p50 / p99 / max | {gap(on['gap'])} | - |",
-        f"| median inter-token time of the same streams | "
-        f"{'-' if math.isnan(median) else f'{1000 * median:.0f} ms'} | - |",
+        f"| streams on the killed instance ({a['rounds']} rounds) | {victims(on['gap'])} | {victims(off['gap'])} |",
+        f"| after the kill: streams failed; streams that paused (> 5x their median gap) and finished | "
+        f"{streams(on['gap'])} | {streams(off['gap'])} |",
+        f"| the longest pause in those streams: p50 / p99 / max | {gap(on['gap'])} | {gap(off['gap'])} |",
+        f"| median inter-token time of the same streams | {median_gap(on['gap'])} | {median_gap(off['gap'])} |",
         f"| goodput, {on['goodput']['kills']} / {off['goodput']['kills']} kills | {put(on['goodput'])} | "
         f"{put(off['goodput'])} |",
         f"| goodput ratio | {ratio:.2f}x | 1x |",

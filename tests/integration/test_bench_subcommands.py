@@ -370,6 +370,7 @@ def _migration(run: Run) -> None:
     r = run.figure("migration.json")
     on, off = r["migration_on"], r["migration_off"]
     assert on["gap"]["streams_failed"] == 0 and on["gap"]["streams_moved"] >= 1, on["gap"]
+    assert on["gap"]["streams_on_killed_instance"] >= 1 and off["gap"]["streams_on_killed_instance"] >= 1
     positive(on["gap"]["gap_max_s"], on["gap"]["gap_p50_s"], on["gap"]["inter_token_median_s"])
     assert off["gap"]["streams_failed"] >= 1, off["gap"]  # without migration the victim's streams fail
     assert on["goodput"]["kills"] >= 1 and on["goodput"]["ok"] == on["goodput"]["requests"] >= 1, on["goodput"]
