@@ -197,4 +197,4 @@ def _rel(path: Path, report: Path) -> str:
 
 
 def _anchor(text: str) -> str:
-    return re.sub(r"[^a-z0-9 -]", "", text.lower()).replace(" ", "-")
+    return re.sub(r"[^a-z0-9 _-]", "", text.lower()).replace(" ", "-")  # as GitHub makes heading anchors

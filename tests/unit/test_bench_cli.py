@@ -195,3 +195,13 @@ def test_markdown_headings_are_demoted_under_the_section():
     assert report.demote("# Title\n\ntext\n## Sub") == "### Title\n\ntext\n#### Sub"
     flat = report.flatten({"a": {"b": 1.5, "c": [1, 2]}, "s": "x"})
     assert flat == [("a.b", 1.5), ("a.c[0]", 1), ("a.c[1]", 2), ("s", "x")]
+
+
+def test_the_index_links_to_each_section_as_github_anchors_it():
+    from perf.lib import report
+
+    assert (
+        report._anchor("perf-analyzer: NVIDIA perf_analyzer --streaming")
+        == "perf-analyzer-nvidia-perf_analyzer---streaming"
+    )
+    assert report._anchor("multiturn --routing: multi-turn chat") == "multiturn---routing-multi-turn-chat"
