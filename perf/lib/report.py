@@ -82,12 +82,23 @@ def printed_tables(output: str) -> str:
             j = i
             while j < len(lines) and lines[j].startswith("|"):
                 j += 1
-            caption = lines[i - 1].strip() if i and lines[i - 1].strip() and not lines[i - 1].startswith("|") else ""
+            caption = _caption(lines, i)
             blocks.append("\n".join(([caption, ""] if caption else []) + lines[i:j]))
             i = j
         else:
             i += 1
     return "\n\n".join(blocks)
+
+
+def _caption(lines: list[str], i: int) -> str:
+    """The line that introduces the table starting at ``lines[i]``: the one before it, or the one
+    before a blank line; none if that is a table's or an empty line."""
+    for k in (i - 1, i - 2):
+        if k < 0 or lines[k].startswith("|"):
+            return ""
+        if lines[k].strip():
+            return lines[k].strip()
+    return ""
 
 
 def demote(markdown: str, level: int = 3) -> str:

@@ -69,6 +69,7 @@ def fake_bench(monkeypatch, tmp_path):
             print("reproduce:", results.command_line("perf.fake"))
         if "--table" in argv:
             print("noise\nSpeed per thread count:\n| threads | tok/s |\n|---|---|\n| 1 | 42 |\ndone")
+            print("Then, after a blank line:\n\n| b | c |\n|---|---|\n| 2 | 3 |\n\n\n| orphan |\n|---|")
             (out / "fake_result.json").unlink()
         return 0
 
@@ -162,6 +163,8 @@ def test_a_printed_table_is_kept_and_reported_when_no_file_was_written(fake_benc
     assert run is not None and "| 1 | 42 |" in run["output"] and not run["files"]
     text = report.generate({"fake": cli.SUBCOMMANDS["fake"]}, results.runs_dir(), tmp_path / "R.md")
     assert "Speed per thread count:\n\n| threads | tok/s |\n|---|---|\n| 1 | 42 |" in text
+    assert "Then, after a blank line:\n\n| b | c |" in text
+    assert "| 2 | 3 |\n\n| orphan |" in text  # two blank lines: no caption
     assert "noise" not in text
 
 
