@@ -145,7 +145,7 @@ def section(name: str, what: str, run: dict, failed_after: list[dict], out: Path
         for _, text in sorted(md.items()):
             lines += [_images(demote(text), run, out.parent / "report" / "runs", out), ""]
     elif printed:
-        lines += [printed, ""]
+        lines += [demote(printed), ""]
     else:
         lines += figures_table(run.get("figures") or {}) + [""]
     return lines
