@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import sys
 import time
@@ -137,16 +138,29 @@ def finish(run: Run, since: float, exit_code: int, results_root: Path | None = N
             run.markdown[name] = p.read_text()
     out_dir = runs_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{run.benchmark}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(since))}.json"
+    stem = f"{run.benchmark}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(since))}"
+    path, n = out_dir / f"{stem}.json", 1
+    while path.exists():  # another run of it started in the same second
+        n += 1
+        path = out_dir / f"{stem}-{n}.json"
     path.write_text(json.dumps(asdict(run), indent=1, default=str) + "\n")
     return path
+
+
+_STAMP = re.compile(r"(\d{8}-\d{6})(?:-(\d+))?$")  # <benchmark>-<start stamp>[-<n>]
 
 
 def envelopes(benchmark: str, runs: Path | None = None) -> list[dict]:
     """Every envelope of ``benchmark``, oldest first."""
     out_dir = runs_dir() if runs is None else runs
-    found = sorted(out_dir.glob(f"{benchmark}-[0-9]*.json")) if out_dir.exists() else []
-    return [json.loads(p.read_text()) for p in found]
+    found = list(out_dir.glob(f"{benchmark}-[0-9]*.json")) if out_dir.exists() else []
+    return [json.loads(p.read_text()) for p in sorted(found, key=_started_order)]
+
+
+def _started_order(path: Path) -> tuple[str, int]:
+    """An envelope's place in time: its start stamp, then its number within that second."""
+    m = _STAMP.search(path.stem)
+    return (m[1], int(m[2] or 1)) if m else (path.stem, 0)
 
 
 def latest(benchmark: str, runs: Path | None = None, ok: bool = False) -> dict | None:
