@@ -147,8 +147,6 @@ def decode_rate(grpc_url: str, tokens: int, streams: int) -> dict:
 def run_ours(mode: str, fmt: str, wins: list[list[int]], args, bos_id: int | None = None) -> dict:
     """One deployment: perplexity over the windows, one-stream decode rate; with ``bos_id`` also
     the windows scored after that token (``bos``: the context llama.cpp's figures have)."""
-    from backend.launch.openai_frontend import OpenAIFrontend
-    from build_scripts.prepare_model import ensure_model
     from perf.lib import servers
 
     log_dir = results_dir() / f"perplexity-{mode}-{fmt}"
@@ -158,10 +156,7 @@ def run_ours(mode: str, fmt: str, wins: list[list[int]], args, bos_id: int | Non
     per_model = (
         {"llm": {"num_threads": str(args.engine_threads)}} if args.engine_threads and mode == "aggregated" else {}
     )
-    server = servers.start(mode, overrides=overrides, per_model=per_model, log_dir=log_dir)
-    frontend = OpenAIFrontend(server.grpc_url, ensure_model(), log_file=log_dir / "openai.log")
-    try:
-        frontend.start()
+    with servers.started_with_openai(mode, log_dir, overrides=overrides, per_model=per_model) as (server, frontend):
         url, model = frontend.url, frontend.served_model_name
         score_window(url, model, wins[0][:16], args.max_tokens)  # warm up
         res = perplexity(lambda w: score_window(url, model, w, args.max_tokens), wins, f"{mode} {fmt}")
@@ -172,9 +167,6 @@ def run_ours(mode: str, fmt: str, wins: list[list[int]], args, bos_id: int | Non
             )
         res["decode"] = decode_rate(server.grpc_url, args.tokens, args.streams)
         return res
-    finally:
-        frontend.stop()
-        server.stop()
 
 
 def run_llama_cpp(wins: list[list[int]], texts: list[str], args) -> dict:

@@ -186,28 +186,17 @@ def _options(args) -> dict:
 def run_modes(args, out: Path) -> int:
     """Start each deployment of ``args.modes`` with the OpenAI frontend, run lm-eval on it, stop
     it; write and print the side-by-side summary. 0 when every mode ran."""
-    from backend.launch.openai_frontend import OpenAIFrontend
-    from build_scripts.prepare_model import ensure_model
     from perf.lib import servers
 
     lm_eval_exe()  # the install on first use, before any server starts
-    model_dir = ensure_model(None)
     by_mode: dict[str, dict] = {}
     for mode in args.modes.split(","):
         overrides = {"max_num_batched_tokens": str(args.disagg_chunk)} if mode == "disagg" else {}
-        server = frontend = None
         try:
-            server = servers.start(mode, log_dir=out / f"logs-{mode}", overrides=overrides)
-            frontend = OpenAIFrontend(server.grpc_url, model_dir, log_file=out / f"logs-{mode}" / "openai.log")
-            frontend.start()
-            by_mode[mode] = run(frontend.url, out / mode, **dict(_options(args), model=frontend.served_model_name))
+            with servers.started_with_openai(mode, out / f"logs-{mode}", overrides=overrides) as (_, frontend):
+                by_mode[mode] = run(frontend.url, out / mode, **dict(_options(args), model=frontend.served_model_name))
         except Exception as exc:  # the exact error in the summary; the next mode still runs
             by_mode[mode] = {"error": f"{type(exc).__name__}: {exc}"}
-        finally:
-            if frontend is not None:
-                frontend.stop()
-            if server is not None:
-                server.stop()
         print(f"{mode}: {json.dumps(by_mode[mode].get('results', by_mode[mode]))}", flush=True)
     agree = agreement(by_mode)
     settings = {"tasks": args.tasks, "limit": args.limit, "disagg_chunk": args.disagg_chunk}

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from perf.lib.tools import ensure_tool
 
 if TYPE_CHECKING:
+    from backend.launch.openai_frontend import OpenAIFrontend
     from backend.launch.server import TritonServer
 
 LLAMA_CPP = "llama-cpp-python[server]==0.3.36"
@@ -76,6 +77,22 @@ def start(
         decode_instances=decode_instances,
     )
     return TritonServer(repo, log_file=log_dir / f"tritonserver-{mode}.log", extra_env=extra_env).start(timeout_s=400)
+
+
+@contextmanager
+def started_with_openai(mode: str, log_dir: Path, **kw) -> Iterator[tuple[TritonServer, OpenAIFrontend]]:
+    """``start(mode, log_dir=log_dir, **kw)`` with the OpenAI frontend in front of it, for a
+    ``with`` block that stops both as it ends."""
+    from backend.launch.openai_frontend import OpenAIFrontend
+    from build_scripts.prepare_model import ensure_model
+
+    with started(mode, log_dir=log_dir, **kw) as server:
+        frontend = OpenAIFrontend(server.grpc_url, ensure_model(kw.get("model")), log_file=Path(log_dir) / "openai.log")
+        try:
+            frontend.start()
+            yield server, frontend
+        finally:
+            frontend.stop()
 
 
 @contextmanager
