@@ -199,6 +199,18 @@ def generate_concurrently(url: str, prompts: list[str], model: str, n_tokens: in
     return out
 
 
+def pytest_report_header(config):
+    """The CPU and its kernel path, first in every run: a bound that depends on the path (the
+    int8 kernels') is asserted for the path named here."""
+    from backend.engine.cpu_kernels import kernel_path
+
+    path = kernel_path()
+    return [
+        f"cpu: {path.cpu} ({path.cpu_id}); isa: {' '.join(path.isa) or '(no AVX2)'}",
+        f"kernel path: torch {path.torch_capability}; {path.int8_path}",
+    ]
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark each test by its folder: ``unit`` (no server, no peer process) or ``integration``."""
     for item in items:

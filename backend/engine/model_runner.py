@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from backend.engine.config import EngineConfig
+from backend.engine.cpu_kernels import kernel_path
 from backend.engine.device_progress import DeviceProgress, make_progress
 from backend.engine.int8_linear import quantize_linear_int8, rotate_residual_stream, rotation_unsupported
 from backend.engine.kv_pool import KVPool
@@ -62,6 +63,7 @@ class ModelRunner:
             fuse_projections(self.model)  # before quantization, which then covers the fused layers
         if int8:
             self.model = quantize_linear_int8(self.model)
+            log.info("int8 weights on %s", kernel_path().short())
         elif self.device.type == "cpu":
             use_small_batch_linears(self.model)
         hf_config = model.config

@@ -1,5 +1,5 @@
-"""The machine and the code a figure was measured on: CPU model, cores, memory, torch version,
-GPU (if torch sees one) and the git commit (with a mark when the tree had changes)."""
+"""The machine and the code a figure was measured on: CPU model and kernel path, cores, memory,
+torch version, GPU (if torch sees one) and the git commit (with a mark when the tree had changes)."""
 
 from __future__ import annotations
 
@@ -8,32 +8,9 @@ import platform
 import subprocess
 from pathlib import Path
 
+from backend.engine.cpu_kernels import cpu_id, cpu_model, kernel_path
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def cpu_id() -> str:
-    """``family F, model M`` from /proc/cpuinfo (a VM may name its CPU no more than "AMD EPYC")."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, sep, value = line.partition(":")
-            if sep and key.strip() in ("cpu family", "model") and key.strip() not in fields:
-                fields[key.strip()] = value.strip()
-            if len(fields) == 2:
-                break
-    except OSError:
-        pass
-    return f"family {fields.get('cpu family', '?')}, model {fields.get('model', '?')}"
 
 
 def commit() -> str:
@@ -69,6 +46,7 @@ def describe() -> dict:
     return {
         "cpu": cpu_model(),
         "cpu_id": cpu_id(),
+        "kernel_path": kernel_path().as_dict(),
         "cores": len(os.sched_getaffinity(0)),
         "memory_gib": mem_gib,
         "torch": torch.__version__,

@@ -28,9 +28,11 @@ _IMAGE = re.compile(r"!\[([^\]]*)\]\(([^)\s]+)\)")
 
 def machine_line(m: dict) -> str:
     gpu = f", GPU {m['gpu']}" if m.get("gpu") else ", no GPU"
+    path = m.get("kernel_path")  # runs before 2026-12-03 did not record it
+    kernels = f"; kernels: torch {path['torch_capability']}, {path['int8_path']}" if path else ""
     return (
         f"{m.get('cpu', '?')} ({m.get('cpu_id', '?')}), {m.get('cores', '?')} cores, "
-        f"{m.get('memory_gib', '?')} GiB, torch {m.get('torch', '?')}{gpu}"
+        f"{m.get('memory_gib', '?')} GiB, torch {m.get('torch', '?')}{gpu}{kernels}"
     )
 
 
