@@ -1,5 +1,6 @@
-"""Benchmark: the engine's weight formats (``weights_dtype`` float32 / bfloat16 / int8, the KV
-cache float32 for all) side by side in one run, on the real model.
+"""Benchmark: the engine's weight formats (``weights_dtype`` float32 / bfloat16 / int8 / fp16w:
+``--formats`` takes any of ``WEIGHT_FORMATS``; the KV cache float32 for all) side by side in one
+run, on the real model.
 
 In one process, per format: prefill tokens/s (a 512-token prompt, best of 3), decode tokens/s
 at batch 1 and batch 16 (from the median step time), and quality against float32: the share

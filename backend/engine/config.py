@@ -12,10 +12,16 @@ from pathlib import Path
 
 import torch
 
+from backend.engine.cpu_kernels import FP16W_FLAGS, missing_flags
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # int8: int8 linear layers (weights per output channel, activations per row, fbgemm, CPU) over a
-# rotated residual stream (backend/engine/int8_linear.py), everything else in float32
-WEIGHT_FORMATS = (*DTYPES, "int8")
+# rotated residual stream (backend/engine/int8_linear.py), everything else in float32; fp16w: the
+# linear layers' weights in float16 through fbgemm's fp16-weight GEMM, float32 activations and sums
+# (CPU with AVX2 and F16C; backend/engine/fp16_linear.py), everything else in float32
+WEIGHT_FORMATS = (*DTYPES, "int8", "fp16w")
+# the formats of fbgemm's kernels (the kernel family named in refusals): CPU only, one process
+FBGEMM_FORMATS = {"int8": "int8", "fp16w": "fp16-weight"}
 # auto: the lean layer loop (backend/engine/lean_decoder.py) where the checkpoint's layers fit it
 # and the model runs in one process; transformers: always transformers' own modules
 DECODERS = ("auto", "transformers")
@@ -35,8 +41,10 @@ class EngineConfig:
     Formats: ``dtype`` is the default of both ``weights_dtype`` (the weights and the activations
     computed with them; ``int8``: the linear layers' weights in int8 with activations quantized
     per row (per token), fbgemm on the CPU, over a rotated residual stream, the rest in float32:
-    ``int8_linear.py``) and ``kv_dtype`` (the KV pool; empty: as
-    ``dtype``). They are independent: a float32 model may keep a bfloat16 KV cache.
+    ``int8_linear.py``; ``fp16w``: the linear layers' weights in float16, float32 activations and
+    sums, fbgemm on a CPU with AVX2 and F16C, the rest in float32: ``fp16_linear.py``) and
+    ``kv_dtype`` (the KV pool; empty: as ``dtype``). They are independent: a float32 model may
+    keep a bfloat16 KV cache. int8 and fp16w run on the CPU in one process only.
     """
 
     model_path: str
@@ -71,8 +79,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_dtype must be one of {sorted(DTYPES)}, got {self.kv_dtype!r}")
         if self.decoder not in DECODERS:
             raise ValueError(f"EngineConfig.decoder must be one of {list(DECODERS)}, got {self.decoder!r}")
-        if self.weights_format == "int8" and self.tensor_parallel_size != 1:
-            raise ValueError("EngineConfig.weights_dtype int8 is not supported with tensor_parallel_size > 1")
+        if self.weights_format in FBGEMM_FORMATS and self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"EngineConfig.weights_dtype {self.weights_format} is not supported with tensor_parallel_size > 1"
+            )
         for name in (
             "page_size",
             "kv_cache_tokens",
@@ -95,8 +105,17 @@ class EngineConfig:
             )
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("EngineConfig.device is 'cuda' but torch sees no GPU")
-        if self.weights_format == "int8" and self.torch_device.type != "cpu":
-            raise ValueError("EngineConfig.weights_dtype int8 runs on the CPU only (fbgemm int8 kernels)")
+        if self.weights_format in FBGEMM_FORMATS and self.torch_device.type != "cpu":
+            raise ValueError(
+                f"EngineConfig.weights_dtype {self.weights_format} runs on the CPU only "
+                f"(fbgemm {FBGEMM_FORMATS[self.weights_format]} kernels)"
+            )
+        missing = missing_flags(FP16W_FLAGS) if self.weights_format == "fp16w" else []
+        if missing:
+            raise ValueError(
+                f"EngineConfig.weights_dtype fp16w needs the CPU features {' and '.join(FP16W_FLAGS)} "
+                f"(fbgemm's fp16-weight GEMM); this CPU lacks {', '.join(missing)}"
+            )
 
     @property
     def torch_device(self) -> torch.device:
@@ -114,7 +133,7 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """The activations' dtype (and the float weights'): float32 under int8 weights."""
+        """The activations' dtype (and the float weights'): float32 under int8 and fp16w weights."""
         return DTYPES.get(self.weights_format, torch.float32)
 
     @property

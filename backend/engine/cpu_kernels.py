@@ -1,19 +1,23 @@
 """The CPU kernel path this process runs: the CPU's model and identity, the instruction-set
 extensions that choose a kernel (AVX2, F16C, AVX-512, VNNI, AMX), torch's CPU capability, and
 fbgemm's int8 path (8-bit activations where its kernel computes them exactly, with VNNI; 7-bit
-where int16 pair sums could saturate). Figures and tests name it beside what they measured, since
-a result or a bound can depend on it (``perf/lib/machine.py``, the test run's header)."""
+where int16 pair sums could saturate) and its fp16-weight path (AVX2 and F16C required). Figures
+and tests name it beside what they measured, since a result or a bound can depend on it
+(``perf/lib/machine.py``, the test run's header)."""
 
 from __future__ import annotations
 
 import functools
 import platform
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 # The extensions that select a kernel in torch (ATen's dispatch, oneDNN) or fbgemm, in
 # /proc/cpuinfo's spelling.
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
+# What fbgemm's fp16-weight GEMM (``weights_dtype=fp16w``) needs: it refuses to run without them.
+FP16W_FLAGS = ("avx2", "f16c")
 
 
 def _cpuinfo() -> dict[str, str]:
@@ -32,6 +36,17 @@ def _cpuinfo() -> dict[str, str]:
         if sep:
             fields.setdefault(key.strip(), value.strip())
     return fields
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags, in /proc/cpuinfo's spelling (empty where there is none)."""
+    return frozenset(_cpuinfo().get("flags", "").split())
+
+
+def missing_flags(required: Iterable[str]) -> list[str]:
+    """Those of ``required`` (in /proc/cpuinfo's spelling) this CPU lacks, in their order."""
+    flags = cpu_flags()
+    return [flag for flag in required if flag not in flags]
 
 
 def cpu_model() -> str:
@@ -61,9 +76,16 @@ class KernelPath:
             else "fbgemm int8, 7-bit activations (no VNNI: 8-bit pair sums would saturate int16)"
         )
 
-    def short(self) -> str:
-        """One line for a table's caption or a log line."""
-        return f"{self.cpu} ({self.cpu_id}); torch {self.torch_capability}; {self.int8_path}"
+    @property
+    def fp16w_path(self) -> str:
+        kernel = "AVX-512" if {"avx512f", "avx512bw"} <= set(self.isa) else "AVX2"
+        return f"fbgemm fp16 weights, float32 activations and sums ({kernel} kernel, F16C)"
+
+    def short(self, weights: str = "int8") -> str:
+        """One line for a table's caption or a log line, with the kernel path of the weights
+        format ``weights`` (``int8`` or ``fp16w``)."""
+        path = self.fp16w_path if weights == "fp16w" else self.int8_path
+        return f"{self.cpu} ({self.cpu_id}); torch {self.torch_capability}; {path}"
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -82,7 +104,7 @@ def kernel_path() -> KernelPath:
 
     from backend.engine.int8_linear import full_range_is_exact
 
-    flags = set(_cpuinfo().get("flags", "").split())
+    flags = cpu_flags()
     return KernelPath(
         cpu=cpu_model(),
         cpu_id=cpu_id(),

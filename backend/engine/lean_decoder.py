@@ -6,7 +6,7 @@ q and k apart, module calls around each), each a Python call and a dispatch. Thi
 same computation in fewer: q/k/v as one product and gate/up as one (their weights
 concatenated), the rotary embedding of q and k in one pass over their joint slice, written back
 into the product's output so that its K/V part goes to the pool as it is (no stacking copy), the
-norms through ``F.rms_norm``, int8 products as the int8 layers' own functions, attention through the
+norms through ``F.rms_norm``, int8 and fp16w products as those layers' own functions, attention through the
 pieces of the paged attention (:func:`store_kv`, :func:`attend`); under int8 weights the
 residual stream is rotated (``int8_linear.py``) and turned back before the final norm.
 
@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backend.engine.fp16_linear import Fp16Linear
 from backend.engine.int8_linear import Int8Linear
 from backend.engine.paged_attention import PagedBatch, attend, store_kv
 
@@ -99,11 +100,11 @@ def fuse_projections(model: nn.Module) -> None:
 
 
 def _product(linear: nn.Module) -> _Product:
-    """A linear layer's product as a plain function of its input: for the int8 layers their
-    product function itself (their module call adds as much Python as the op's own dispatch,
+    """A linear layer's product as a plain function of its input: for the int8 and fp16w layers
+    their product function itself (their module call adds as much Python as the op's own dispatch,
     121 times a step), for the others the module's ``forward`` without ``__call__``'s hook
     handling."""
-    if isinstance(linear, Int8Linear):
+    if isinstance(linear, (Int8Linear, Fp16Linear)):
         return linear.product()
     return linear.forward
 

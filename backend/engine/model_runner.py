@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from backend.engine.config import EngineConfig
 from backend.engine.cpu_kernels import kernel_path
 from backend.engine.device_progress import DeviceProgress, make_progress
+from backend.engine.fp16_linear import quantize_linear_fp16
 from backend.engine.int8_linear import quantize_linear_int8, rotate_residual_stream, rotation_unsupported
 from backend.engine.kv_pool import KVPool
 from backend.engine.lean_decoder import LeanDecoder, fuse_projections, unsupported_reason
@@ -64,6 +65,9 @@ class ModelRunner:
         if int8:
             self.model = quantize_linear_int8(self.model)
             log.info("int8 weights on %s", kernel_path().short())
+        elif config.weights_format == "fp16w":  # fbgemm's own products: no small-batch linears on top
+            self.model = quantize_linear_fp16(self.model)
+            log.info("fp16w weights on %s", kernel_path().short("fp16w"))
         elif self.device.type == "cpu":
             use_small_batch_linears(self.model)
         hf_config = model.config
