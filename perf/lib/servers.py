@@ -174,6 +174,11 @@ class LlamaCppServer:
         self.stop()
 
 
+def llama_cpp_python() -> Path:
+    """The Python of llama.cpp's tool venv, ``llama-cpp-python[server]`` installed on first use."""
+    return ensure_tool("llama-cpp", LLAMA_CPP, "python")
+
+
 def start_llama_cpp(
     gguf: Path, threads: int, log_path: Path, *, n_ctx: int = 2048, extra: tuple[str, ...] = ()
 ) -> LlamaCppServer:
@@ -181,7 +186,7 @@ def start_llama_cpp(
     ``log_path`` (``extra``: more server options), once it answers."""
     from backend.launch.ports import free_port
 
-    python = ensure_tool("llama-cpp", LLAMA_CPP, "python")
+    python = llama_cpp_python()
     port = free_port()
     cmd = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads", str(threads)]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(n_ctx), *extra]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes.util
+import fcntl
 import json
 import os
 import shutil
@@ -36,20 +37,25 @@ Start = Callable[[str, Path], tuple[str, Callable[[], None] | None]]
 
 def ensure_tool(name: str, requirement: str, executable: str, extra: tuple[str, ...] = ()) -> Path:
     """The path of ``executable`` in the tool's venv, installing ``requirement`` (and the
-    requirements in ``extra``, in the same pip run) if needed."""
+    requirements in ``extra``, in the same pip run) if needed. One install at a time per tool
+    (a file lock): a caller that finds another process installing it (``perf/install_tools.py``
+    in the background of the test run) waits for that install instead of starting its own."""
     venv = ROOT / ".venv" / "tools" / name
     exe = venv / "bin" / executable
     stamp = venv / ".requirement"
     wanted = " ".join((requirement, *extra))
-    if exe.is_file() and stamp.is_file() and stamp.read_text() == wanted:
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.parent / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if exe.is_file() and stamp.is_file() and stamp.read_text() == wanted:
+            return exe
+        if not (venv / "bin" / "python").is_file():
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        print(f"[{name}] installing {wanted} into {venv} ...", flush=True)
+        pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        subprocess.run([*pip, requirement, *extra], check=True)
+        stamp.write_text(wanted)
         return exe
-    if not (venv / "bin" / "python").is_file():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    print(f"[{name}] installing {wanted} into {venv} ...", flush=True)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    subprocess.run([*pip, requirement, *extra], check=True)
-    stamp.write_text(wanted)
-    return exe
 
 
 def ensure_perf_analyzer() -> Path:
@@ -144,6 +150,10 @@ class Tool:
     def version(self) -> str:
         return self.requirement.split("==")[1]
 
+    def install(self) -> Path:
+        """Its command, installed on first use (:func:`ensure_tool`)."""
+        return ensure_tool(self.name, self.requirement, self.name)
+
 
 def profile(tool: Tool, cmd: list[str], artifact_dir: Path, env: dict | None = None) -> dict:
     """Run one ``profile`` command of ``tool`` (in ``artifact_dir``'s parent) and summarize the
@@ -227,7 +237,7 @@ def drive(
     from build_scripts.prepare_model import ensure_model
     from perf.lib.results import results_dir
 
-    exe = ensure_tool(tool.name, tool.requirement, tool.name)
+    exe = tool.install()
     model_dir = ensure_model(None)
 
     def start_or_running(mode: str, log_dir: Path) -> tuple[str, Callable[[], None] | None]:

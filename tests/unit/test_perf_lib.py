@@ -159,3 +159,30 @@ def test_a_llama_cpp_server_is_ready_when_it_lists_its_models_and_stops():
     dead = LlamaCppServer(subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"]), "http://127.0.0.1:1")
     with pytest.raises(RuntimeError, match="exited with 3"):
         dead.wait_ready(timeout_s=30)
+
+
+def test_a_tool_being_installed_elsewhere_is_waited_for_not_installed_again(tmp_path, monkeypatch):
+    """``ensure_tool`` while another holder (the background installer of ``scripts/test.sh``)
+    has the tool's lock: it waits, then finds the install done and runs no pip of its own (the
+    venv here has no Python: a pip run would fail)."""
+    import fcntl
+    import threading
+    import time
+
+    monkeypatch.setattr(tools, "ROOT", tmp_path)
+    venv = tmp_path / ".venv" / "tools" / "fake"
+    (venv / "bin").mkdir(parents=True)
+    lock = open(venv.parent / "fake.lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+
+    def finish_install():
+        time.sleep(0.3)
+        (venv / "bin" / "fake").write_text("")
+        (venv / ".requirement").write_text("fake==1.0")
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
+
+    t0 = time.monotonic()
+    threading.Thread(target=finish_install).start()
+    assert tools.ensure_tool("fake", "fake==1.0", "fake") == venv / "bin" / "fake"
+    assert time.monotonic() - t0 >= 0.3
