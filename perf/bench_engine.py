@@ -5,14 +5,19 @@ at batch 1 (engine vs ``generate`` with its own KV cache) and the engine's aggre
 at batch 16 with a 256-token context (vs transformers' batch-1 decode; transformers' batch-16
 ``generate`` is shown for reference). The machine is shared, so prefill is the best of ``--repeats``
 runs and decode rates come from the median step time; ours and transformers' runs are interleaved.
-Prints a markdown table; writes JSON to the results folder (``perf/results/``).
+Then, per weights format (``--profile-formats``), where the engine's step goes: a decode step at
+batch 1 and a 256-token prefill step, profiled (``perf/lib/step_profile.py``: ms per step by op
+class, op calls per step, and the time outside ops: Python and dispatch).
+Prints markdown tables; writes JSON to the results folder (``perf/results/``).
 
     python -m perf.bench_engine [--model DIR] [--threads 2] [--repeats 3]
+                                [--profile-formats float32,fp16w,int8] [--profile-steps 16]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -28,6 +33,7 @@ from backend.engine.sampling_params import SamplingParams  # noqa: E402
 from perf.lib.progress import bar  # noqa: E402
 from perf.lib.results import results_dir  # noqa: E402
 from perf.lib.stats import gaps, median  # noqa: E402
+from perf.lib.step_profile import markdown, profile_steps  # noqa: E402
 
 if TYPE_CHECKING:
     from backend.engine.llm_engine import LLMEngine
@@ -109,12 +115,48 @@ def compare_decode(engine, hf, prompts: list[list[int]], new_tokens: int, repeat
     return len(prompts) / median(ours), len(prompts) / median(theirs)
 
 
+def step_profiles(model: str, threads: int, formats: list[str], steps: int) -> dict[str, dict]:
+    """Per format: a decode step at batch 1 (context 32) and a 256-token prefill step, profiled."""
+    from backend.engine.config import EngineConfig
+    from backend.engine.llm_engine import LLMEngine
+
+    rows = {}
+    for fmt in bar(formats, "step profiles"):
+        engine = LLMEngine(
+            EngineConfig(
+                model_path=model,
+                num_threads=threads,
+                weights_dtype=fmt,
+                kv_cache_tokens=4096,
+                max_num_batched_tokens=4096,
+                enable_prefix_caching=False,
+            )
+        )
+        vocab = engine.runner.vocab_size
+        with torch.inference_mode():
+            engine_prefill(engine, random_prompt(64, vocab, 7))  # warm-up
+            engine.add_request(
+                "p", random_prompt(32, vocab, 8), SamplingParams(max_tokens=2 * steps + 2, ignore_eos=True)
+            )
+            engine.step()  # its prefill
+            rows[f"{fmt}, decode b1"] = profile_steps(engine.step, steps)
+            while engine.has_work():
+                engine.step()
+            engine.release("p")
+            prefill = functools.partial(engine_prefill, engine, random_prompt(256, vocab, 9))
+            rows[f"{fmt}, prefill 256"] = profile_steps(prefill, max(2, steps // 4))
+        engine.close()
+    return rows
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="checkpoint dir (default: the prepared SmolLM2)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--profile-formats", default="float32,fp16w,int8", help="weights formats to profile ('' none)")
+    parser.add_argument("--profile-steps", type=int, default=16, help="decode steps per profile (prefill: a quarter)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
@@ -180,8 +222,12 @@ def main(argv=None) -> dict:
         row["ratio"] = row["ours_tok_s"] / row["hf_tok_s"]
         row["target"] = TARGETS[name]
         row["met"] = row["ratio"] >= TARGETS[name]
+    engine.close()
+    formats = [f for f in args.profile_formats.split(",") if f]
+    profiles = step_profiles(args.model, args.threads, formats, args.profile_steps) if formats else {}
     report = {
         "results": results,
+        "step_profile": profiles,
         "threads": args.threads,
         "repeats": args.repeats,
         "model": args.model,
@@ -214,6 +260,15 @@ def print_table(report: dict) -> None:
         )
     b16 = report["results"]["decode_b16"]
     print(f"\n(transformers generate at batch 16, context 256: {b16['hf_batch16_tok_s']:.1f} tok/s)")
+    if report["step_profile"]:
+        from backend.engine.cpu_kernels import kernel_path
+
+        print(
+            f"\nWhere the engine's step goes, {report['threads']} threads, {kernel_path().short()} "
+            "(ms per step by op class, each op's own time; outside ops: the step's unprofiled wall time "
+            "minus the ops' own time)\n"
+        )
+        print(markdown(report["step_profile"]))
 
 
 if __name__ == "__main__":

@@ -174,9 +174,17 @@ class LlamaCppServer:
         self.stop()
 
 
+# llama.cpp builds for the CPU it is built on (-march=native), but without its AMX kernels: on an
+# Intel Xeon with AMX (family 6, model 167, 2026-12-03) ggml_backend_amx_mul_mat crashed the server
+# (SIGSEGV) at its first completion on the Q4_1 GGUF. The flags are no-ops on CPUs without AMX.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+LLAMA_CPP_BUILD = {"CMAKE_ARGS": f"-DCMAKE_C_FLAGS='{NO_AMX}' -DCMAKE_CXX_FLAGS='{NO_AMX}'"}
+
+
 def llama_cpp_python() -> Path:
-    """The Python of llama.cpp's tool venv, ``llama-cpp-python[server]`` installed on first use."""
-    return ensure_tool("llama-cpp", LLAMA_CPP, "python")
+    """The Python of llama.cpp's tool venv, ``llama-cpp-python[server]`` built and installed on
+    first use (:data:`LLAMA_CPP_BUILD`)."""
+    return ensure_tool("llama-cpp", LLAMA_CPP, "python", env=LLAMA_CPP_BUILD)
 
 
 def start_llama_cpp(

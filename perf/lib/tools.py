@@ -35,15 +35,19 @@ PA = ROOT / ".venv" / "perf_analyzer" / "tritonclient-2.50.0.data" / "data" / "b
 Start = Callable[[str, Path], tuple[str, Callable[[], None] | None]]
 
 
-def ensure_tool(name: str, requirement: str, executable: str, extra: tuple[str, ...] = ()) -> Path:
+def ensure_tool(
+    name: str, requirement: str, executable: str, extra: tuple[str, ...] = (), env: dict[str, str] | None = None
+) -> Path:
     """The path of ``executable`` in the tool's venv, installing ``requirement`` (and the
-    requirements in ``extra``, in the same pip run) if needed. One install at a time per tool
-    (a file lock): a caller that finds another process installing it (``perf/install_tools.py``
-    in the background of the test run) waits for that install instead of starting its own."""
+    requirements in ``extra``, in the same pip run, with ``env`` added to pip's environment:
+    build settings) if needed; a venv installed with other requirements or settings is
+    installed again. One install at a time per tool (a file lock): a caller that finds another
+    process installing it (``perf/install_tools.py`` in the background of the test run) waits
+    for that install instead of starting its own."""
     venv = ROOT / ".venv" / "tools" / name
     exe = venv / "bin" / executable
     stamp = venv / ".requirement"
-    wanted = " ".join((requirement, *extra))
+    wanted = " ".join((requirement, *extra, *(f"{k}={v}" for k, v in sorted((env or {}).items()))))
     venv.parent.mkdir(parents=True, exist_ok=True)
     with open(venv.parent / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -53,7 +57,11 @@ def ensure_tool(name: str, requirement: str, executable: str, extra: tuple[str, 
             subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         print(f"[{name}] installing {wanted} into {venv} ...", flush=True)
         pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-        subprocess.run([*pip, requirement, *extra], check=True)
+        # pip's wheel cache does not know the build settings: built anew when there are any
+        fresh = (["--force-reinstall"] if stamp.is_file() else []) + (
+            ["--no-cache-dir"] if env or stamp.is_file() else []
+        )
+        subprocess.run([*pip, *fresh, requirement, *extra], check=True, env={**os.environ, **(env or {})})
         stamp.write_text(wanted)
         return exe
 

@@ -46,7 +46,7 @@ TINY: dict[str, list[str]] = {
     "transfer": ["--reps", "1", "--tokens", "256", "--layers", "4"],
     "int8-kernels": ["--batches", "1"],
     "spec": ["--max-tokens", "16", "--repeats", "1", "--decoders", "transformers,auto"],
-    "engine": ["--repeats", "1", "--decode-tokens", "4"],
+    "engine": ["--repeats", "1", "--decode-tokens", "4", "--profile-formats", "float32,fp16w", "--profile-steps", "4"],
     "formats": ["--formats", "float32,int8", "--decoders", "auto", "--windows", "1"],
     "one-stream": ["--tokens", "8", "--streams", "1", "--modes", "disagg"],
     "ttft": ["--prompt-tokens", "64", "--repeats", "1"],
@@ -254,6 +254,11 @@ def _engine(run: Run) -> None:
     for name in ("prefill", "decode_b1", "decode_b16"):
         positive(r[name]["ours_tok_s"], r[name]["hf_tok_s"], r[name]["ratio"])
     positive(r["decode_b16"]["hf_batch16_tok_s"])
+    profile = run.figure("bench_engine_*.json")["step_profile"]
+    assert set(profile) == {f"{f}, {s}" for f in ("float32", "fp16w") for s in ("decode b1", "prefill 256")}, profile
+    for row in profile.values():
+        positive(row["wall_ms"], row["op_calls"], row["ms"]["linear products"])
+    assert "| linear products | " in run.stdout and "| op calls per step |" in run.stdout  # the table printed
 
 
 @check("formats")

@@ -186,3 +186,30 @@ def test_a_tool_being_installed_elsewhere_is_waited_for_not_installed_again(tmp_
     threading.Thread(target=finish_install).start()
     assert tools.ensure_tool("fake", "fake==1.0", "fake") == venv / "bin" / "fake"
     assert time.monotonic() - t0 >= 0.3
+
+
+def test_a_step_profile_sums_each_ops_own_time_by_class():
+    """``perf/lib/step_profile``: a step of one product, one elementwise op and one view: their
+    classes get time, the op calls are counted per step, the classes plus the time outside ops
+    add up to the step's wall time, and the table has a row per class."""
+    import torch
+
+    from perf.lib import step_profile
+
+    a, b = torch.randn(64, 256), torch.randn(256, 256)
+
+    def step():
+        return (a @ b).add_(1.0).view(-1)
+
+    r = step_profile.profile_steps(step, 4)
+    assert r["ms"]["linear products"] > 0 and r["ms"]["norms, rotary, activations"] > 0, r
+    assert r["op_calls"] >= 3, r
+    assert sum(r["ms"].values()) >= r["wall_ms"] * 0.999
+    assert step_profile.op_class("quantized::linear_with_input_q_dq_qweight_dq_output_fp32") == "linear products"
+    assert step_profile.op_class("aten::fbgemm_linear_fp16_weight_fp32_activation") == "linear products"
+    assert step_profile.op_class("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert step_profile.op_class("aten::nonexistent") == step_profile.OTHER
+    table = step_profile.markdown({"case": r})
+    for cls, _ in step_profile.CLASSES:
+        assert f"| {cls} | " in table
+    assert "| op calls per step |" in table and step_profile.OUTSIDE in table
