@@ -17,6 +17,7 @@ Prints markdown tables; writes JSON to the results folder (``perf/results/``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import logging
@@ -36,6 +37,7 @@ from perf.lib.stats import gaps, median  # noqa: E402
 from perf.lib.step_profile import markdown, profile_steps  # noqa: E402
 
 if TYPE_CHECKING:
+    from backend.engine.config import EngineConfig
     from backend.engine.llm_engine import LLMEngine
 
 TARGETS = {"prefill": 0.8, "decode_b1": 1.0, "decode_b16": 4.0}
@@ -115,23 +117,14 @@ def compare_decode(engine, hf, prompts: list[list[int]], new_tokens: int, repeat
     return len(prompts) / median(ours), len(prompts) / median(theirs)
 
 
-def step_profiles(model: str, threads: int, formats: list[str], steps: int) -> dict[str, dict]:
-    """Per format: a decode step at batch 1 (context 32) and a 256-token prefill step, profiled."""
-    from backend.engine.config import EngineConfig
+def step_profiles(config: EngineConfig, formats: list[str], steps: int) -> dict[str, dict]:
+    """Per format (``config`` with that ``weights_dtype``): a decode step at batch 1 (context 32)
+    and a 256-token prefill step, profiled."""
     from backend.engine.llm_engine import LLMEngine
 
     rows = {}
     for fmt in bar(formats, "step profiles"):
-        engine = LLMEngine(
-            EngineConfig(
-                model_path=model,
-                num_threads=threads,
-                weights_dtype=fmt,
-                kv_cache_tokens=4096,
-                max_num_batched_tokens=4096,
-                enable_prefix_caching=False,
-            )
-        )
+        engine = LLMEngine(dataclasses.replace(config, weights_dtype=fmt, num_pages=None))
         vocab = engine.runner.vocab_size
         with torch.inference_mode():
             engine_prefill(engine, random_prompt(64, vocab, 7))  # warm-up
@@ -170,16 +163,15 @@ def main(argv=None) -> dict:
     from backend.engine.config import EngineConfig
     from backend.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(
-        EngineConfig(
-            model_path=args.model,
-            num_threads=args.threads,
-            kv_cache_tokens=16 * 320,
-            max_num_batched_tokens=4096,
-            max_num_seqs=16,
-            enable_prefix_caching=False,  # each run repeats its prompt: every prefill computes all of it
-        )
+    config = EngineConfig(
+        model_path=args.model,
+        num_threads=args.threads,
+        kv_cache_tokens=16 * 320,
+        max_num_batched_tokens=4096,
+        max_num_seqs=16,
+        enable_prefix_caching=False,  # each run repeats its prompt: every prefill computes all of it
     )
+    engine = LLMEngine(config)
     hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     vocab = hf.config.vocab_size
     load_before = os.getloadavg()
@@ -224,7 +216,7 @@ def main(argv=None) -> dict:
         row["met"] = row["ratio"] >= TARGETS[name]
     engine.close()
     formats = [f for f in args.profile_formats.split(",") if f]
-    profiles = step_profiles(args.model, args.threads, formats, args.profile_steps) if formats else {}
+    profiles = step_profiles(config, formats, args.profile_steps) if formats else {}
     report = {
         "results": results,
         "step_profile": profiles,
