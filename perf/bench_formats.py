@@ -157,7 +157,7 @@ def _heldout(engine: LLMEngine, windows: list[list[int]]) -> tuple[torch.Tensor,
     return torch.stack(nll), torch.stack(top)
 
 
-def _heldout_figures(nll: torch.Tensor, top: torch.Tensor, reference: tuple[torch.Tensor, torch.Tensor]) -> dict:
+def heldout_figures(nll: torch.Tensor, top: torch.Tensor, reference: tuple[torch.Tensor, torch.Tensor]) -> dict:
     """Perplexity, its ratio to the reference's and the argmax agreement with it, for the prompt
     positions (the chunked prefill) and the decode steps apart."""
     out = {}
@@ -205,7 +205,7 @@ def engine_figures(
             nll, top = _heldout(engine, windows)
             if heldout_reference is None:
                 heldout_reference = (nll, top)
-            r.update(_heldout_figures(nll, top, heldout_reference))
+            r.update(heldout_figures(nll, top, heldout_reference))
         results[_label(fmt, decoder)] = r
         engine.close()
         print(_label(fmt, decoder), {k: round(v, 3) for k, v in r.items()}, flush=True)

@@ -20,8 +20,9 @@ ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_v
 FP16W_FLAGS = ("avx2", "f16c")
 
 
+@functools.cache
 def _cpuinfo() -> dict[str, str]:
-    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    """The first processor's fields of /proc/cpuinfo (empty where there is none; read once)."""
     fields: dict[str, str] = {}
     try:
         text = Path("/proc/cpuinfo").read_text()

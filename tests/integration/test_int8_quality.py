@@ -18,6 +18,7 @@ from backend.engine.config import EngineConfig
 from backend.engine.cpu_kernels import kernel_path
 from backend.engine.model_runner import ModelRunner
 from backend.engine.paged_attention import BatchEntry
+from perf.bench_formats import heldout_figures, heldout_windows
 from tests.engine_helpers import real_model_dir
 
 TEXT = Path(__file__).resolve().parents[2] / "perf" / "data" / "heldout_en.txt"
@@ -35,26 +36,27 @@ def _logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     return torch.cat(out).float()
 
 
+def nll_and_argmax(model: str, fmt: str, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per scored position (a batch of one window): the text's next token's negative
+    log-likelihood and the argmax token under weights format ``fmt``."""
+    runner = ModelRunner(EngineConfig(model_path=model, weights_dtype=fmt, kv_cache_tokens=1024))
+    with torch.inference_mode():
+        logits = _logits(runner, ids)
+    nll = -F.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    return nll[None], logits.argmax(-1)[None]
+
+
 def test_int8_perplexity_stays_close_to_float32_through_chunked_prefill_and_decode():
     assert TEXT.is_file(), f"{TEXT} is part of the repository and missing"
     print(f"kernel path: {kernel_path().short()}")
     from transformers import AutoTokenizer
 
-    model = real_model_dir()
-    ids = AutoTokenizer.from_pretrained(str(model)).encode(TEXT.read_text(), add_special_tokens=False)
-    ids = ids[: PROMPT + DECODE]
-    target = torch.tensor(ids[1:])
-    logits = {}
-    for fmt in ("float32", "int8"):
-        runner = ModelRunner(EngineConfig(model_path=str(model), weights_dtype=fmt, kv_cache_tokens=1024))
-        with torch.inference_mode():
-            logits[fmt] = _logits(runner, ids)[: len(target)]
-    nll = {f: -F.log_softmax(lg, -1).gather(1, target[:, None])[:, 0] for f, lg in logits.items()}
-    agree = logits["int8"].argmax(-1) == logits["float32"].argmax(-1)
-    prefill, decode = slice(0, PROMPT - 1), slice(PROMPT - 1, None)
-    for part in (prefill, decode):
-        ratio = float((nll["int8"][part].mean() - nll["float32"][part].mean()).exp())
+    model = str(real_model_dir())
+    (ids,) = heldout_windows(AutoTokenizer.from_pretrained(model), TEXT, 1)  # the first 512 + 32 tokens
+    figures = heldout_figures(*nll_and_argmax(model, "int8", ids), nll_and_argmax(model, "float32", ids))
+    print("int8 against float32:", {k: round(v, 4) for k, v in figures.items()})
+    for part in ("prefill", "decode"):
         # the old per-step scale: 2.2x on the prefill part; per-row scales ~1.02x
-        assert ratio < 1.06, (part, ratio)
-    assert float(agree[prefill].float().mean()) > 0.8, agree[prefill].float().mean()
-    assert float(agree[decode].float().mean()) > 0.75, agree[decode].float().mean()
+        assert figures[f"heldout_ppl_ratio_{part}"] < 1.06, figures
+    assert figures["heldout_argmax_agree_prefill"] > 0.8, figures
+    assert figures["heldout_argmax_agree_decode"] > 0.75, figures
