@@ -577,7 +577,7 @@ def _add_plan_args(sp: argparse.ArgumentParser) -> None:
         help="engine profile (JSON); measured on the real engine and saved there if the file is missing",
     )
     sp.add_argument("--model", default=None, help="checkpoint to profile (default: SmolLM2-135M-Instruct)")
-    sp.add_argument("--weights-dtype", default="float32", help="weights format to profile")
+    sp.add_argument("--weights-dtype", default="auto", help="weights format to profile (auto: serve's default)")
     sp.add_argument("--profile-threads", default="", help="thread counts to profile, e.g. 1,2")
     where = sp.add_mutually_exclusive_group()
     where.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)), help="one machine of N cores")

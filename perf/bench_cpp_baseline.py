@@ -3,16 +3,16 @@ machine, alternated in one run.
 
 The baseline is llama.cpp's server through ``llama-cpp-python[server]`` (installed on first use
 into ``.venv/tools/llama-cpp``; it compiles llama.cpp, minutes), serving the Q4_1 GGUF that our
-checkpoint is prepared from. Ours is ``triton-disagg``'s aggregated deployment
-(``--weights``, default int8, the lean layer loop, ``--engine-threads`` engine threads, default
-1: the other core is left to Triton and the client). Each round starts one server, warms it
+checkpoint is prepared from. Ours is ``triton-disagg``'s aggregated deployment at ``serve``'s
+defaults unless told otherwise (``--weights``, default auto: the format ``serve`` picks;
+``--engine-threads``, default 0: ``serve``'s, every core; the lean layer loop). Each round starts one server, warms it
 up, times ``--streams`` streams of ``--tokens`` tokens one after the other (greedy, end of
 sequence ignored), stops it, then does the same with the other; which goes first alternates.
 Reports tokens/s after the first token (best and median per round), ITL p50, and the ratio
 ours/baseline per round and over the rounds' medians. Writes JSON to the results folder
 (``perf/results/``). The llama.cpp server is started by ``perf/lib/servers.py``.
 
-    python -m perf.bench_cpp_baseline [--rounds 3] [--baseline-threads 2] [--engine-threads 1]
+    python -m perf.bench_cpp_baseline [--rounds 3] [--baseline-threads 2] [--engine-threads 0] [--weights auto]
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def run_ours(weights: str, threads: int, streams: int, tokens: int) -> dict:
     with servers.started(
         "aggregated",
         overrides={"weights_dtype": weights},
-        per_model={"llm": {"num_threads": str(threads)}},
+        per_model={"llm": {"num_threads": str(threads)}} if threads else None,
         log_dir=results_dir() / f"cpp-baseline-ours-{weights}",
     ) as server:
         stream_generate(server.grpc_url, "warm up", 8, ignore_eos=True)
@@ -73,8 +73,10 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--streams", type=int, default=3, help="streams per server per round")
     p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--weights", default="int8", help="our weights_dtype")
-    p.add_argument("--engine-threads", type=int, default=1, help="our engine's num_threads")
+    p.add_argument("--weights", default="auto", help="our weights_dtype (auto: serve's default)")
+    p.add_argument(
+        "--engine-threads", type=int, default=0, help="our engine's num_threads (0: serve's default, every core)"
+    )
     p.add_argument("--baseline-threads", type=int, default=len(os.sched_getaffinity(0)))
     args = p.parse_args(argv)
     from build_scripts.prepare_model import find_packaged_gguf

@@ -177,7 +177,9 @@ def main(argv=None) -> int:
     loadgen.add_workload_args(p, prompt_tokens=(512, 1024), output_tokens=(64, 128))
     p.add_argument("--token-budget", type=int, default=256, help="per-step token budget (chunked prefill)")
     p.add_argument(
-        "--weights-dtype", default="float32", help="weights_dtype of every instance (float32, bfloat16, int8)"
+        "--weights-dtype",
+        default="auto",
+        help="weights_dtype of every instance (auto: serve's default; float32, fp16w, int8)",
     )
     args = p.parse_args(argv)
     tok = loadgen.load_tokenizer()

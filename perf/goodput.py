@@ -265,7 +265,7 @@ def main(argv=None) -> int:
     p.add_argument("--tight-itl-slo", type=float, default=0.0, help="seconds")
     p.add_argument("--loose-itl-slo", type=float, default=0.0, help="seconds")
     p.add_argument("--drain", type=float, default=120.0, help="seconds to wait for stragglers after the last arrival")
-    p.add_argument("--weights-dtype", default="float32")
+    p.add_argument("--weights-dtype", default="auto", help="weights_dtype (auto: serve's default)")
     p.add_argument("--from-json", default=None, help="report on a saved run instead of measuring")
     args = p.parse_args(argv)
     if args.from_json:

@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--streams", type=int, default=5)
     p.add_argument("--modes", default="aggregated,disagg")
-    p.add_argument("--weights-dtype", default="float32")
+    p.add_argument("--weights-dtype", default="auto", help="weights_dtype (auto: serve's default)")
     args = p.parse_args(argv)
     overrides = {"weights_dtype": args.weights_dtype, "max_tokens_limit": str(max(256, args.tokens))}
     summary = {m: run_mode(m, args.tokens, args.streams, overrides) for m in args.modes.split(",")}

@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="where to save the calibrated profile")
     p.add_argument("--prompt-tokens", type=int, default=384)
     p.add_argument("--ttft-requests", type=int, default=3)
-    p.add_argument("--weights-dtype", default="float32")
+    p.add_argument("--weights-dtype", default="auto", help="weights_dtype (auto: serve's default)")
     args = p.parse_args(argv)
     prof = EngineProfile.load(Path(args.profile))
     prof.served_overhead_s = {}

@@ -59,6 +59,10 @@ def running_server(repo, log_file, timeout_s: float = 400, **kw):
 
 
 REMOTE_PREFILL = {"local_prefill_max_tokens": "0"}
+# float32 weights: the end-to-end tests compare outputs with transformers' float32 (and across
+# modes within 1e-4). serve's default, weights_dtype=auto, picks fp16w on a CPU with AVX2 and F16C;
+# test_cli.py, test_autoscale_ramp.py and the benchmarks' tests run that default.
+EXACT = {"weights_dtype": "float32"}
 
 
 def etcd_server(tmp: Path, host: str = "127.0.0.1"):
@@ -92,8 +96,9 @@ def deployment_server(tmp_path_factory, name: str, timeout_s: float = 400, **ren
 
     tmp = tmp_path_factory.mktemp(name)
     # every prefill crosses the fabric unless a test asks otherwise (test_conditional_disagg.py):
-    # the tests of the disaggregated path must not be answered by a local prefill
-    render_kwargs["overrides"] = {**REMOTE_PREFILL, **(render_kwargs.get("overrides") or {})}
+    # the tests of the disaggregated path must not be answered by a local prefill; float32 weights
+    # unless a test names a format (EXACT)
+    render_kwargs["overrides"] = {**REMOTE_PREFILL, **EXACT, **(render_kwargs.get("overrides") or {})}
     with contextlib.ExitStack() as stack:
         etcd = None
         split = render_kwargs.get("mode", "aggregated") != "aggregated"

@@ -62,7 +62,16 @@ def real_model_dir() -> Path:
 
 
 def make_engine(model_dir: Path, **overrides) -> LLMEngine:
-    settings = dict(model_path=str(model_dir), kv_cache_tokens=2048, max_num_batched_tokens=64, max_model_len=512)
+    """An engine on ``model_dir`` with small limits; float32 weights unless ``overrides`` name a
+    format (the tests compare with transformers' float32; ``weights_dtype``'s default, auto,
+    picks fp16w on most CPUs)."""
+    settings = dict(
+        model_path=str(model_dir),
+        kv_cache_tokens=2048,
+        max_num_batched_tokens=64,
+        max_model_len=512,
+        weights_dtype="float32",
+    )
     settings.update(overrides)
     return build_engine(EngineConfig(**settings))
 

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import math
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,7 +19,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # rotated residual stream (backend/engine/int8_linear.py), everything else in float32; fp16w: the
 # linear layers' weights in float16 through fbgemm's fp16-weight GEMM, float32 activations and sums
 # (CPU with AVX2 and F16C; backend/engine/fp16_linear.py), everything else in float32
-WEIGHT_FORMATS = (*DTYPES, "int8", "fp16w")
+# auto (the default): the measured best, see choose_weights_format
+WEIGHT_FORMATS = ("auto", *DTYPES, "int8", "fp16w")
 # the formats of fbgemm's kernels (the kernel family named in refusals): CPU only, one process
 FBGEMM_FORMATS = {"int8": "int8", "fp16w": "fp16-weight"}
 # auto: the lean layer loop (backend/engine/lean_decoder.py) where the checkpoint's layers fit it
@@ -45,6 +46,8 @@ class EngineConfig:
     sums, fbgemm on a CPU with AVX2 and F16C, the rest in float32: ``fp16_linear.py``) and
     ``kv_dtype`` (the KV pool; empty: as ``dtype``). They are independent: a float32 model may
     keep a bfloat16 KV cache. int8 and fp16w run on the CPU in one process only.
+    ``weights_dtype=auto`` (the default) is resolved here, once, into a format
+    (:func:`choose_weights_format`); ``weights_choice`` says why.
     """
 
     model_path: str
@@ -60,9 +63,11 @@ class EngineConfig:
     max_tokens_limit: int = 1024
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
-    weights_dtype: str = ""
+    weights_dtype: str = "auto"
     kv_dtype: str = ""
     decoder: str = "auto"
+    # why weights_dtype is what it is (set by __post_init__; "" where it was set explicitly)
+    weights_choice: str = field(default="", init=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -71,6 +76,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.weights_dtype == "auto":
+            self.weights_dtype, self.weights_choice = choose_weights_format(
+                self.dtype, self.torch_device.type, self.tensor_parallel_size
+            )
         if self.weights_format not in WEIGHT_FORMATS:
             raise ValueError(
                 f"EngineConfig.weights_dtype must be one of {list(WEIGHT_FORMATS)}, got {self.weights_dtype!r}"
@@ -157,6 +166,36 @@ class EngineConfig:
         if not str(values.get("model_path") or "").strip():
             raise ValueError("EngineConfig.model_path is required")
         return parse_section(cls, values, "engine")
+
+
+# Held-out perplexity against float32's (teacher forced through the engine, decode steps;
+# tests/integration/test_fp16w_quality.py and test_int8_quality.py, perf/REPORT.md): the
+# formats faster than float32 on the CPU, fastest first, with the worst ratio measured on any
+# kernel path (int8: 1.027x on the 8-bit path, 1.084x on the 7-bit path, through the server).
+FAST_FORMAT_QUALITY = {"int8": 1.084, "fp16w": 1.001}
+QUALITY_LIMIT = 1.01
+
+
+def choose_weights_format(dtype: str, device_type: str, tensor_parallel_size: int) -> tuple[str, str]:
+    """``weights_dtype=auto``: (format, why). The fastest format whose held-out perplexity stays
+    within 1.01x float32's on every kernel path measured: fp16w (float16 weights, float32 sums;
+    1.001x) on a CPU with its features, one process, ``dtype`` float32; int8 is faster but not
+    within (1.027x on the 8-bit path, 1.084x on the 7-bit path). Otherwise ``dtype`` itself."""
+    if dtype != "float32":
+        return dtype, f"dtype {dtype}"
+    if device_type != "cpu":
+        return dtype, f"on {device_type} the weights are dtype's ({dtype})"
+    if tensor_parallel_size != 1:
+        return dtype, "fp16w runs in one process and tensor_parallel_size > 1"
+    missing = missing_flags(FP16W_FLAGS)
+    if missing:
+        return dtype, f"fp16w needs {' and '.join(FP16W_FLAGS)}; this CPU lacks {', '.join(missing)}"
+    within = [f for f, ratio in FAST_FORMAT_QUALITY.items() if ratio <= QUALITY_LIMIT]
+    rest = ", ".join(f"{f} {r:.3f}x" for f, r in FAST_FORMAT_QUALITY.items() if f not in within)
+    return within[0], (
+        f"the fastest format within {QUALITY_LIMIT}x float32's held-out perplexity "
+        f"({within[0]} {FAST_FORMAT_QUALITY[within[0]]:.3f}x; not within: {rest})"
+    )
 
 
 _TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}

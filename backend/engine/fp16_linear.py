@@ -1,16 +1,27 @@
 """``weights_dtype=fp16w``: linear layers whose weights are held in float16 and multiplied through
-fbgemm's fp16-weight GEMM (CPU), with float32 activations and float32 sums.
+fbgemm's fp16-weight GEMM (CPU), with float32 activations and float32 sums, for the few-row
+products of decode steps; products of more rows (prefill chunks, large batches) keep float32
+weights.
 
 The weights are rounded to float16 once, at load, and packed in fbgemm's layout
 (``fbgemm_pack_gemm_matrix_fp16``); each product converts them back to float32 in registers
 (F16C) and multiplies in float32 (AVX2 or AVX-512 FMA): half the bytes read per product, which
 is what a decode step's few-row products wait for, and no rounding but the weights' own. The
-inputs, the outputs, the norms, the embedding, attention and the KV pool stay in float32. A
-row's result depends on that row only. Needs AVX2 and F16C (``EngineConfig`` refuses the format
-on a CPU without them, naming the feature); every one of fbgemm's kernels (AVX2, AVX-512)
-computes the same thing, float16 weights and float32 sums, so the quality does not depend on the
-CPU (unlike int8's activation range; the last bits may, as float32's do). torch marks both ops
-deprecated (it prints so once per process) but keeps them in its CPU build.
+inputs, the outputs, the norms, the embedding, attention and the KV pool stay in float32. Needs
+AVX2 and F16C (``EngineConfig`` refuses the format on a CPU without them, naming the feature);
+every one of fbgemm's kernels (AVX2, AVX-512) computes the same thing, float16 weights and
+float32 sums, so the quality does not depend on the CPU (unlike int8's activation range; the last
+bits may, as float32's do). torch marks both ops deprecated (it prints so once per process) but
+keeps them in its CPU build.
+
+fbgemm's fp16 GEMM runs on one thread (torch calls it with one), and it computes rather than waits
+for memory once a product has more than a few rows: measured on an Intel Xeon (AVX-512) with
+SmolLM2-135M's shapes, it is faster than float32 up to about 64 rows on 1 thread and 16 on 2
+threads, and 2.2x slower than float32 at 256 rows on 2 threads (``perf/REPORT.md``). So each
+layer also keeps its float32 weights (1.5x float32's weight memory in all) and a product of more
+than :func:`fp16_max_rows` rows multiplies by them, exactly as ``float32`` does: prefill chunks
+compute what float32 computes, decode steps read float16. A row's result depends on how many rows
+share its product (fewer than the limit or not), never on the other rows' values.
 """
 
 from __future__ import annotations
@@ -19,34 +30,48 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.nn import functional as F
+
+
+def fp16_max_rows(threads: int) -> int:
+    """The most rows a product takes through the float16 weights with ``threads`` torch threads:
+    64 on 1 thread and 16 on 2 (measured crossovers, module docstring), and 64 / threads^2 beyond,
+    where float32's multi-threaded GEMM pulls further ahead of fbgemm's single thread."""
+    return max(1, 64 // max(1, threads) ** 2)
 
 
 class Fp16Linear(nn.Module):
-    """A linear layer with float16 weights and float32 activations and sums (see the module's
-    docstring). ``product()`` is its forward as a plain function (the lean layer loop calls it
-    without the module call)."""
+    """A linear layer with float16 weights and float32 activations and sums for products of at
+    most ``max_rows`` rows, and its float32 weights for larger ones (see the module's docstring).
+    ``product()`` is its forward as a plain function (the lean layer loop calls it without the
+    module call). ``max_rows``: default :func:`fp16_max_rows` of torch's thread count at load."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, max_rows: int | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.max_rows = fp16_max_rows(torch.get_num_threads()) if max_rows is None else max_rows
         with torch.no_grad():
+            weight = linear.weight.detach().float().contiguous()
             # an opaque handle to fbgemm's packed matrix (a byte tensor that owns it), deliberately
             # not a buffer: .to() or a state dict must not copy or move it
-            self._packed_weight = torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(
-                linear.weight.detach().float().contiguous()
-            )
+            self._packed_weight = torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(weight)
+        self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
         self._forward = self.product()
 
     def product(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        op, packed, bias = (
+        op, packed, weight, bias, max_rows = (
             torch.ops.aten.fbgemm_linear_fp16_weight_fp32_activation.default,
             self._packed_weight,
+            self.weight,
             self.bias,
+            self.max_rows,
         )
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            return op(x, packed, bias)
+            if x.numel() <= max_rows * x.shape[-1]:
+                return op(x, packed, bias)
+            return F.linear(x, weight, bias)
 
         return forward
 
@@ -54,14 +79,17 @@ class Fp16Linear(nn.Module):
         return self._forward(x)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, weights=float16"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"weights=float16 up to {self.max_rows} rows, float32 beyond"
+        )
 
 
-def quantize_linear_fp16(model: nn.Module) -> nn.Module:
+def quantize_linear_fp16(model: nn.Module, max_rows: int | None = None) -> nn.Module:
     """``weights_dtype=fp16w``: every ``nn.Linear`` of ``model`` (the LM head and fused projections
     included) replaced in place by :class:`Fp16Linear`; the residual stream is left as it is."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, Fp16Linear(child))
+                setattr(module, name, Fp16Linear(child, max_rows))
     return model

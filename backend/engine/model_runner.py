@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from backend.engine.config import EngineConfig
 from backend.engine.cpu_kernels import kernel_path
 from backend.engine.device_progress import DeviceProgress, make_progress
-from backend.engine.fp16_linear import quantize_linear_fp16
+from backend.engine.fp16_linear import fp16_max_rows, quantize_linear_fp16
 from backend.engine.int8_linear import quantize_linear_int8, rotate_residual_stream, rotation_unsupported
 from backend.engine.kv_pool import KVPool
 from backend.engine.lean_decoder import LeanDecoder, fuse_projections, unsupported_reason
@@ -65,9 +65,22 @@ class ModelRunner:
         if int8:
             self.model = quantize_linear_int8(self.model)
             log.info("int8 weights on %s", kernel_path().short())
-        elif config.weights_format == "fp16w":  # fbgemm's own products: no small-batch linears on top
+        # fp16w: a step whose products all take the float16 weights (fbgemm's GEMM, one thread)
+        # runs on one torch thread; a second one only spins beside it and slows the step
+        # (one stream through the server, 2 cores: 31.8 tok/s on 1 thread, 27.3 on 2). Steps with
+        # more rows (prefill chunks) keep every thread for their float32 products.
+        self._threads = torch.get_num_threads()
+        self._few_rows = 0
+        if config.weights_format == "fp16w":  # fbgemm's own products: no small-batch linears on top
+            self._few_rows = fp16_max_rows(self._threads)
             self.model = quantize_linear_fp16(self.model)
-            log.info("fp16w weights on %s", kernel_path().short("fp16w"))
+            log.info(
+                "fp16w weights on %s: float16 for products of up to %d rows (on one thread), float32 beyond "
+                "(on %d threads)",
+                kernel_path().short("fp16w"),
+                self._few_rows,
+                self._threads,
+            )
         elif self.device.type == "cpu":
             use_small_batch_linears(self.model)
         hf_config = model.config
@@ -86,7 +99,7 @@ class ModelRunner:
             hf_config.model_type,
             hf_config.num_hidden_layers,
             self.device,
-            config.weights_format,
+            config.weights_format + (f" (auto: {config.weights_choice})" if config.weights_choice else ""),
             self.decoder,
             config.num_pages,
             config.page_size,
@@ -177,6 +190,8 @@ class ModelRunner:
         """``num_logits[i]``: how many trailing positions of entry i need logits (speculative
         verification); default: only each entry's last position."""
         batch = build_paged_batch(entries, self.pool, self.device)
+        if self._few_rows:
+            torch.set_num_threads(1 if batch.input_ids.numel() <= self._few_rows else self._threads)
         batch.on_layer_kv_written = self.on_layer_kv_written
         batch.hook_arg = hook_arg
         if self._lean is not None:

@@ -184,20 +184,22 @@ def measure_corun(model_path: str, weights_dtype: str, steps: int = 8) -> float:
 def profile_engine(
     model_path: str,
     threads: list[int],
-    weights_dtype: str = "float32",
+    weights_dtype: str = "auto",
     grid: Grid = Grid(),
     corun: bool = True,
     handoff_s: float = DEFAULT_HANDOFF_S,
 ) -> EngineProfile:
+    page_size = EngineConfig(model_path=model_path).page_size
+    # the format measured, by name (auto: what serve's default resolves to on this machine)
+    weights_dtype = EngineConfig(model_path=model_path, weights_dtype=weights_dtype or "auto").weights_format
     saved = torch.get_num_threads()
     try:
         per = {t: measure_threads(model_path, t, weights_dtype, grid) for t in threads}
     finally:
         torch.set_num_threads(saved)
-    page_size = EngineConfig(model_path=model_path).page_size
     return EngineProfile(
         model=os.path.basename(os.path.normpath(model_path)),
-        weights_dtype=weights_dtype or "float32",
+        weights_dtype=weights_dtype,
         page_size=page_size,
         threads=per,
         corun_slowdown=measure_corun(model_path, weights_dtype) if corun else 1.0,

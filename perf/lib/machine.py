@@ -8,6 +8,7 @@ import platform
 import subprocess
 from pathlib import Path
 
+from backend.engine.config import choose_weights_format
 from backend.engine.cpu_kernels import cpu_id, cpu_model, kernel_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,6 +48,8 @@ def describe() -> dict:
         "cpu": cpu_model(),
         "cpu_id": cpu_id(),
         "kernel_path": kernel_path().as_dict(),
+        # what serve's default weights_dtype (auto) resolves to here, and why
+        "weights_auto": dict(zip(("format", "why"), choose_weights_format("float32", "cpu", 1))),
         "cores": len(os.sched_getaffinity(0)),
         "memory_gib": mem_gib,
         "torch": torch.__version__,

@@ -1,4 +1,5 @@
-"""The console command as a user runs it: serve, generate against it, Ctrl-C stops everything
+"""The console command as a user runs it: serve (at its defaults: the weights format it picks
+is logged with its reason), generate against it, Ctrl-C stops everything
 cleanly: a first Ctrl-C drains (the requests in flight may finish), a second one stops at once
 even with streams in flight (they end with "the server is shutting down")."""
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import psutil
 
 from backend.client import stream_generate
+from backend.engine.cpu_kernels import FP16W_FLAGS, missing_flags
 from backend.launch.ports import free_port
 
 BIN = Path(sys.executable).parent / "triton-disagg"
@@ -84,6 +86,9 @@ def test_serve_generate_and_ctrl_c(tmp_path):
         ]
         log = (tmp_path / "server.log").read_text(errors="replace")
         assert "Exit timeout expired" not in log and "successfully unloaded 'llm'" in log
+        # serve's default weights format, chosen at start and said in the log with its reason
+        want = "float32" if missing_flags(FP16W_FLAGS) else "fp16w"
+        assert f"weights={want} (auto: " in log, [line for line in log.splitlines() if "weights=" in line]
         assert stop_s < 10, f"stop took {stop_s:.1f}s"
         time.sleep(1)
         assert not [p for p in server_pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]

@@ -13,7 +13,16 @@ import pytest
 
 from backend.client import stream_generate
 from backend.disagg.auth import SECRET_ENV, new_secret
-from tests.conftest import PROMPTS, etcd_server, fabric_env, hf_greedy, metric_values, running_server, wait_pool_free
+from tests.conftest import (
+    EXACT,
+    PROMPTS,
+    etcd_server,
+    fabric_env,
+    hf_greedy,
+    metric_values,
+    running_server,
+    wait_pool_free,
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +37,7 @@ def split_servers(two_hosts, model_dir, tmp_path_factory):
         "num_threads": "1",
         "kv_transfer_timeout_s": "20",
         "local_prefill_max_tokens": "0",  # every prefill crosses the namespaces
+        **EXACT,
     }
     etcd = etcd_server(tmp, host=ip_root)
     prefill_repo = render_deployment(

@@ -14,6 +14,7 @@ PROMPTS = [[5, 17, 42, 9, 77, 3, 120, 64, 8, 31, 200, 11], [7, 7, 99, 150, 1, 33
 
 
 def _runner(tiny, **kw) -> ModelRunner:
+    kw.setdefault("weights_dtype", "float32")  # the comparisons are float32's unless a test names a format
     return ModelRunner(EngineConfig(model_path=str(tiny), kv_cache_tokens=512, **kw))
 
 

@@ -19,11 +19,12 @@ import pytest
 
 from backend.client import stream_generate
 from backend.disagg.auth import SECRET_ENV, new_secret
-from tests.conftest import etcd_server, fabric_env, metric_values, running_server, wait_pool_free
+from tests.conftest import EXACT, etcd_server, fabric_env, metric_values, running_server, wait_pool_free
 
 pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
 
 COMMON = {
+    **EXACT,
     "kv_cache_tokens": "4096",
     "max_num_batched_tokens": "128",
     "num_threads": "1",

@@ -38,13 +38,14 @@ from backend.disagg.auth import SECRET_ENV, new_secret
 from backend.launch.openai_frontend import OpenAIFrontend
 from backend.launch.server import TritonServer
 from backend.serving.request import prompt_token_ids
-from tests.conftest import PROMPTS, REMOTE_PREFILL, hf_greedy, metric_values, private_etcd, read_metrics
+from tests.conftest import EXACT, PROMPTS, REMOTE_PREFILL, hf_greedy, metric_values, private_etcd, read_metrics
 
 pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
 
 MODEL = "smollm2"
 OVERRIDES = {
     **REMOTE_PREFILL,
+    **EXACT,
     "kv_cache_tokens": "8192",
     "num_threads": "1",
     "max_num_batched_tokens": "256",

@@ -19,7 +19,15 @@ import psutil
 import pytest
 
 from backend.client import stream_generate
-from tests.conftest import PROMPTS, generate_concurrently, hf_greedy, metric_values, running_server, wait_pool_free
+from tests.conftest import (
+    EXACT,
+    PROMPTS,
+    generate_concurrently,
+    hf_greedy,
+    metric_values,
+    running_server,
+    wait_pool_free,
+)
 
 N_TOKENS = 8
 CASES = PROMPTS[:6] + [PROMPTS[6]]  # the last: ~200 tokens, 4 prefill chunks at a 64-token budget
@@ -49,6 +57,7 @@ def tp_server(model_dir, tmp_path_factory):
             "kv_quarantine_s": "4",
             "kv_xfer_timeout_s": "10",
             "local_prefill_max_tokens": "0",  # every prefill crosses the fabric (TP 1 <-> 3)
+            **EXACT,
         },
         per_model={
             "prefill_0": {"messenger_port": p0},

@@ -1,17 +1,19 @@
-"""``weights_dtype=fp16w``: the engine's greedy tokens are transformers' on the same model with its
-linear weights rounded to float16 (float32 compute), through both decoders; an fp16w product is
-the float32 product with float16-rounded weights whatever the number of rows; the format is
-refused by name on a CPU without the features fbgemm's kernel needs and with tensor parallelism."""
+"""``weights_dtype=fp16w``: with every product through the float16 weights, the engine's greedy
+tokens are transformers' on the same model with its linear weights rounded to float16 (float32
+compute), through both decoders; an fp16w product of up to ``max_rows`` rows is the float32
+product with float16-rounded weights, of more rows exactly float32's product; the row limit
+follows the thread count; the format is refused by name on a CPU without the features fbgemm's
+kernel needs and with tensor parallelism."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from backend.engine import cpu_kernels
+from backend.engine import cpu_kernels, fp16_linear
 from backend.engine.config import EngineConfig
 from backend.engine.cpu_kernels import kernel_path
-from backend.engine.fp16_linear import Fp16Linear, quantize_linear_fp16
+from backend.engine.fp16_linear import Fp16Linear, fp16_max_rows, quantize_linear_fp16
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.small_batch_linear import SmallBatchLinear
 from tests.engine_helpers import assert_pool_idle, build_tiny_llama, make_engine, run_to_completion, tokens_of
@@ -33,13 +35,15 @@ def _rounded_to_fp16(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("decoder", ["auto", "transformers"])
-def test_fp16w_tokens_equal_transformers_on_fp16_rounded_weights(tiny, decoder):
-    """The prompt prefilled in two chunks of 64, then 12 greedy tokens: transformers' own, on the
-    float32 model whose linear weights were rounded to float16; every linear layer is an fp16w one
-    (none left to the small-batch path), the rest float32."""
+def test_fp16w_tokens_equal_transformers_on_fp16_rounded_weights(tiny, decoder, monkeypatch):
+    """The prompt prefilled in two chunks of 64, then 12 greedy tokens, every product through the
+    float16 weights (the row limit lifted): transformers' own, on the float32 model whose linear
+    weights were rounded to float16; every linear layer is an fp16w one (none left to the
+    small-batch path), the rest float32."""
     from transformers import AutoModelForCausalLM
 
     print(f"kernel path: {kernel_path().short('fp16w')}")
+    monkeypatch.setattr(fp16_linear, "fp16_max_rows", lambda threads: 10**9)
     engine = make_engine(tiny, weights_dtype="fp16w", decoder=decoder)
     model = engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Fp16Linear))]
@@ -54,12 +58,12 @@ def test_fp16w_tokens_equal_transformers_on_fp16_rounded_weights(tiny, decoder):
     assert_pool_idle(engine)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 100])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
 def test_an_fp16w_product_is_the_float32_product_of_the_rounded_weights(rows):
     torch.manual_seed(rows)
     linear = torch.nn.Linear(576, 200)
     x = torch.randn(rows, 576)
-    layer = quantize_linear_fp16(torch.nn.Sequential(linear))[0]
+    layer = quantize_linear_fp16(torch.nn.Sequential(linear), max_rows=16)[0]
     assert isinstance(layer, Fp16Linear)
     with torch.inference_mode():
         got = layer(x)
@@ -70,6 +74,29 @@ def test_an_fp16w_product_is_the_float32_product_of_the_rounded_weights(rows):
         assert torch.equal(layer(x[None]), got[None])  # any leading shape
     # the rounding is the weights' own: the float32 weights give another product
     assert _relative_error(got, linear(x).detach()).max() > 1e-5
+
+
+@pytest.mark.parametrize("rows", [17, 100])
+def test_an_fp16w_product_of_more_rows_than_its_limit_is_float32s(rows):
+    """Prefill chunks: beyond ``max_rows`` the layer multiplies by its float32 weights, bit for bit
+    what a float32 layer computes."""
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(576, 200)
+    x = torch.randn(rows, 576)
+    layer = quantize_linear_fp16(torch.nn.Sequential(linear), max_rows=16)[0]
+    with torch.inference_mode():
+        want = torch.nn.functional.linear(x, linear.weight, linear.bias)
+        assert torch.equal(layer(x), want)
+        assert torch.equal(layer.product()(x[None]), want[None])
+        assert not torch.equal(layer(x[:16]), want[:16])  # 16 rows: the float16 weights
+
+
+def test_the_row_limit_follows_the_thread_count(monkeypatch):
+    """Measured crossovers with float32 (fp16_linear's docstring): 64 rows on 1 thread, 16 on 2,
+    fewer beyond; a layer takes the limit of torch's thread count when it is built."""
+    assert [fp16_max_rows(t) for t in (1, 2, 4, 8, 16)] == [64, 16, 4, 1, 1]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert Fp16Linear(torch.nn.Linear(8, 8)).max_rows == 16
 
 
 @pytest.mark.parametrize(("flags", "missing"), [({"avx2"}, "f16c"), ({"f16c", "fma"}, "avx2"), (set(), "avx2, f16c")])
@@ -89,3 +116,36 @@ def test_fp16w_is_checked_by_name(tiny):
         EngineConfig(model_path=str(tiny), kv_dtype="fp16w")  # a weights format only
     config = EngineConfig(model_path=str(tiny), weights_dtype="fp16w")
     assert config.torch_dtype == torch.float32 and config.kv_torch_dtype == torch.float32
+
+
+def test_auto_picks_fp16w_where_it_runs_and_says_why(tiny, monkeypatch):
+    """``weights_dtype=auto`` (the default): fp16w, the fastest format within 1.01x float32's
+    held-out perplexity, on a CPU with AVX2 and F16C; float32 where fbgemm's kernel cannot run
+    (the reason names the missing feature) or with tensor parallelism; a float ``dtype`` other
+    than float32 keeps its own weights. A format set by name is taken as it is."""
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "f16c", "fma"}))
+    config = EngineConfig(model_path=str(tiny))
+    assert config.weights_format == "fp16w" and config.torch_dtype == torch.float32
+    assert "fastest format within 1.01x" in config.weights_choice and "int8 1.084x" in config.weights_choice
+    assert EngineConfig(model_path=str(tiny), tensor_parallel_size=2).weights_format == "float32"
+    bf16 = EngineConfig(model_path=str(tiny), dtype="bfloat16")
+    assert bf16.weights_format == "bfloat16" and bf16.kv_format == "bfloat16"
+    explicit = EngineConfig(model_path=str(tiny), weights_dtype="float32")
+    assert explicit.weights_format == "float32" and explicit.weights_choice == ""
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    config = EngineConfig(model_path=str(tiny))
+    assert config.weights_format == "float32" and config.weights_choice.endswith("this CPU lacks f16c")
+
+
+def test_auto_engine_runs_fp16w_and_logs_the_choice(tiny, caplog):
+    """The engine built from the default config: its linear layers are fp16w ones where the CPU
+    has fbgemm's features, and the start log names the format and why."""
+    caplog.set_level("INFO", logger="triton_disagg.engine")
+    engine = make_engine(tiny, weights_dtype="auto")
+    want = "fp16w" if not cpu_kernels.missing_flags(cpu_kernels.FP16W_FLAGS) else "float32"
+    print(f"auto on this CPU ({cpu_kernels.cpu_model()}): {want}")
+    assert isinstance(engine.runner.model.lm_head, Fp16Linear) == (want == "fp16w")
+    assert f"weights={want} (auto: " in caplog.text, caplog.text
+    engine.add_request("r", PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(tokens_of(run_to_completion(engine)["r"])) == 4
+    assert_pool_idle(engine)

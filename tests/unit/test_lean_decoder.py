@@ -23,6 +23,7 @@ def tiny(tmp_path_factory):
 
 
 def _runner(tiny, **kw) -> ModelRunner:
+    kw.setdefault("weights_dtype", "float32")  # the comparisons are float32's unless a test names a format
     return ModelRunner(EngineConfig(model_path=str(tiny), kv_cache_tokens=512, **kw))
 
 
