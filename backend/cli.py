@@ -76,6 +76,14 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
             help=f"override a parameter of the {role} models only (e.g. num_threads=1, cpu_affinity=0)",
         )
     p.add_argument(
+        "--router-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a router setting of the Triton front model and the OpenAI frontend alike (migration_limit, "
+        "health_probe_interval_s, health_probe_timeout_s, health_probe_failures, kv_routing_weight)",
+    )
+    p.add_argument(
         "--messenger-secret-file",
         default=None,
         help="file holding the secret KV messenger peers prove (split deployments: the same file on "
@@ -116,6 +124,7 @@ def start_server(args):
     from backend.disagg.auth import SECRET_ENV
     from backend.launch.deployment import render_deployment
     from backend.launch.server import TritonServer
+    from backend.serving.config import RouterSettings
     from build_scripts.prepare_model import ensure_model
 
     overrides = _overrides(args.set)
@@ -148,6 +157,14 @@ def start_server(args):
     per_model = {role: _overrides(getattr(args, f"{role}_set")) for role in ("prefill", "decode")}
     if any(per_model.values()) and args.mode == "aggregated":
         raise SystemExit("--prefill-set/--decode-set: an aggregated deployment has no prefill or decode models")
+    router = _overrides(args.router_set)
+    try:  # checked here, named, before any server starts
+        RouterSettings.from_parameters(router)
+    except ValueError as e:
+        raise SystemExit(f"--router-set: {e}") from None
+    if router and args.mode not in ("disagg", "decode"):
+        raise SystemExit(f"--router-set: nothing routes in {args.mode} mode (it has no front model)")
+    per_model["front"] = router
     model_dir = ensure_model(args.model)
     etcd = None
     discovery = args.discovery or ""
@@ -213,6 +230,7 @@ def start_server(args):
                 "deployment": args.deployment,
                 "messenger_secret_file": overrides.get("messenger_secret_file"),
                 "extra_env": {SECRET_ENV: os.environ.get(SECRET_ENV) or server.messenger_secret},
+                "router": router,
             }
             if args.mode in ("disagg", "decode")
             else {}

@@ -157,10 +157,6 @@ class CompletionTracker:
         with self._lock:
             self._free_slots.append(slot)
 
-    def is_active(self, req_id: str) -> bool:
-        with self._lock:
-            return req_id in self._active
-
     def counts(self, req_id: str) -> tuple[int, int] | None:
         """``(landed, expected)`` of an active request."""
         with self._lock:

@@ -51,7 +51,16 @@ from perf.lib.machine import ROOT, cpu_model
 from perf.lib.results import results_dir
 from perf.lib.stats import percentile
 
-INSTANCE_SETS = ("num_threads=1", "kv_cache_tokens=8192", "max_num_batched_tokens=256", "membership_ttl_s=3")
+# float32 instances: the ramp's load phases and SLOs are sized to float32's step (with the faster
+# fp16w default, 1.0 req/s left the SLO slack enough that a prefill instance was drained during
+# the high phase)
+INSTANCE_SETS = (
+    "num_threads=1",
+    "kv_cache_tokens=8192",
+    "max_num_batched_tokens=256",
+    "membership_ttl_s=3",
+    "weights_dtype=float32",
+)
 
 
 @dataclass

@@ -218,11 +218,6 @@ class Membership:
         """True while etcd answers (as of the last listing or watch)."""
         return self._connected
 
-    @property
-    def synced(self) -> bool:
-        """True once a first listing was read."""
-        return self._synced
-
     def members(self, role: str | None = None) -> list[InstanceRecord]:
         with self._cond:
             found = [r for r in self._members.values() if role is None or r.role == role]

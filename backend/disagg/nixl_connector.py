@@ -154,10 +154,6 @@ class NixlKVSender(KVSender):
         with self._lock:
             return req_id in self.jobs
 
-    def requests_of(self, peer: str) -> list[str]:
-        with self._lock:
-            return [j.request.req_id for j in self.jobs.values() if j.request.peer == peer]
-
     def request_finished(self, output: EngineOutput, on_freeable: FreeableCallback) -> None:
         job = self.jobs.get(output.req_id)
         if job is None:

@@ -126,6 +126,10 @@ class EngineConfig:
                 f"(fbgemm's fp16-weight GEMM); this CPU lacks {', '.join(missing)}"
             )
 
+    def settings(self) -> dict:
+        """The init fields and their values (what rebuilds this config in another process)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+
     @property
     def torch_device(self) -> torch.device:
         if self.device == "auto":

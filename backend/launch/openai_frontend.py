@@ -24,7 +24,7 @@ class OpenAIFrontend:
     (``etcd://HOST:PORT``) for the decode instances of ``deployment`` in that etcd instead, on
     any number of servers (``messenger_secret_file`` or ``extra_env``'s
     ``TRITON_DISAGG_MESSENGER_SECRET``: the deployment secret that signs their records;
-    ``migration_limit``: moves per request)."""
+    ``router``: router settings by name, ``RouterSettings``'s, e.g. ``{"migration_limit": "2"}``)."""
 
     def __init__(
         self,
@@ -39,7 +39,7 @@ class OpenAIFrontend:
         discovery: str = "",
         deployment: str = "",
         messenger_secret_file: str | Path | None = None,
-        migration_limit: int | None = None,
+        router: dict[str, str] | None = None,
         extra_env: dict[str, str] | None = None,
     ):
         self.triton_url, self.tokenizer, self.host = triton_url, str(tokenizer), host
@@ -49,7 +49,7 @@ class OpenAIFrontend:
         self.log_file = Path(log_file) if log_file else None
         self.discovery, self.deployment = discovery, deployment
         self.messenger_secret_file = str(messenger_secret_file) if messenger_secret_file else ""
-        self.migration_limit = migration_limit
+        self.router = dict(router or {})
         self.extra_env = dict(extra_env or {})
         self.proc: subprocess.Popen | None = None
         self._log: IO[bytes] | None = None
@@ -91,7 +91,7 @@ class OpenAIFrontend:
             ("--discovery", self.discovery),
             ("--deployment", self.deployment),
             ("--messenger-secret-file", self.messenger_secret_file),
-            ("--migration-limit", "" if self.migration_limit is None else str(self.migration_limit)),
+            *(("--" + name.replace("_", "-"), str(value)) for name, value in self.router.items()),
         ):
             if value:
                 cmd += [flag, value]

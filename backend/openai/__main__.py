@@ -2,7 +2,8 @@
 HOST:PORT --port N`` (also ``triton-disagg openai``, and ``triton-disagg serve --openai-port N``
 next to Triton). With ``--discovery etcd://HOST:PORT`` it routes across the decode instances of
 the deployment's membership (on any number of Triton servers) and moves a request whose instance
-fails it to another (``--migration-limit``); the membership records are verified with the
+fails it to another (at most ``--migration-limit`` times; the router settings, flags here, are
+the Triton front model's: ``RouterSettings``); the membership records are verified with the
 deployment secret (``--messenger-secret-file``, else the environment variable
 ``TRITON_DISAGG_MESSENGER_SECRET``)."""
 
@@ -13,6 +14,8 @@ import logging
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    from backend.serving.config import ROUTER_SETTINGS, RouterSettings
+
     p.add_argument("--triton-url", default="127.0.0.1:8001", help="gRPC address of the Triton deployment")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9000)
@@ -33,18 +36,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="the deployment secret that signs membership records (default: $TRITON_DISAGG_MESSENGER_SECRET)",
     )
-    p.add_argument(
-        "--migration-limit",
-        type=int,
-        default=3,
-        help="how often a request may move to another decode instance when its own fails it (with --discovery)",
-    )
+    for name in ROUTER_SETTINGS:  # the Triton front model's router settings, same names and defaults
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            default=None,
+            metavar="VALUE",
+            help=f"router setting {name} (with --discovery; default {getattr(RouterSettings(), name)}: "
+            "see backend/serving/config.py RouterSettings)",
+        )
 
 
 def run(args) -> int:
     import uvicorn
 
     from backend.openai.app import FrontendConfig, build_app
+    from backend.serving.config import ROUTER_SETTINGS, RouterSettings
 
     log = logging.getLogger("triton_disagg.openai")
     secret = b""
@@ -57,8 +63,10 @@ def run(args) -> int:
             secret = load_secret(args.messenger_secret_file)
         except (ValueError, AuthError) as e:
             raise SystemExit(f"--discovery: {e}") from None
-        if args.migration_limit < 0:
-            raise SystemExit(f"--migration-limit must be >= 0, got {args.migration_limit}")
+    try:
+        router = RouterSettings.from_parameters({n: getattr(args, n) for n in ROUTER_SETTINGS})
+    except ValueError as e:
+        raise SystemExit(f"router settings: {e}") from None
     tokenizer = args.tokenizer
     if tokenizer is None:
         from build_scripts.prepare_model import ensure_model
@@ -73,16 +81,16 @@ def run(args) -> int:
         discovery=args.discovery,
         deployment=args.deployment,
         secret=secret,
-        migration_limit=args.migration_limit,
+        router=router,
     )
     if args.discovery:
         log.info(
-            "OpenAI API on http://%s:%d/v1 -> the decode instances of deployment %r in %s (migration limit %d)",
+            "OpenAI API on http://%s:%d/v1 -> the decode instances of deployment %r in %s (%s)",
             args.host,
             args.port,
             args.deployment,
             args.discovery,
-            args.migration_limit,
+            router,
         )
     else:
         log.info(

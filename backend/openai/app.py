@@ -52,6 +52,7 @@ from backend.openai.schemas import (
     usage,
 )
 from backend.openai.triton_stream import Delta, GenerationError, GenerationParams, TritonStream
+from backend.serving.config import RouterSettings
 from backend.serving.request import prompt_token_ids
 
 log = logging.getLogger("triton_disagg.openai")
@@ -74,8 +75,8 @@ class FrontendConfig:
     clients use (also accepted: the Triton model's name); ``tokenizer``: directory of the
     model's tokenizer (its chat template); ``max_tokens_default``: a chat request without a
     limit gets this many tokens at most. ``discovery`` (``etcd://HOST:PORT``): route across the
-    decode instances of ``deployment`` instead (records verified with ``secret``), moving a
-    request at most ``migration_limit`` times."""
+    decode instances of ``deployment`` instead (records verified with ``secret``), probed,
+    routed and moved by ``router``'s settings (the Triton front model's too)."""
 
     triton_url: str
     triton_model: str = "llm"
@@ -85,7 +86,7 @@ class FrontendConfig:
     discovery: str = ""
     deployment: str = "default"
     secret: bytes = field(default=b"", repr=False)
-    migration_limit: int = 3
+    router: RouterSettings = field(default_factory=RouterSettings)
 
 
 def _finish_reason(ours: str | None) -> str:
@@ -215,7 +216,7 @@ def build_app(config: FrontendConfig, *, triton_stream: TritonStream | None = No
         state["tokenizer"] = tokenizer_obj
     fleet = None
     if config.discovery:
-        router = Router(migration_limit=config.migration_limit)
+        router = Router(config.router)
         fleet = DecodeFleet(config.discovery, config.deployment, config.secret, router)
 
     @contextlib.asynccontextmanager

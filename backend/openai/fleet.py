@@ -1,8 +1,9 @@
 """The decode instances of a deployment as the frontend reaches them over the network (with
 ``--discovery``): their signed records from etcd (a ``Membership(role="decode")``,
 ``backend/cluster/``: a record that fails verification is logged and never routed to), one gRPC
-client per Triton server, a health probe of each instance every ``probe_interval_s`` (its
-answer carries the cache summary), all feeding a :class:`Router`, which picks and migrates.
+client per Triton server, a health probe of each instance every ``health_probe_interval_s`` of
+the router's settings (its answer carries the cache summary), all feeding a :class:`Router`,
+which picks and migrates.
 
 The membership's threads hand their changes to the event loop, where the router lives.
 """
@@ -43,18 +44,11 @@ class DecodeFleet:
     """``start()`` / ``close()`` on the event loop; ``generate()`` one request (routed and, when
     its instance fails it, moved by ``router``)."""
 
-    def __init__(
-        self,
-        discovery: str,
-        deployment: str,
-        secret: bytes,
-        router: Router,
-        probe_interval_s: float = 1.0,
-        probe_timeout_s: float = 5.0,
-    ):
+    def __init__(self, discovery: str, deployment: str, secret: bytes, router: Router):
         self.discovery, self.deployment = discovery, deployment
         self.router = router
-        self.probe_interval_s, self.probe_timeout_s = probe_interval_s, probe_timeout_s
+        self.probe_interval_s = router.settings.health_probe_interval_s
+        self.probe_timeout_s = router.settings.health_probe_timeout_s
         self._secret = secret
         self._clients: dict[str, TritonStream] = {}
         self._probing: dict[str, asyncio.Task] = {}

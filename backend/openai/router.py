@@ -41,6 +41,7 @@ from backend.cluster.records import InstanceRecord
 from backend.engine.cache_summary import CacheSummary
 from backend.engine.outputs import ErrorKind
 from backend.openai.triton_stream import Delta, GenerationError, StreamLost
+from backend.serving.config import RouterSettings
 from backend.serving.kv_router import KVRouter
 
 log = logging.getLogger("triton_disagg.openai")
@@ -115,14 +116,14 @@ class _Moved(Exception):
 class Router:
     """``update(joined, left)`` with membership records, ``probed(name, summary, error)`` with
     each probe's outcome; ``generate(...)`` relays a request; ``migrations`` counts moves by
-    reason; ``status()`` lists the members."""
+    reason; ``status()`` lists the members. ``settings``: the router settings the Triton front
+    model has too (``RouterSettings``: probes, KV-routing weight, migration limit)."""
 
-    def __init__(self, *, migration_limit: int = 3, probe_failures: int = 2, kv_routing_weight: float = 1.0):
-        if migration_limit < 0 or probe_failures < 1:
-            raise ValueError(f"migration_limit {migration_limit} must be >= 0, probe_failures {probe_failures} >= 1")
-        self.migration_limit = migration_limit
-        self.probe_failures = probe_failures
-        self.kv = KVRouter(kv_routing_weight)
+    def __init__(self, settings: RouterSettings | None = None):
+        self.settings = settings = settings or RouterSettings()
+        self.migration_limit = settings.migration_limit
+        self.probe_failures = settings.health_probe_failures
+        self.kv = KVRouter(settings.kv_routing_weight)
         self.migrations: Counter[str] = Counter()
         self._members: dict[str, _Member] = {}
 

@@ -63,7 +63,7 @@ class TPLeadRunner(TPModelRunner):
         self._fail_lock = threading.Lock()
         store = host_store(world)
         prefix = uuid.uuid4().hex
-        self.ranks = RankProcesses(dataclasses.asdict(config), world, store.port, prefix, shards.handles)
+        self.ranks = RankProcesses(config.settings(), world, store.port, prefix, shards.handles)
         self.ranks.watch(self._fail)
         try:
             group = join_group(store, store.port, 0, world, rank_device(config, 0), prefix, GROUP_TIMEOUT_S)

@@ -6,6 +6,7 @@ fails the model load with a message naming it. Tensor parallelism is the engine 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -158,39 +159,60 @@ class InstanceConfig:
 
 
 @dataclass(frozen=True)
-class FrontConfig:
-    """The disaggregated front model: ``decode_models`` it routes to (comma-separated). Each is
-    probed every ``health_probe_interval_s``; a probe unanswered within ``health_probe_timeout_s``
-    or answered "not serving" counts as failed, and ``health_probe_failures`` failures in a row
-    take the decode model out of routing (and fail the requests in flight on it) until a probe
-    succeeds again. Routing (``backend/serving/kv_router.py``): each probe's answer carries the
-    decode model's cache summary; a request goes to the serving decode model with the lowest
-    ``kv_routing_weight`` x (prompt pages not cached there) + (pages of the front's requests in
-    flight there); 0: least loaded. ``model_path``: the tokenizer that makes the prompt's token
-    ids (the decode models' own); empty: routed by load alone. ``migration_limit``: how many
-    times one request may move to another decode model when its decode model goes down, fails
-    it as out of service or stops in the middle of its stream (request migration: the prompt
-    plus the tokens already sent go to another decode model, which continues the stream); past
-    it the request fails with an error that says so; 0: never moved."""
+class RouterSettings:
+    """How a router treats its decode targets, the same for the Triton front model
+    (:class:`FrontConfig`) and the OpenAI frontend (``backend/openai/``), defined here once.
+    Each target is probed every ``health_probe_interval_s``; a probe unanswered within
+    ``health_probe_timeout_s`` or answered "not serving" counts as failed, and
+    ``health_probe_failures`` failures in a row take the target out of routing (and move the
+    requests in flight on it) until a probe succeeds again. Routing
+    (``backend/serving/kv_router.py``): a request goes to the serving target with the lowest
+    ``kv_routing_weight`` x (prompt pages not cached there) + (pages of the router's requests in
+    flight there); 0: least loaded. ``migration_limit``: how many times one request may move to
+    another target when its own goes down, fails it as out of service or stops in the middle of
+    its stream (request migration: the prompt plus the tokens already sent go to another target,
+    which continues the stream); past it the request fails with an error that says so; 0: never
+    moved."""
 
-    decode_models: str = "decode"
     health_probe_interval_s: float = 1.0
     health_probe_timeout_s: float = 5.0
     health_probe_failures: int = 2
     kv_routing_weight: float = 1.0
-    model_path: str = ""
     migration_limit: int = 3
 
     def __post_init__(self) -> None:
         if self.migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
-        if not self.targets():
-            raise ValueError("parameter 'decode_models' lists no decode model")
         for name in ("health_probe_interval_s", "health_probe_timeout_s", "health_probe_failures"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.kv_routing_weight < 0:
             raise ValueError(f"kv_routing_weight must be >= 0, got {self.kv_routing_weight}")
+
+    @classmethod
+    def from_parameters(cls, params: dict) -> "RouterSettings":
+        return parse_section(cls, params, "router")
+
+
+# the settings' names: Triton model parameters of the front model, and the OpenAI frontend's
+# flags (``--migration-limit`` ...)
+ROUTER_SETTINGS = tuple(f.name for f in dataclasses.fields(RouterSettings))
+
+
+@dataclass(frozen=True)
+class FrontConfig(RouterSettings):
+    """The disaggregated front model: ``decode_models`` it routes to (comma-separated), with the
+    router settings of :class:`RouterSettings`. ``model_path``: the tokenizer that makes the
+    prompt's token ids for KV-aware routing (the decode models' own); empty: routed by load
+    alone."""
+
+    decode_models: str = "decode"
+    model_path: str = ""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.targets():
+            raise ValueError("parameter 'decode_models' lists no decode model")
 
     def targets(self) -> list[str]:
         return [m.strip() for m in self.decode_models.split(",") if m.strip()]

@@ -90,10 +90,6 @@ class DecodeTargets:
         """Prompt tokens routed, and how many the chosen models were judged to cache."""
         return dict(self.router.counters)
 
-    def is_up(self, target: str) -> bool:
-        with self._lock:
-            return self.states[target].up
-
     def all_inflight(self) -> list:
         with self._lock:
             return [r for s in self.states.values() for r in s.inflight]

@@ -179,10 +179,6 @@ class RequestRecord:
         return self.token_times[0] - self.t_submit if self.token_times else float("nan")
 
     @property
-    def e2e(self) -> float:
-        return self.token_times[-1] - self.t_submit if self.token_times else float("nan")
-
-    @property
     def gaps(self) -> list[float]:
         return stats.gaps(self.token_times)
 

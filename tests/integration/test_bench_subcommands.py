@@ -48,7 +48,7 @@ TINY: dict[str, list[str]] = {
     "spec": ["--max-tokens", "16", "--repeats", "1", "--decoders", "transformers,auto"],
     "engine": ["--repeats", "1", "--decode-tokens", "4", "--profile-formats", "float32,fp16w", "--profile-steps", "4"],
     "formats": ["--formats", "float32,int8", "--decoders", "auto", "--windows", "1"],
-    "one-stream": ["--tokens", "8", "--streams", "1", "--modes", "disagg"],
+    "one-stream": ["--tokens", "8", "--streams", "1", "--modes", "disagg", "--concurrency", "2"],
     "ttft": ["--prompt-tokens", "64", "--repeats", "1"],
     "serve": ["--rate", "1", "--duration", "4", "--low-rate", "0", "--prompt-tokens", "32", "64"]
     + ["--output-tokens", "4", "8"],
@@ -278,7 +278,10 @@ def _one_stream(run: Run) -> None:
     r = run.figure("one_stream_*.json")
     s = r["summary"]["disagg"]
     assert len(s["tok_s"]) == 1 and r["args"]["tokens"] == 8, r
-    positive(s["tok_s_median"], s["tok_s_best"], s["ttft_median"])
+    positive(s["tok_s_median"], s["tok_s_best"], s["ttft_median"], s["itl_p50_s"])
+    c = s["concurrent"]
+    assert c["streams"] == 2 and c["gaps_counted"] > 0, c
+    positive(c["itl_p50_s"], c["itl_ratio_to_one_stream"])
 
 
 @check("ttft")

@@ -118,15 +118,20 @@ def feed_worst(server, model: str, pool_models: list[str]) -> list:
     return outcomes
 
 
-def test_worst_values_aggregated(aggregated_server):
-    out = {(n, lbl): (kind, err) for n, lbl, kind, err in feed_worst(aggregated_server, "llm", ["llm"])}
-    # the findings of the issue: non-finite sampling values are refused at admission
+def assert_refusals(outcomes: list) -> None:
+    """The refusals both modes make the same way: non-finite sampling values are refused at
+    admission as bad requests, and so is a prompt past ``max_input_bytes``."""
+    out = {(n, lbl): (kind, err) for n, lbl, kind, err in outcomes}
     for label in ("nan", "inf", "-inf"):
         assert out[("temperature", label)][0] == "error" and "[bad_request]" in out[("temperature", label)][1]
         assert out[("top_p", label)][0] == "error" and "[bad_request]" in out[("top_p", label)][1]
-    assert "max_input_bytes" in out[("text_input", "2 MiB")][1]
+    assert out[("text_input", "2 MiB")][0] == "error" and "max_input_bytes" in out[("text_input", "2 MiB")][1]
+
+
+def test_worst_values_aggregated(aggregated_server):
+    assert_refusals(feed_worst(aggregated_server, "llm", ["llm"]))
 
 
 def test_worst_values_disaggregated(disagg_server):
     pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
-    feed_worst(disagg_server, "llm", ["prefill_0", "prefill_1", "decode_0", "decode_1"])
+    assert_refusals(feed_worst(disagg_server, "llm", ["prefill_0", "prefill_1", "decode_0", "decode_1"]))

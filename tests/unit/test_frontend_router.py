@@ -17,6 +17,7 @@ from backend.engine.page_allocator import page_hashes
 from backend.openai.metrics import exposition
 from backend.openai.router import Router, Target
 from backend.openai.triton_stream import Delta, GenerationError, StreamLost
+from backend.serving.config import RouterSettings
 
 SALT = "00"
 
@@ -32,7 +33,7 @@ def summary(cached: list[int] | None = None, page_size: int = 4) -> CacheSummary
 
 
 def router(*names: str, up: bool = True, **kw) -> Router:
-    r = Router(**kw)
+    r = Router(RouterSettings(**kw))
     r.update([record(n) for n in names], [])
     if up:
         for n in names:
@@ -110,7 +111,7 @@ def test_only_probed_members_that_are_not_draining_serve():
 
 
 def test_probe_failures_take_a_member_down_and_one_pass_brings_it_back():
-    r = router("a", "b", probe_failures=2)
+    r = router("a", "b", health_probe_failures=2)
     r.probed("a", None, "[out_of_service] no prefill instance")
     assert {t.name for t in r.serving()} == {"a", "b"}  # one failure is not enough
     r.probed("a", None, "Stub process is not healthy")
@@ -218,7 +219,7 @@ def test_with_no_other_member_the_request_fails_and_a_bad_request_never_moves():
 
 @pytest.mark.parametrize("how", ["probes fail", "leaves"])
 def test_requests_in_flight_on_a_member_that_goes_down_move(how):
-    r = router("a", "b", probe_failures=2)
+    r = router("a", "b", health_probe_failures=2)
     prompt = list(range(40))
     r.probed("a", summary(prompt), None)
     fake = FakeDecode(8, {"a": [(3, "hang")], "b": [(0, "ok")]})

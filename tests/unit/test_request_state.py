@@ -1,5 +1,9 @@
-"""The request state machines (``backend/serving/request_state.py``): every allowed transition of
-each role's table leads where the table says, every other (state, event) pair is refused."""
+"""The request state machines (``backend/serving/request_state.py``): the tables against an
+independent statement of each role's lifecycle (the paths a request may take, written below as
+event sequences with the state each event leads to, from the module's lifecycle diagram and
+``backend/README.md``, not from the tables): every path runs as stated, and the paths together
+use every entry of the table and no other, so a wrong, missing or extra entry fails; every other
+(state, event) pair is refused."""
 
 from __future__ import annotations
 
@@ -15,6 +19,64 @@ from backend.serving.request_state import (
     PrefillState,
     RequestState,
 )
+
+# Each path: a request's life from QUEUED, as "EVENT>STATE" steps (STATE: where the event leads).
+DECODE_PATHS = {
+    "remote prefill, KV lands": "KV_NEEDED>WAITING_KV PREFILL_STARTED>WAITING_KV KV_LANDED>RUNNING "
+    "ENGINE_FINISHED>FINISHED",
+    "computed here": "LOCAL>RUNNING ENGINE_FINISHED>FINISHED",
+    "cancelled in the queue": "CANCEL>QUEUED ENGINE_FINISHED>FINISHED",
+    "no prefill instance": "KV_NEEDED>WAITING_KV NO_PREFILL>FINISHED",
+    "late messages while running, cancelled": "LOCAL>RUNNING PREFILL_STARTED>RUNNING PREFILL_FAILED>RUNNING "
+    "CANCEL>RUNNING ENGINE_FINISHED>FINISHED",
+    "load failed, released": "KV_NEEDED>WAITING_KV PREFILL_FAILED>WAITING_KV KV_FAILED>RELEASING "
+    "ENGINE_FINISHED>RELEASING CANCEL>RELEASING PREFILL_STARTED>RELEASING PREFILL_FAILED>RELEASING "
+    "KV_RELEASED>FINISHED",
+    "load failed, recomputed here": "KV_NEEDED>WAITING_KV KV_FAILED>RELEASING RECOMPUTE>RECOVERING "
+    "PREFILL_STARTED>RECOVERING PREFILL_FAILED>RECOVERING KV_RELEASED>WAITING_KV LOCAL>RUNNING "
+    "ENGINE_FINISHED>FINISHED",
+    "load failed, another prefill instance": "KV_NEEDED>WAITING_KV KV_FAILED>RELEASING RECOMPUTE>RECOVERING "
+    "KV_RELEASED>WAITING_KV KV_LANDED>RUNNING ENGINE_FINISHED>FINISHED",
+    "cancelled while recovering": "KV_NEEDED>WAITING_KV KV_FAILED>RELEASING RECOMPUTE>RECOVERING "
+    "CANCEL>RELEASING KV_RELEASED>FINISHED",
+    "engine ended while recovering": "KV_NEEDED>WAITING_KV KV_FAILED>RELEASING RECOMPUTE>RECOVERING "
+    "ENGINE_FINISHED>RELEASING KV_RELEASED>FINISHED",
+    "cancelled waiting, KV lands anyway": "KV_NEEDED>WAITING_KV CANCEL>CANCELLING PREFILL_STARTED>CANCELLING "
+    "KV_LANDED>FINISHED",
+    "cancelled waiting, receive fails": "KV_NEEDED>WAITING_KV CANCEL>CANCELLING CANCEL>CANCELLING "
+    "ENGINE_FINISHED>CANCELLING PREFILL_FAILED>CANCELLING KV_FAILED>RELEASING KV_RELEASED>FINISHED",
+    "engine ended while waiting": "KV_NEEDED>WAITING_KV ENGINE_FINISHED>CANCELLING KV_LANDED>FINISHED",
+}
+PREFILL_PATHS = {
+    "prefilled and sent": "STARTED>RUNNING ENGINE_FINISHED>SENDING FREEABLE>FINISHED",
+    "cancelled while running": "STARTED>RUNNING CANCEL>RUNNING ENGINE_FINISHED>SENDING CANCEL>SENDING "
+    "FREEABLE>FINISHED",
+    "cancelled in the queue": "CANCEL>QUEUED ENGINE_FINISHED>SENDING FREEABLE>FINISHED",
+}
+
+
+@pytest.mark.parametrize(
+    ("paths", "table", "states", "events"),
+    [
+        (DECODE_PATHS, DECODE_TRANSITIONS, DecodeState, DecodeEvent),
+        (PREFILL_PATHS, PREFILL_TRANSITIONS, PrefillState, PrefillEvent),
+    ],
+    ids=["decode", "prefill"],
+)
+def test_the_table_is_the_lifecycle(paths, table, states, events):
+    used = {}
+    for name, path in paths.items():
+        r = RequestState(name, table, states.QUEUED)
+        for step in path.split():
+            event, want = step.split(">")
+            before = r.state
+            r.apply(events[event])
+            assert r.state is states[want], f"{name}: {event} in {before.name} led to {r.state.name}, not {want}"
+            used[(before, events[event])] = states[want]
+        assert r.finished, name
+    missing = {f"{s.name}+{e.name}" for s, e in set(table) - set(used)}
+    assert used == table, f"table entries no stated path takes: {sorted(missing)}"
+
 
 ROLES = [
     (DECODE_TRANSITIONS, DecodeState, DecodeEvent, DecodeState.FINISHED),
