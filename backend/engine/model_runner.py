@@ -73,7 +73,7 @@ class ModelRunner:
         self._few_rows = 0
         if config.weights_format == "fp16w":  # fbgemm's own products: no small-batch linears on top
             self._few_rows = fp16_max_rows(self._threads)
-            self.model = quantize_linear_fp16(self.model)
+            self.model = quantize_linear_fp16(self.model, self._few_rows)
             log.info(
                 "fp16w weights on %s: float16 for products of up to %d rows (on one thread), float32 beyond "
                 "(on %d threads)",

@@ -47,8 +47,6 @@ class DecodeFleet:
     def __init__(self, discovery: str, deployment: str, secret: bytes, router: Router):
         self.discovery, self.deployment = discovery, deployment
         self.router = router
-        self.probe_interval_s = router.settings.health_probe_interval_s
-        self.probe_timeout_s = router.settings.health_probe_timeout_s
         self._secret = secret
         self._clients: dict[str, TritonStream] = {}
         self._probing: dict[str, asyncio.Task] = {}
@@ -95,7 +93,7 @@ class DecodeFleet:
     async def _probe_loop(self) -> None:
         while True:
             self._probe_all()
-            await asyncio.sleep(self.probe_interval_s)
+            await asyncio.sleep(self.router.settings.health_probe_interval_s)
 
     def _probe_all(self) -> None:
         for target in self.router.targets():
@@ -105,7 +103,9 @@ class DecodeFleet:
     async def _probe(self, target: Target) -> None:
         summary, error = None, None
         try:
-            state = await self._client(target.grpc_url).instance_state(target.model, self.probe_timeout_s)
+            state = await self._client(target.grpc_url).instance_state(
+                target.model, self.router.settings.health_probe_timeout_s
+            )
             if state:
                 summary = CacheSummary.from_json(json.loads(state))
         except GenerationError as e:
