@@ -60,7 +60,7 @@ def running_server(repo, log_file, timeout_s: float = 400, **kw):
 
 REMOTE_PREFILL = {"local_prefill_max_tokens": "0"}
 # float32 weights: the end-to-end tests compare outputs with transformers' float32 (and across
-# modes within 1e-4). serve's default, weights_dtype=auto, picks fp16w on a CPU with AVX2 and F16C;
+# modes within 1e-4). serve's default, weights_dtype=auto, picks fp16w-bf16 (AMX) or fp16w (AVX2, F16C);
 # test_cli.py, test_autoscale_ramp.py and the benchmarks' tests run that default.
 EXACT = {"weights_dtype": "float32"}
 

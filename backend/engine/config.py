@@ -12,17 +12,21 @@ from pathlib import Path
 
 import torch
 
-from backend.engine.cpu_kernels import FP16W_FLAGS, missing_flags
+from backend.engine.cpu_kernels import FORMAT_FLAGS, missing_flags
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # int8: int8 linear layers (weights per output channel, activations per row, fbgemm, CPU) over a
 # rotated residual stream (backend/engine/int8_linear.py), everything else in float32; fp16w: the
 # linear layers' weights in float16 through fbgemm's fp16-weight GEMM, float32 activations and sums
-# (CPU with AVX2 and F16C; backend/engine/fp16_linear.py), everything else in float32
+# (CPU with AVX2 and F16C; backend/engine/fp16_linear.py), everything else in float32;
+# fp16w-bf16: fp16w for few-row products, bfloat16 weights and activations (oneDNN, AMX-BF16) for
+# products of more rows (prefill chunks) instead of float32 ones
 # auto (the default): the measured best, see choose_weights_format
-WEIGHT_FORMATS = ("auto", *DTYPES, "int8", "fp16w")
+WEIGHT_FORMATS = ("auto", *DTYPES, "int8", "fp16w", "fp16w-bf16")
 # the formats of fbgemm's kernels (the kernel family named in refusals): CPU only, one process
-FBGEMM_FORMATS = {"int8": "int8", "fp16w": "fp16-weight"}
+FBGEMM_FORMATS = {"int8": "int8", "fp16w": "fp16-weight", "fp16w-bf16": "fp16-weight"}
+# what each CPU format's kernels are called in the refusal that names a missing CPU feature
+FORMAT_KERNELS = {"fp16w": "fbgemm's fp16-weight GEMM", "fp16w-bf16": "fbgemm's fp16-weight GEMM, oneDNN's AMX-BF16"}
 # auto: the lean layer loop (backend/engine/lean_decoder.py) where the checkpoint's layers fit it
 # and the model runs in one process; transformers: always transformers' own modules
 DECODERS = ("auto", "transformers")
@@ -43,9 +47,10 @@ class EngineConfig:
     computed with them; ``int8``: the linear layers' weights in int8 with activations quantized
     per row (per token), fbgemm on the CPU, over a rotated residual stream, the rest in float32:
     ``int8_linear.py``; ``fp16w``: the linear layers' weights in float16, float32 activations and
-    sums, fbgemm on a CPU with AVX2 and F16C, the rest in float32: ``fp16_linear.py``) and
+    sums, fbgemm on a CPU with AVX2 and F16C, the rest in float32: ``fp16_linear.py``;
+    ``fp16w-bf16``: fp16w's few-row products, bfloat16 ones on AMX tiles for more rows) and
     ``kv_dtype`` (the KV pool; empty: as ``dtype``). They are independent: a float32 model may
-    keep a bfloat16 KV cache. int8 and fp16w run on the CPU in one process only.
+    keep a bfloat16 KV cache. int8, fp16w and fp16w-bf16 run on the CPU in one process only.
     ``weights_dtype=auto`` (the default) is resolved here, once, into a format
     (:func:`choose_weights_format`); ``weights_choice`` says why.
     """
@@ -119,11 +124,12 @@ class EngineConfig:
                 f"EngineConfig.weights_dtype {self.weights_format} runs on the CPU only "
                 f"(fbgemm {FBGEMM_FORMATS[self.weights_format]} kernels)"
             )
-        missing = missing_flags(FP16W_FLAGS) if self.weights_format == "fp16w" else []
+        needs = FORMAT_FLAGS.get(self.weights_format, ())
+        missing = missing_flags(needs)
         if missing:
             raise ValueError(
-                f"EngineConfig.weights_dtype fp16w needs the CPU features {' and '.join(FP16W_FLAGS)} "
-                f"(fbgemm's fp16-weight GEMM); this CPU lacks {', '.join(missing)}"
+                f"EngineConfig.weights_dtype {self.weights_format} needs the CPU features {' and '.join(needs)} "
+                f"({FORMAT_KERNELS[self.weights_format]}); this CPU lacks {', '.join(missing)}"
             )
 
     def settings(self) -> dict:
@@ -172,33 +178,40 @@ class EngineConfig:
         return parse_section(cls, values, "engine")
 
 
-# Held-out perplexity against float32's (teacher forced through the engine, decode steps;
-# tests/integration/test_fp16w_quality.py and test_int8_quality.py, perf/REPORT.md): the
-# formats faster than float32 on the CPU, fastest first, with the worst ratio measured on any
-# kernel path (int8: 1.027x on the 8-bit path, 1.084x on the 7-bit path, through the server).
-FAST_FORMAT_QUALITY = {"int8": 1.084, "fp16w": 1.001}
+# Held-out perplexity against float32's (teacher forced through the engine, the worse of the prompt
+# positions and the decode steps; tests/integration/test_fp16w_quality.py and test_int8_quality.py,
+# perf/REPORT.md): the formats faster than float32 on the CPU, fastest first, with the worst ratio
+# measured on any kernel path (int8: 1.027x on the 8-bit path, 1.084x on the 7-bit path, through
+# the server; fp16w-bf16: 1.0007x on the prompt, 0.9995x on the decode steps, on AMX).
+FAST_FORMAT_QUALITY = {"int8": 1.084, "fp16w-bf16": 1.001, "fp16w": 1.001}
 QUALITY_LIMIT = 1.01
 
 
 def choose_weights_format(dtype: str, device_type: str, tensor_parallel_size: int) -> tuple[str, str]:
     """``weights_dtype=auto``: (format, why). The fastest format whose held-out perplexity stays
-    within 1.01x float32's on every kernel path measured: fp16w (float16 weights, float32 sums;
-    1.001x) on a CPU with its features, one process, ``dtype`` float32; int8 is faster but not
-    within (1.027x on the 8-bit path, 1.084x on the 7-bit path). Otherwise ``dtype`` itself."""
+    within 1.01x float32's on every kernel path measured and whose kernels this CPU has:
+    fp16w-bf16 (fp16w's decode products, prefill chunks in bfloat16 on AMX tiles; 1.001x) on a CPU
+    with AMX-BF16, else fp16w (float16 weights, float32 sums; 1.001x) on one with AVX2 and F16C;
+    one process, ``dtype`` float32. int8 is faster but not within (1.027x on the 8-bit path,
+    1.084x on the 7-bit path). Otherwise ``dtype`` itself."""
     if dtype != "float32":
         return dtype, f"dtype {dtype}"
     if device_type != "cpu":
         return dtype, f"on {device_type} the weights are dtype's ({dtype})"
     if tensor_parallel_size != 1:
         return dtype, "fp16w runs in one process and tensor_parallel_size > 1"
-    missing = missing_flags(FP16W_FLAGS)
-    if missing:
-        return dtype, f"fp16w needs {' and '.join(FP16W_FLAGS)}; this CPU lacks {', '.join(missing)}"
     within = [f for f, ratio in FAST_FORMAT_QUALITY.items() if ratio <= QUALITY_LIMIT]
+    runnable = [f for f in within if not missing_flags(FORMAT_FLAGS[f])]
+    if not runnable:
+        needs = FORMAT_FLAGS[within[-1]]
+        return dtype, f"fp16w needs {' and '.join(needs)}; this CPU lacks {', '.join(missing_flags(needs))}"
     rest = ", ".join(f"{f} {r:.3f}x" for f, r in FAST_FORMAT_QUALITY.items() if f not in within)
-    return within[0], (
-        f"the fastest format within {QUALITY_LIMIT}x float32's held-out perplexity "
-        f"({within[0]} {FAST_FORMAT_QUALITY[within[0]]:.3f}x; not within: {rest})"
+    skipped = [f"{f} needs {', '.join(missing_flags(FORMAT_FLAGS[f]))}" for f in within[: within.index(runnable[0])]]
+    return runnable[0], (
+        f"the fastest format within {QUALITY_LIMIT}x float32's held-out perplexity that this CPU runs "
+        f"({runnable[0]} {FAST_FORMAT_QUALITY[runnable[0]]:.3f}x; not within: {rest}"
+        + "".join(f"; {s}" for s in skipped)
+        + ")"
     )
 
 

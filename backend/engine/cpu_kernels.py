@@ -1,7 +1,8 @@
 """The CPU kernel path this process runs: the CPU's model and identity, the instruction-set
-extensions that choose a kernel (AVX2, F16C, AVX-512, VNNI, AMX), torch's CPU capability, and
+extensions that choose a kernel (AVX2, F16C, AVX-512, VNNI, AMX), torch's CPU capability,
 fbgemm's int8 path (8-bit activations where its kernel computes them exactly, with VNNI; 7-bit
-where int16 pair sums could saturate) and its fp16-weight path (AVX2 and F16C required). Figures
+where int16 pair sums could saturate), its fp16-weight path (AVX2 and F16C required) and oneDNN's
+bfloat16 path for ``fp16w-bf16``'s many-row products (AMX-BF16 required). Figures
 and tests name it beside what they measured, since a result or a bound can depend on it
 (``perf/lib/machine.py``, the test run's header)."""
 
@@ -15,9 +16,25 @@ from pathlib import Path
 
 # The extensions that select a kernel in torch (ATen's dispatch, oneDNN) or fbgemm, in
 # /proc/cpuinfo's spelling.
-ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
+ISA_FLAGS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512_vnni",
+    "avx_vnni",
+    "avx512_bf16",
+    "amx_bf16",
+    "amx_int8",
+)
 # What fbgemm's fp16-weight GEMM (``weights_dtype=fp16w``) needs: it refuses to run without them.
 FP16W_FLAGS = ("avx2", "f16c")
+# ``fp16w-bf16`` adds oneDNN's bfloat16 products for many rows, measured faster than float32 on
+# AMX tiles (perf/REPORT.md); without AMX (AVX512-BF16 alone, or emulated) it is not measured.
+FP16W_BF16_FLAGS = (*FP16W_FLAGS, "amx_bf16")
+# The CPU features each CPU-only format needs (EngineConfig refuses the format without them).
+FORMAT_FLAGS = {"fp16w": FP16W_FLAGS, "fp16w-bf16": FP16W_BF16_FLAGS}
 
 
 @functools.cache
@@ -82,10 +99,18 @@ class KernelPath:
         kernel = "AVX-512" if {"avx512f", "avx512bw"} <= set(self.isa) else "AVX2"
         return f"fbgemm fp16 weights, float32 activations and sums ({kernel} kernel, F16C)"
 
+    @property
+    def bf16_path(self) -> str:
+        tiles = "AMX tiles" if "amx_bf16" in self.isa else "no AMX-BF16: not fp16w-bf16's path"
+        return f"oneDNN bfloat16 weights and activations, float32 sums ({tiles})"
+
     def short(self, weights: str = "int8") -> str:
         """One line for a table's caption or a log line, with the kernel path of the weights
-        format ``weights`` (``int8`` or ``fp16w``)."""
-        path = self.fp16w_path if weights == "fp16w" else self.int8_path
+        format ``weights`` (``int8``, ``fp16w`` or ``fp16w-bf16``)."""
+        path = {
+            "fp16w": self.fp16w_path,
+            "fp16w-bf16": f"{self.fp16w_path} for few rows; {self.bf16_path} for many",
+        }.get(weights, self.int8_path)
         return f"{self.cpu} ({self.cpu_id}); torch {self.torch_capability}; {path}"
 
     def as_dict(self) -> dict[str, object]:
@@ -95,6 +120,8 @@ class KernelPath:
             "isa": list(self.isa),
             "torch_capability": self.torch_capability,
             "int8_path": self.int8_path,
+            "fp16w_path": self.fp16w_path,
+            "bf16_path": self.bf16_path,
         }
 
 

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from backend.engine.config import EngineConfig
 from backend.engine.cpu_kernels import kernel_path
 from backend.engine.device_progress import DeviceProgress, make_progress
-from backend.engine.fp16_linear import fp16_max_rows, quantize_linear_fp16
+from backend.engine.fp16_linear import MANY_ROWS, fp16_max_rows, quantize_linear_fp16
 from backend.engine.int8_linear import quantize_linear_int8, rotate_residual_stream, rotation_unsupported
 from backend.engine.kv_pool import KVPool
 from backend.engine.lean_decoder import LeanDecoder, fuse_projections, unsupported_reason
@@ -65,20 +65,22 @@ class ModelRunner:
         if int8:
             self.model = quantize_linear_int8(self.model)
             log.info("int8 weights on %s", kernel_path().short())
-        # fp16w: a step whose products all take the float16 weights (fbgemm's GEMM, one thread)
-        # runs on one torch thread; a second one only spins beside it and slows the step
+        # fp16w, fp16w-bf16: a step whose products all take the float16 weights (fbgemm's GEMM, one
+        # thread) runs on one torch thread; a second one only spins beside it and slows the step
         # (one stream through the server, 2 cores: 31.8 tok/s on 1 thread, 27.3 on 2). Steps with
-        # more rows (prefill chunks) keep every thread for their float32 products.
+        # more rows (prefill chunks) keep every thread for their float32 or bfloat16 products.
         self._threads = torch.get_num_threads()
         self._few_rows = 0
-        if config.weights_format == "fp16w":  # fbgemm's own products: no small-batch linears on top
+        fmt = config.weights_format
+        if fmt in MANY_ROWS:  # fbgemm's own products: no small-batch linears on top
             self._few_rows = fp16_max_rows(self._threads)
-            self.model = quantize_linear_fp16(self.model, self._few_rows)
+            self.model = quantize_linear_fp16(self.model, self._few_rows, fmt)
             log.info(
-                "fp16w weights on %s: float16 for products of up to %d rows (on one thread), float32 beyond "
-                "(on %d threads)",
-                kernel_path().short("fp16w"),
+                "%s weights on %s: float16 for products of up to %d rows (on one thread), %s beyond (on %d threads)",
+                fmt,
+                kernel_path().short(fmt),
                 self._few_rows,
+                str(MANY_ROWS[fmt]).removeprefix("torch."),
                 self._threads,
             )
         elif self.device.type == "cpu":

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 
 from backend.client import stream_generate
-from backend.engine.cpu_kernels import FP16W_FLAGS, missing_flags
+from backend.engine.cpu_kernels import cpu_flags
 from backend.launch.ports import free_port
 
 BIN = Path(sys.executable).parent / "triton-disagg"
@@ -87,7 +87,8 @@ def test_serve_generate_and_ctrl_c(tmp_path):
         log = (tmp_path / "server.log").read_text(errors="replace")
         assert "Exit timeout expired" not in log and "successfully unloaded 'llm'" in log
         # serve's default weights format, chosen at start and said in the log with its reason
-        want = "float32" if missing_flags(FP16W_FLAGS) else "fp16w"
+        flags = cpu_flags()
+        want = "float32" if not {"avx2", "f16c"} <= flags else "fp16w-bf16" if "amx_bf16" in flags else "fp16w"
         assert f"weights={want} (auto: " in log, [line for line in log.splitlines() if "weights=" in line]
         assert stop_s < 10, f"stop took {stop_s:.1f}s"
         time.sleep(1)

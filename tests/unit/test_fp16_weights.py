@@ -3,7 +3,8 @@ tokens are transformers' on the same model with its linear weights rounded to fl
 compute), through both decoders; an fp16w product of up to ``max_rows`` rows is the float32
 product with float16-rounded weights, of more rows exactly float32's product; the row limit
 follows the thread count; the format is refused by name on a CPU without the features fbgemm's
-kernel needs and with tensor parallelism."""
+kernel needs and with tensor parallelism. ``fp16w-bf16``: the same few-row products, bfloat16
+ones (oneDNN, AMX) beyond the limit; auto picks it where the CPU has AMX-BF16."""
 
 from __future__ import annotations
 
@@ -18,6 +19,11 @@ from backend.engine.sampling_params import SamplingParams
 from backend.engine.small_batch_linear import SmallBatchLinear
 from tests.engine_helpers import assert_pool_idle, build_tiny_llama, make_engine, run_to_completion, tokens_of
 from tests.unit.test_weight_formats import PROMPT, _hf_greedy, _relative_error
+
+NO_AMX = pytest.mark.skipif(
+    bool(cpu_kernels.missing_flags(["amx_bf16"])),
+    reason="fp16w-bf16's products need AMX-BF16, which this CPU lacks (its refusal and auto's choice are tested)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +97,42 @@ def test_an_fp16w_product_of_more_rows_than_its_limit_is_float32s(rows):
         assert not torch.equal(layer(x[:16]), want[:16])  # 16 rows: the float16 weights
 
 
+@NO_AMX
+@pytest.mark.parametrize("rows", [17, 100])
+def test_an_fp16w_bf16_product_of_more_rows_than_its_limit_is_a_bfloat16_product(rows):
+    """Beyond ``max_rows``: the input and the weights rounded to bfloat16, float32 sums, the output
+    rounded to bfloat16 (oneDNN's linear returns its input's dtype), then widened; the bias added
+    in float32. Up to the limit: the float16 weights' product, as fp16w's."""
+    print(f"kernel path: {kernel_path().short('fp16w-bf16')}")
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(576, 200)
+    x = torch.randn(rows, 576)
+    layer = quantize_linear_fp16(torch.nn.Sequential(linear), max_rows=16, weights="fp16w-bf16")[0]
+    assert layer.many_rows == torch.bfloat16 and layer.weight is None  # no float32 copy is kept
+    with torch.inference_mode():
+        got = layer(x)
+        exact = (x.bfloat16().double() @ linear.weight.bfloat16().double().t()).float()
+        assert got.dtype == torch.float32 and got.shape == (rows, 200)
+        # only the output's rounding to bfloat16 (8 significant bits) and the order of the sums
+        assert (got - linear.bias - exact).abs().max() <= exact.abs().max() * 2**-8
+        assert _relative_error(got, linear(x)).max() > 1e-4  # not float32's product
+        assert torch.equal(layer.product()(x[None]), got[None])
+        want16 = x[:16] @ linear.weight.half().float().t() + linear.bias
+        assert _relative_error(layer(x[:16]), want16).max() < 1e-5  # 16 rows: the float16 weights
+
+
+@NO_AMX
+def test_fp16w_bf16_engine_runs_its_layers(tiny):
+    """An engine with fp16w-bf16: every linear layer an Fp16Linear with bfloat16 beyond its limit;
+    a prompt of 40 tokens (one many-row step) then decode steps complete and free their pages."""
+    engine = make_engine(tiny, weights_dtype="fp16w-bf16")
+    layers = [m for m in engine.runner.model.modules() if isinstance(m, Fp16Linear)]
+    assert layers and all(m.many_rows == torch.bfloat16 for m in layers)
+    engine.add_request("r", (PROMPT * 3)[:40], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert len(tokens_of(run_to_completion(engine)["r"])) == 6
+    assert_pool_idle(engine)
+
+
 def test_the_row_limit_follows_the_thread_count(monkeypatch):
     """Measured crossovers with float32 (fp16_linear's docstring): 64 rows on 1 thread, 16 on 2,
     fewer beyond; a layer takes the limit of torch's thread count when it is built."""
@@ -107,6 +149,15 @@ def test_fp16w_is_refused_on_a_cpu_without_its_features(tiny, monkeypatch, flags
     EngineConfig(model_path=str(tiny), weights_dtype="float32")  # other formats do not ask
 
 
+@pytest.mark.parametrize(("flags", "missing"), [({"avx2", "f16c"}, "amx_bf16"), ({"amx_bf16"}, "avx2, f16c")])
+def test_fp16w_bf16_is_refused_on_a_cpu_without_its_features(tiny, monkeypatch, flags, missing):
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset(flags))
+    with pytest.raises(ValueError, match=f"weights_dtype fp16w-bf16 needs .*AMX-BF16.*lacks {missing}$"):
+        EngineConfig(model_path=str(tiny), weights_dtype="fp16w-bf16")
+    with pytest.raises(ValueError, match="weights_dtype fp16w-bf16 is not supported with tensor_parallel_size > 1"):
+        EngineConfig(model_path=str(tiny), weights_dtype="fp16w-bf16", tensor_parallel_size=2)
+
+
 def test_fp16w_is_checked_by_name(tiny):
     with pytest.raises(ValueError, match="weights_dtype fp16w is not supported with tensor_parallel_size > 1"):
         EngineConfig(model_path=str(tiny), weights_dtype="fp16w", tensor_parallel_size=2)
@@ -119,20 +170,26 @@ def test_fp16w_is_checked_by_name(tiny):
 
 
 def test_auto_picks_fp16w_where_it_runs_and_says_why(tiny, monkeypatch):
-    """``weights_dtype=auto`` (the default): fp16w, the fastest format within 1.01x float32's
-    held-out perplexity, on a CPU with AVX2 and F16C; float32 where fbgemm's kernel cannot run
+    """``weights_dtype=auto`` (the default): the fastest format within 1.01x float32's held-out
+    perplexity that the CPU runs: fp16w-bf16 on a CPU with AMX-BF16, fp16w on one with AVX2 and
+    F16C only (the reason names what fp16w-bf16 lacks); float32 where fbgemm's kernel cannot run
     (the reason names the missing feature) or with tensor parallelism; a float ``dtype`` other
-    than float32 keeps its own weights. A format set by name is taken as it is."""
+    than float32 keeps its own weights. A format set by name is taken as it is. Both kernel paths
+    are forced here, whatever this CPU has."""
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "f16c", "fma", "amx_bf16"}))
+    config = EngineConfig(model_path=str(tiny))
+    assert config.weights_format == "fp16w-bf16" and config.torch_dtype == torch.float32
+    assert "fastest format within 1.01x" in config.weights_choice and "int8 1.084x" in config.weights_choice
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "f16c", "fma"}))
     config = EngineConfig(model_path=str(tiny))
     assert config.weights_format == "fp16w" and config.torch_dtype == torch.float32
-    assert "fastest format within 1.01x" in config.weights_choice and "int8 1.084x" in config.weights_choice
+    assert config.weights_choice.endswith("fp16w-bf16 needs amx_bf16)"), config.weights_choice
     assert EngineConfig(model_path=str(tiny), tensor_parallel_size=2).weights_format == "float32"
     bf16 = EngineConfig(model_path=str(tiny), dtype="bfloat16")
     assert bf16.weights_format == "bfloat16" and bf16.kv_format == "bfloat16"
     explicit = EngineConfig(model_path=str(tiny), weights_dtype="float32")
     assert explicit.weights_format == "float32" and explicit.weights_choice == ""
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "fma", "amx_bf16"}))
     config = EngineConfig(model_path=str(tiny))
     assert config.weights_format == "float32" and config.weights_choice.endswith("this CPU lacks f16c")
 
@@ -142,9 +199,13 @@ def test_auto_engine_runs_fp16w_and_logs_the_choice(tiny, caplog):
     has fbgemm's features, and the start log names the format and why."""
     caplog.set_level("INFO", logger="triton_disagg.engine")
     engine = make_engine(tiny, weights_dtype="auto")
-    want = "fp16w" if not cpu_kernels.missing_flags(cpu_kernels.FP16W_FLAGS) else "float32"
+    flags = cpu_kernels.cpu_flags()
+    want = "float32" if not {"avx2", "f16c"} <= flags else "fp16w-bf16" if "amx_bf16" in flags else "fp16w"
     print(f"auto on this CPU ({cpu_kernels.cpu_model()}): {want}")
-    assert isinstance(engine.runner.model.lm_head, Fp16Linear) == (want == "fp16w")
+    head = engine.runner.model.lm_head
+    assert isinstance(head, Fp16Linear) == (want != "float32")
+    if want != "float32":
+        assert head.many_rows == (torch.bfloat16 if want == "fp16w-bf16" else torch.float32)
     assert f"weights={want} (auto: " in caplog.text, caplog.text
     engine.add_request("r", PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(tokens_of(run_to_completion(engine)["r"])) == 4
