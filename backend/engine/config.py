@@ -20,13 +20,17 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # linear layers' weights in float16 through fbgemm's fp16-weight GEMM, float32 activations and sums
 # (CPU with AVX2 and F16C; backend/engine/fp16_linear.py), everything else in float32;
 # fp16w-bf16: fp16w for few-row products, bfloat16 weights and activations (oneDNN, AMX-BF16) for
-# products of more rows (prefill chunks) instead of float32 ones
+# products of more rows (prefill chunks) instead of float32 ones; amx-bf16: every linear product in
+# bfloat16 on AMX tiles (backend/engine/bf16_linear.py)
 # auto (the default): the measured best, see choose_weights_format
-WEIGHT_FORMATS = ("auto", *DTYPES, "int8", "fp16w", "fp16w-bf16")
-# the formats of fbgemm's kernels (the kernel family named in refusals): CPU only, one process
-FBGEMM_FORMATS = {"int8": "int8", "fp16w": "fp16-weight", "fp16w-bf16": "fp16-weight"}
-# what each CPU format's kernels are called in the refusal that names a missing CPU feature
-FORMAT_KERNELS = {"fp16w": "fbgemm's fp16-weight GEMM", "fp16w-bf16": "fbgemm's fp16-weight GEMM, oneDNN's AMX-BF16"}
+WEIGHT_FORMATS = ("auto", *DTYPES, "int8", "fp16w", "fp16w-bf16", "amx-bf16")
+# the formats that run on the CPU only, in one process, and their kernels (named in refusals)
+CPU_FORMATS = {
+    "int8": "fbgemm's int8 kernels",
+    "fp16w": "fbgemm's fp16-weight GEMM",
+    "fp16w-bf16": "fbgemm's fp16-weight GEMM, oneDNN's AMX-BF16",
+    "amx-bf16": "oneDNN's AMX-BF16",
+}
 # auto: the lean layer loop (backend/engine/lean_decoder.py) where the checkpoint's layers fit it
 # and the model runs in one process; transformers: always transformers' own modules
 DECODERS = ("auto", "transformers")
@@ -48,9 +52,10 @@ class EngineConfig:
     per row (per token), fbgemm on the CPU, over a rotated residual stream, the rest in float32:
     ``int8_linear.py``; ``fp16w``: the linear layers' weights in float16, float32 activations and
     sums, fbgemm on a CPU with AVX2 and F16C, the rest in float32: ``fp16_linear.py``;
-    ``fp16w-bf16``: fp16w's few-row products, bfloat16 ones on AMX tiles for more rows) and
+    ``fp16w-bf16``: fp16w's few-row products, bfloat16 ones on AMX tiles for more rows;
+    ``amx-bf16``: every linear product in bfloat16 on AMX tiles: ``bf16_linear.py``) and
     ``kv_dtype`` (the KV pool; empty: as ``dtype``). They are independent: a float32 model may
-    keep a bfloat16 KV cache. int8, fp16w and fp16w-bf16 run on the CPU in one process only.
+    keep a bfloat16 KV cache. int8, fp16w, fp16w-bf16 and amx-bf16 run on the CPU in one process only.
     ``weights_dtype=auto`` (the default) is resolved here, once, into a format
     (:func:`choose_weights_format`); ``weights_choice`` says why.
     """
@@ -93,7 +98,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_dtype must be one of {sorted(DTYPES)}, got {self.kv_dtype!r}")
         if self.decoder not in DECODERS:
             raise ValueError(f"EngineConfig.decoder must be one of {list(DECODERS)}, got {self.decoder!r}")
-        if self.weights_format in FBGEMM_FORMATS and self.tensor_parallel_size != 1:
+        if self.weights_format in CPU_FORMATS and self.tensor_parallel_size != 1:
             raise ValueError(
                 f"EngineConfig.weights_dtype {self.weights_format} is not supported with tensor_parallel_size > 1"
             )
@@ -119,17 +124,17 @@ class EngineConfig:
             )
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("EngineConfig.device is 'cuda' but torch sees no GPU")
-        if self.weights_format in FBGEMM_FORMATS and self.torch_device.type != "cpu":
+        if self.weights_format in CPU_FORMATS and self.torch_device.type != "cpu":
             raise ValueError(
                 f"EngineConfig.weights_dtype {self.weights_format} runs on the CPU only "
-                f"(fbgemm {FBGEMM_FORMATS[self.weights_format]} kernels)"
+                f"({CPU_FORMATS[self.weights_format]})"
             )
         needs = FORMAT_FLAGS.get(self.weights_format, ())
         missing = missing_flags(needs)
         if missing:
             raise ValueError(
                 f"EngineConfig.weights_dtype {self.weights_format} needs the CPU features {' and '.join(needs)} "
-                f"({FORMAT_KERNELS[self.weights_format]}); this CPU lacks {', '.join(missing)}"
+                f"({CPU_FORMATS[self.weights_format]}); this CPU lacks {', '.join(missing)}"
             )
 
     def settings(self) -> dict:
@@ -178,40 +183,51 @@ class EngineConfig:
         return parse_section(cls, values, "engine")
 
 
-# Held-out perplexity against float32's (teacher forced through the engine, the worse of the prompt
-# positions and the decode steps; tests/integration/test_fp16w_quality.py and test_int8_quality.py,
-# perf/REPORT.md): the formats faster than float32 on the CPU, fastest first, with the worst ratio
-# measured on any kernel path (int8: 1.027x on the 8-bit path, 1.084x on the 7-bit path, through
-# the server; fp16w-bf16: 1.0007x on the prompt, 0.9995x on the decode steps, on AMX).
-FAST_FORMAT_QUALITY = {"int8": 1.084, "fp16w-bf16": 1.001, "fp16w": 1.001}
-QUALITY_LIMIT = 1.01
+# Quality against float32 on held-out text, teacher forced through the engine
+# (tests/integration/test_fp16w_quality.py, test_int8_quality.py, perf/REPORT.md): per format
+# faster than float32 on the CPU, fastest first, the worst held-out perplexity ratio measured on
+# any kernel path (the worse of the prompt positions and the decode steps) and the lowest next-token
+# argmax agreement on the decode steps (the tokens a request returns). int8: 1.027x on the 8-bit
+# path, 1.084x on the 7-bit path through the server, 96.9% agreement on the 8-bit path; amx-bf16:
+# 1.0007x / 0.998x, 96.9%; fp16w-bf16: 1.0007x / 0.9995x, 99.55% (seven windows, 2 threads);
+# fp16w: 1.0003x, 100%.
+FAST_FORMAT_QUALITY = {
+    "int8": (1.084, 0.969),
+    "amx-bf16": (1.001, 0.969),
+    "fp16w-bf16": (1.001, 0.9955),
+    "fp16w": (1.001, 1.0),
+}
+QUALITY_LIMIT = 1.01  # perplexity at most 1.01x float32's
+AGREEMENT_LIMIT = 0.99  # and at most one decode-step next token in a hundred other than float32's
 
 
 def choose_weights_format(dtype: str, device_type: str, tensor_parallel_size: int) -> tuple[str, str]:
-    """``weights_dtype=auto``: (format, why). The fastest format whose held-out perplexity stays
-    within 1.01x float32's on every kernel path measured and whose kernels this CPU has:
-    fp16w-bf16 (fp16w's decode products, prefill chunks in bfloat16 on AMX tiles; 1.001x) on a CPU
-    with AMX-BF16, else fp16w (float16 weights, float32 sums; 1.001x) on one with AVX2 and F16C;
-    one process, ``dtype`` float32. int8 is faster but not within (1.027x on the 8-bit path,
-    1.084x on the 7-bit path). Otherwise ``dtype`` itself."""
+    """``weights_dtype=auto``: (format, why). The fastest format within float32's quality (held-out
+    perplexity at most 1.01x float32's and decode-step argmax agreement at least 99% on every
+    kernel path measured) whose kernels this CPU has: fp16w-bf16 (fp16w's decode products,
+    prefill chunks in bfloat16 on AMX tiles) on a CPU with AMX-BF16, else fp16w (float16 weights,
+    float32 sums) on one with AVX2 and F16C; one process, ``dtype`` float32. int8 and amx-bf16 are
+    faster but not within. Otherwise ``dtype`` itself."""
     if dtype != "float32":
         return dtype, f"dtype {dtype}"
     if device_type != "cpu":
         return dtype, f"on {device_type} the weights are dtype's ({dtype})"
     if tensor_parallel_size != 1:
         return dtype, "fp16w runs in one process and tensor_parallel_size > 1"
-    within = [f for f, ratio in FAST_FORMAT_QUALITY.items() if ratio <= QUALITY_LIMIT]
+    within = [f for f, (ppl, agree) in FAST_FORMAT_QUALITY.items() if ppl <= QUALITY_LIMIT and agree >= AGREEMENT_LIMIT]
     runnable = [f for f in within if not missing_flags(FORMAT_FLAGS[f])]
     if not runnable:
         needs = FORMAT_FLAGS[within[-1]]
         return dtype, f"fp16w needs {' and '.join(needs)}; this CPU lacks {', '.join(missing_flags(needs))}"
-    rest = ", ".join(f"{f} {r:.3f}x" for f, r in FAST_FORMAT_QUALITY.items() if f not in within)
+    rest = ", ".join(
+        f"{f} {ppl:.3f}x, {100 * agree:.1f}%" for f, (ppl, agree) in FAST_FORMAT_QUALITY.items() if f not in within
+    )
     skipped = [f"{f} needs {', '.join(missing_flags(FORMAT_FLAGS[f]))}" for f in within[: within.index(runnable[0])]]
+    ppl, agree = FAST_FORMAT_QUALITY[runnable[0]]
     return runnable[0], (
-        f"the fastest format within {QUALITY_LIMIT}x float32's held-out perplexity that this CPU runs "
-        f"({runnable[0]} {FAST_FORMAT_QUALITY[runnable[0]]:.3f}x; not within: {rest}"
-        + "".join(f"; {s}" for s in skipped)
-        + ")"
+        f"the fastest format within {QUALITY_LIMIT}x float32's held-out perplexity and "
+        f"{100 * AGREEMENT_LIMIT:.0f}% next-token agreement that this CPU runs "
+        f"({runnable[0]} {ppl:.3f}x, {100 * agree:.1f}%; not within: {rest}" + "".join(f"; {s}" for s in skipped) + ")"
     )
 
 

@@ -23,15 +23,14 @@ than :func:`fp16_max_rows` rows multiplies by them, exactly as ``float32`` does:
 compute what float32 computes, decode steps read float16. A row's result depends on how many rows
 share its product (fewer than the limit or not), never on the other rows' values.
 
-``fp16w-bf16`` multiplies those many-row products in bfloat16 instead: oneDNN's AMX-BF16 kernel
-over weights packed once at load (``mkldnn._reorder_linear_weight``), the input rounded to bfloat16,
-float32 sums, the output rounded to bfloat16 (torch's oneDNN linear returns its input's dtype) and
-widened back to float32 before the residual add. Measured with SmolLM2-135M's shapes on an Intel
-Xeon with AMX, 2 threads: 512 rows through all 121 products 81 ms against float32's 280 (3.5x),
-a product's relative error 2.9e-3 (float32's 3.5e-7); held-out perplexity 1.0007x float32's on
-the prompt, 0.9995x on the decode steps that follow it, which keep fbgemm's float16 weights
-(``perf/REPORT.md``). It keeps bfloat16 weights instead of float32 ones: 1.0x float32's weight
-memory in all, against fp16w's 1.5x.
+``fp16w-bf16`` multiplies those many-row products in bfloat16 instead (``bf16_linear.py``'s
+product: oneDNN's AMX-BF16 kernel over weights packed once at load, the input rounded to bfloat16,
+float32 sums, the output rounded to bfloat16 and widened back to float32 before the residual add).
+Measured with SmolLM2-135M's shapes on an Intel Xeon with AMX, 2 threads: 512 rows through all 121
+products 81 ms against float32's 280 (3.5x), a product's relative error 2.9e-3 (float32's 3.5e-7);
+held-out perplexity 1.0007x float32's on the prompt, 0.9995x on the decode steps that follow it,
+which keep fbgemm's float16 weights (``perf/REPORT.md``). It keeps bfloat16 weights instead of
+float32 ones: 1.0x float32's weight memory in all, against fp16w's 1.5x.
 """
 
 from __future__ import annotations
@@ -41,6 +40,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from backend.engine.bf16_linear import bf16_product, pack_bf16
 
 
 def fp16_max_rows(threads: int) -> int:
@@ -73,11 +74,7 @@ class Fp16Linear(nn.Module):
             # opaque handles to fbgemm's and oneDNN's packed matrices (tensors that own them),
             # deliberately not buffers: .to() or a state dict must not copy or move them
             self._packed_weight = torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(weight)
-            self._packed_bf16 = (
-                torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16(), None)
-                if many_rows == torch.bfloat16
-                else None
-            )
+            self._packed_bf16 = pack_bf16(weight) if many_rows == torch.bfloat16 else None
         self.weight = nn.Parameter(weight, requires_grad=False) if many_rows == torch.float32 else None
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
         self._forward = self.product()
@@ -99,13 +96,12 @@ class Fp16Linear(nn.Module):
                 return F.linear(x, weight, bias)
 
             return forward
-        onednn, packed_bf16 = torch.ops.mkldnn._linear_pointwise.default, self._packed_bf16
+        many = bf16_product(self._packed_bf16, bias)
 
         def forward_bf16(x: torch.Tensor) -> torch.Tensor:
             if x.numel() <= max_rows * x.shape[-1]:
                 return op(x, packed, bias)
-            out = onednn(x.bfloat16(), packed_bf16, None, "none", [], "").float()
-            return out if bias is None else out + bias
+            return many(x)
 
         return forward_bf16
 

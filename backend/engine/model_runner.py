@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
+from backend.engine.bf16_linear import quantize_linear_bf16
 from backend.engine.config import EngineConfig
 from backend.engine.cpu_kernels import kernel_path
 from backend.engine.device_progress import DeviceProgress, make_progress
@@ -25,6 +26,10 @@ from backend.engine.small_batch_linear import use_small_batch_linears
 log = logging.getLogger("triton_disagg.engine")
 
 __all__ = ["ModelRunner", "StepResult", "quantize_linear_int8"]
+
+# torch's thread count when this module was imported: what a runner without num_threads uses (a
+# runner built after another one's few-row step must not read that step's single thread)
+_PROCESS_THREADS = torch.get_num_threads()
 
 
 @dataclass
@@ -49,8 +54,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, progress: DeviceProgress | None = None):
         self.device = config.torch_device
         self.dtype = config.torch_dtype
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        self._threads = config.num_threads or _PROCESS_THREADS
+        torch.set_num_threads(self._threads)
         model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=self.dtype)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         # transformers wraps PreTrainedModel.to with functools.wraps, whose typeshed type does not bind self
@@ -69,7 +74,6 @@ class ModelRunner:
         # thread) runs on one torch thread; a second one only spins beside it and slows the step
         # (one stream through the server, 2 cores: 31.8 tok/s on 1 thread, 27.3 on 2). Steps with
         # more rows (prefill chunks) keep every thread for their float32 or bfloat16 products.
-        self._threads = torch.get_num_threads()
         self._few_rows = 0
         fmt = config.weights_format
         if fmt in MANY_ROWS:  # fbgemm's own products: no small-batch linears on top
@@ -83,6 +87,9 @@ class ModelRunner:
                 str(MANY_ROWS[fmt]).removeprefix("torch."),
                 self._threads,
             )
+        elif fmt == "amx-bf16":  # every product on oneDNN's AMX-BF16 kernel, on every thread
+            self.model = quantize_linear_bf16(self.model)
+            log.info("amx-bf16 weights on %s (%d threads)", kernel_path().short(fmt), self._threads)
         elif self.device.type == "cpu":
             use_small_batch_linears(self.model)
         hf_config = model.config
