@@ -20,16 +20,14 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # linear layers' weights in float16 through fbgemm's fp16-weight GEMM, float32 activations and sums
 # (CPU with AVX2 and F16C; backend/engine/fp16_linear.py), everything else in float32;
 # fp16w-bf16: fp16w for few-row products, bfloat16 weights and activations (oneDNN, AMX-BF16) for
-# products of more rows (prefill chunks) instead of float32 ones; amx-bf16: every linear product in
-# bfloat16 on AMX tiles (backend/engine/bf16_linear.py)
+# products of more rows (prefill chunks) instead of float32 ones (backend/engine/bf16_linear.py)
 # auto (the default): the measured best, see choose_weights_format
-WEIGHT_FORMATS = ("auto", *DTYPES, "int8", "fp16w", "fp16w-bf16", "amx-bf16")
+WEIGHT_FORMATS = ("auto", *DTYPES, "int8", "fp16w", "fp16w-bf16")
 # the formats that run on the CPU only, in one process, and their kernels (named in refusals)
 CPU_FORMATS = {
     "int8": "fbgemm's int8 kernels",
     "fp16w": "fbgemm's fp16-weight GEMM",
     "fp16w-bf16": "fbgemm's fp16-weight GEMM, oneDNN's AMX-BF16",
-    "amx-bf16": "oneDNN's AMX-BF16",
 }
 # auto: the lean layer loop (backend/engine/lean_decoder.py) where the checkpoint's layers fit it
 # and the model runs in one process; transformers: always transformers' own modules
@@ -52,10 +50,10 @@ class EngineConfig:
     per row (per token), fbgemm on the CPU, over a rotated residual stream, the rest in float32:
     ``int8_linear.py``; ``fp16w``: the linear layers' weights in float16, float32 activations and
     sums, fbgemm on a CPU with AVX2 and F16C, the rest in float32: ``fp16_linear.py``;
-    ``fp16w-bf16``: fp16w's few-row products, bfloat16 ones on AMX tiles for more rows;
-    ``amx-bf16``: every linear product in bfloat16 on AMX tiles: ``bf16_linear.py``) and
+    ``fp16w-bf16``: fp16w's few-row products, bfloat16 ones on AMX tiles for more rows:
+    ``bf16_linear.py``) and
     ``kv_dtype`` (the KV pool; empty: as ``dtype``). They are independent: a float32 model may
-    keep a bfloat16 KV cache. int8, fp16w, fp16w-bf16 and amx-bf16 run on the CPU in one process only.
+    keep a bfloat16 KV cache. int8, fp16w and fp16w-bf16 run on the CPU in one process only.
     ``weights_dtype=auto`` (the default) is resolved here, once, into a format
     (:func:`choose_weights_format`); ``weights_choice`` says why.
     """
@@ -188,15 +186,9 @@ class EngineConfig:
 # faster than float32 on the CPU, fastest first, the worst held-out perplexity ratio measured on
 # any kernel path (the worse of the prompt positions and the decode steps) and the lowest next-token
 # argmax agreement on the decode steps (the tokens a request returns). int8: 1.027x on the 8-bit
-# path, 1.084x on the 7-bit path through the server, 96.9% agreement on the 8-bit path; amx-bf16:
-# 1.0007x / 0.998x, 96.9%; fp16w-bf16: 1.0007x / 0.9995x, 99.55% (seven windows, 2 threads);
-# fp16w: 1.0003x, 100%.
-FAST_FORMAT_QUALITY = {
-    "int8": (1.084, 0.969),
-    "amx-bf16": (1.001, 0.969),
-    "fp16w-bf16": (1.001, 0.9955),
-    "fp16w": (1.001, 1.0),
-}
+# path, 1.084x on the 7-bit path through the server, 96.9% agreement on the 8-bit path;
+# fp16w-bf16: 1.0007x / 0.9995x, 99.55% (seven windows, 2 threads); fp16w: 1.0003x, 100%.
+FAST_FORMAT_QUALITY = {"int8": (1.084, 0.969), "fp16w-bf16": (1.001, 0.9955), "fp16w": (1.001, 1.0)}
 QUALITY_LIMIT = 1.01  # perplexity at most 1.01x float32's
 AGREEMENT_LIMIT = 0.99  # and at most one decode-step next token in a hundred other than float32's
 
@@ -206,8 +198,8 @@ def choose_weights_format(dtype: str, device_type: str, tensor_parallel_size: in
     perplexity at most 1.01x float32's and decode-step argmax agreement at least 99% on every
     kernel path measured) whose kernels this CPU has: fp16w-bf16 (fp16w's decode products,
     prefill chunks in bfloat16 on AMX tiles) on a CPU with AMX-BF16, else fp16w (float16 weights,
-    float32 sums) on one with AVX2 and F16C; one process, ``dtype`` float32. int8 and amx-bf16 are
-    faster but not within. Otherwise ``dtype`` itself."""
+    float32 sums) on one with AVX2 and F16C; one process, ``dtype`` float32. int8 is faster but not
+    within. Otherwise ``dtype`` itself."""
     if dtype != "float32":
         return dtype, f"dtype {dtype}"
     if device_type != "cpu":

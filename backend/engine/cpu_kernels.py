@@ -34,7 +34,7 @@ FP16W_FLAGS = ("avx2", "f16c")
 # AMX tiles (perf/REPORT.md); without AMX (AVX512-BF16 alone, or emulated) it is not measured.
 FP16W_BF16_FLAGS = (*FP16W_FLAGS, "amx_bf16")
 # The CPU features each CPU-only format needs (EngineConfig refuses the format without them).
-FORMAT_FLAGS = {"fp16w": FP16W_FLAGS, "fp16w-bf16": FP16W_BF16_FLAGS, "amx-bf16": ("amx_bf16",)}
+FORMAT_FLAGS = {"fp16w": FP16W_FLAGS, "fp16w-bf16": FP16W_BF16_FLAGS}
 
 
 @functools.cache
@@ -101,16 +101,15 @@ class KernelPath:
 
     @property
     def bf16_path(self) -> str:
-        tiles = "AMX tiles" if "amx_bf16" in self.isa else "no AMX-BF16: not the path of the bf16 formats"
+        tiles = "AMX tiles" if "amx_bf16" in self.isa else "no AMX-BF16: not fp16w-bf16's path"
         return f"oneDNN bfloat16 weights and activations, float32 sums ({tiles})"
 
     def short(self, weights: str = "int8") -> str:
         """One line for a table's caption or a log line, with the kernel path of the weights
-        format ``weights`` (``int8``, ``fp16w``, ``fp16w-bf16`` or ``amx-bf16``)."""
+        format ``weights`` (``int8``, ``fp16w`` or ``fp16w-bf16``)."""
         path = {
             "fp16w": self.fp16w_path,
             "fp16w-bf16": f"{self.fp16w_path} for few rows; {self.bf16_path} for many",
-            "amx-bf16": self.bf16_path,
         }.get(weights, self.int8_path)
         return f"{self.cpu} ({self.cpu_id}); torch {self.torch_capability}; {path}"
 

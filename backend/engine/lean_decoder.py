@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.engine.bf16_linear import Bf16Linear
 from backend.engine.fp16_linear import Fp16Linear
 from backend.engine.int8_linear import Int8Linear
 from backend.engine.paged_attention import PagedBatch, attend, store_kv
@@ -101,11 +100,11 @@ def fuse_projections(model: nn.Module) -> None:
 
 
 def _product(linear: nn.Module) -> _Product:
-    """A linear layer's product as a plain function of its input: for the int8, fp16w and bf16 layers
+    """A linear layer's product as a plain function of its input: for the int8 and fp16w layers
     their product function itself (their module call adds as much Python as the op's own dispatch,
     121 times a step), for the others the module's ``forward`` without ``__call__``'s hook
     handling."""
-    if isinstance(linear, (Int8Linear, Fp16Linear, Bf16Linear)):
+    if isinstance(linear, (Int8Linear, Fp16Linear)):
         return linear.product()
     return linear.forward
 

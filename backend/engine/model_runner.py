@@ -11,7 +11,6 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from backend.engine.bf16_linear import quantize_linear_bf16
 from backend.engine.config import EngineConfig
 from backend.engine.cpu_kernels import kernel_path
 from backend.engine.device_progress import DeviceProgress, make_progress
@@ -87,9 +86,6 @@ class ModelRunner:
                 str(MANY_ROWS[fmt]).removeprefix("torch."),
                 self._threads,
             )
-        elif fmt == "amx-bf16":  # every product on oneDNN's AMX-BF16 kernel, on every thread
-            self.model = quantize_linear_bf16(self.model)
-            log.info("amx-bf16 weights on %s (%d threads)", kernel_path().short(fmt), self._threads)
         elif self.device.type == "cpu":
             use_small_batch_linears(self.model)
         hf_config = model.config

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from backend.engine import cpu_kernels, fp16_linear
-from backend.engine.bf16_linear import Bf16Linear, quantize_linear_bf16
 from backend.engine.config import EngineConfig
 from backend.engine.cpu_kernels import kernel_path
 from backend.engine.fp16_linear import Fp16Linear, fp16_max_rows, quantize_linear_fp16
@@ -134,30 +133,6 @@ def test_fp16w_bf16_engine_runs_its_layers(tiny):
     assert_pool_idle(engine)
 
 
-@NO_AMX
-def test_amx_bf16_takes_every_product_through_bfloat16(tiny):
-    """``amx-bf16``: every linear layer a Bf16Linear (no float16 or float32 copy kept), each
-    product oneDNN's bfloat16 one whatever its row count; an engine completes a prompt and decode
-    steps and frees its pages."""
-    torch.manual_seed(0)
-    linear = torch.nn.Linear(576, 200)
-    layer = quantize_linear_bf16(torch.nn.Sequential(linear))[0]
-    assert isinstance(layer, Bf16Linear) and not hasattr(layer, "weight")
-    with torch.inference_mode():
-        for rows in (1, 3, 40):
-            x = torch.randn(rows, 576)
-            exact = (x.bfloat16().double() @ linear.weight.bfloat16().double().t()).float()
-            got = layer(x)
-            assert got.dtype == torch.float32 and (got - linear.bias - exact).abs().max() <= exact.abs().max() * 2**-8
-            assert torch.equal(layer.product()(x), got)
-    engine = make_engine(tiny, weights_dtype="amx-bf16")
-    model = engine.runner.model
-    assert isinstance(model.lm_head, Bf16Linear) and not any(isinstance(m, torch.nn.Linear) for m in model.modules())
-    engine.add_request("r", (PROMPT * 3)[:40], SamplingParams(max_tokens=6, ignore_eos=True))
-    assert len(tokens_of(run_to_completion(engine)["r"])) == 6
-    assert_pool_idle(engine)
-
-
 def test_the_row_limit_follows_the_thread_count(monkeypatch):
     """Measured crossovers with float32 (fp16_linear's docstring): 64 rows on 1 thread, 16 on 2,
     fewer beyond; a layer takes the limit of torch's thread count when it is built."""
@@ -179,7 +154,7 @@ def test_fp16w_is_refused_on_a_cpu_without_its_features(tiny, monkeypatch, flags
     [
         ("fp16w-bf16", {"avx2", "f16c"}, "amx_bf16"),
         ("fp16w-bf16", {"amx_bf16"}, "avx2, f16c"),
-        ("amx-bf16", {"avx2", "f16c", "avx512_bf16"}, "amx_bf16"),
+        ("fp16w-bf16", {"avx2", "f16c", "avx512_bf16"}, "amx_bf16"),
     ],
 )
 def test_the_bf16_formats_are_refused_on_a_cpu_without_their_features(tiny, monkeypatch, fmt, flags, missing):
@@ -204,7 +179,7 @@ def test_fp16w_is_checked_by_name(tiny):
 def test_auto_picks_fp16w_where_it_runs_and_says_why(tiny, monkeypatch):
     """``weights_dtype=auto`` (the default): the fastest format within float32's quality (1.01x
     held-out perplexity, 99% decode-step argmax agreement) that the CPU runs: fp16w-bf16 on a CPU
-    with AMX-BF16 (amx-bf16 and int8 are faster, not within), fp16w on one with AVX2 and F16C only
+    with AMX-BF16 (int8 is faster, not within), fp16w on one with AVX2 and F16C only
     (the reason names what fp16w-bf16 lacks); float32 where fbgemm's kernel cannot run
     (the reason names the missing feature) or with tensor parallelism; a float ``dtype`` other
     than float32 keeps its own weights. A format set by name is taken as it is. Both kernel paths
@@ -213,7 +188,7 @@ def test_auto_picks_fp16w_where_it_runs_and_says_why(tiny, monkeypatch):
     config = EngineConfig(model_path=str(tiny))
     assert config.weights_format == "fp16w-bf16" and config.torch_dtype == torch.float32
     assert "fastest format within 1.01x" in config.weights_choice and "int8 1.084x" in config.weights_choice
-    assert "amx-bf16 1.001x, 96.9%" in config.weights_choice, config.weights_choice
+    assert "99% next-token agreement" in config.weights_choice, config.weights_choice
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "f16c", "fma"}))
     config = EngineConfig(model_path=str(tiny))
     assert config.weights_format == "fp16w" and config.torch_dtype == torch.float32
