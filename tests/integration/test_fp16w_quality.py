@@ -9,13 +9,11 @@ can only be closer to float32."""
 
 from __future__ import annotations
 
-import torch
-
 from backend.engine import fp16_linear
 from backend.engine.cpu_kernels import kernel_path
 from perf.bench_formats import heldout_figures, heldout_windows
 from tests.engine_helpers import real_model_dir
-from tests.integration.test_int8_quality import TEXT, nll_and_argmax
+from tests.integration.test_int8_quality import TEXT, nll_and_argmax, nll_and_argmax_windows
 
 
 def test_fp16w_perplexity_and_argmax_stay_with_float32(monkeypatch):
@@ -31,24 +29,6 @@ def test_fp16w_perplexity_and_argmax_stay_with_float32(monkeypatch):
     for part in ("prefill", "decode"):
         assert figures[f"heldout_ppl_ratio_{part}"] < 1.01, figures
         assert figures[f"heldout_argmax_agree_{part}"] > 0.95, figures
-
-
-def _figures_over(model: str, fmt: str, windows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """nll_and_argmax over several windows with one runner: [windows, positions] each."""
-    import torch.nn.functional as F
-
-    from backend.engine.config import EngineConfig
-    from backend.engine.model_runner import ModelRunner
-    from tests.integration.test_int8_quality import _logits
-
-    runner = ModelRunner(EngineConfig(model_path=model, weights_dtype=fmt, kv_cache_tokens=1024, num_threads=2))
-    nll, top = [], []
-    with torch.inference_mode():
-        for ids in windows:
-            logits = _logits(runner, ids)
-            nll.append(-F.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0])
-            top.append(logits.argmax(-1))
-    return torch.stack(nll), torch.stack(top)
 
 
 def test_fp16w_bf16_perplexity_and_argmax_stay_with_float32():
@@ -68,7 +48,9 @@ def test_fp16w_bf16_perplexity_and_argmax_stay_with_float32():
     print(f"kernel path: {kernel_path().short('fp16w-bf16')}")
     model = str(real_model_dir())
     windows = heldout_windows(AutoTokenizer.from_pretrained(model), TEXT, 8)
-    figures = heldout_figures(*_figures_over(model, "fp16w-bf16", windows), _figures_over(model, "float32", windows))
+    figures = heldout_figures(
+        *nll_and_argmax_windows(model, "fp16w-bf16", windows, 2), nll_and_argmax_windows(model, "float32", windows, 2)
+    )
     print("fp16w-bf16 against float32:", {k: round(v, 4) for k, v in figures.items()})
     for part in ("prefill", "decode"):
         assert figures[f"heldout_ppl_ratio_{part}"] < 1.01, figures

@@ -39,11 +39,23 @@ def _logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
 def nll_and_argmax(model: str, fmt: str, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per scored position (a batch of one window): the text's next token's negative
     log-likelihood and the argmax token under weights format ``fmt``."""
-    runner = ModelRunner(EngineConfig(model_path=model, weights_dtype=fmt, kv_cache_tokens=1024))
+    return nll_and_argmax_windows(model, fmt, [ids])
+
+
+def nll_and_argmax_windows(
+    model: str, fmt: str, windows: list[list[int]], num_threads: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`nll_and_argmax` over several windows with one runner: [windows, positions] each."""
+    runner = ModelRunner(
+        EngineConfig(model_path=model, weights_dtype=fmt, kv_cache_tokens=1024, num_threads=num_threads)
+    )
+    nll, top = [], []
     with torch.inference_mode():
-        logits = _logits(runner, ids)
-    nll = -F.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-    return nll[None], logits.argmax(-1)[None]
+        for ids in windows:
+            logits = _logits(runner, ids)
+            nll.append(-F.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0])
+            top.append(logits.argmax(-1))
+    return torch.stack(nll), torch.stack(top)
 
 
 def test_int8_perplexity_stays_close_to_float32_through_chunked_prefill_and_decode():
