@@ -74,6 +74,7 @@ def run(name: str, argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         return _exit_code(module, argv)  # a help text is not a run
     record = results.begin(name, ["triton-disagg", "bench", name, *argv])
+    before = results.file_states(results.results_dir())
     since = time.time()
     code = 1
     printed = _Tee(sys.stdout)
@@ -82,7 +83,7 @@ def run(name: str, argv: list[str]) -> int:
             code = _exit_code(module, argv)
     finally:
         record.output = printed.tail()
-        path = results.finish(record, since, code)
+        path = results.finish(record, since, code, before)
         print(f"bench {name}: exit {code}; run recorded in {path}", file=sys.stderr, flush=True)
     return code
 

@@ -87,19 +87,28 @@ def command_line(module: str) -> str:
     return shlex.join(["python", "-m", module, *sys.argv[1:]])
 
 
-def files_since(since: float, root: Path) -> list[Path]:
-    """Result files (JSON, markdown, plots) written under ``root`` since ``since``, envelopes aside."""
+def file_states(root: Path) -> dict[Path, tuple[int, int]]:
+    """Each result file under ``root`` (envelopes aside) with its modification time and size:
+    taken before a run, so that what the run wrote is what changed (a file's modification time
+    comes from the kernel's coarse clock and can read earlier than ``time.time()`` taken just
+    before the write, so comparing with a start time misses files written at once)."""
     if not root.exists():
-        return []
-    out = []
+        return {}
+    out = {}
     for p in root.rglob("*"):
-        if p.is_file() and p.suffix in RESULT_SUFFIXES and p.parent.name != "runs":
+        if p.suffix in RESULT_SUFFIXES and p.parent.name != "runs":
             try:
-                if p.stat().st_mtime >= since:
-                    out.append(p)
+                st = p.stat()
             except OSError:
                 continue
-    return sorted(out)
+            if p.is_file():
+                out[p] = (st.st_mtime_ns, st.st_size)
+    return out
+
+
+def files_written(before: dict[Path, tuple[int, int]], root: Path) -> list[Path]:
+    """Result files under ``root`` that are new or changed since ``before`` (``file_states``)."""
+    return sorted(p for p, state in file_states(root).items() if before.get(p) != state)
 
 
 def _size(value) -> int:
@@ -117,14 +126,17 @@ def keepable(figures):
     return None
 
 
-def finish(run: Run, since: float, exit_code: int, results_root: Path | None = None) -> Path:
-    """Complete ``run`` with its time, exit code and the files it wrote (their figures and
-    markdown); save it under ``runs_dir()``; its path."""
+def finish(
+    run: Run, since: float, exit_code: int, before: dict[Path, tuple[int, int]], results_root: Path | None = None
+) -> Path:
+    """Complete ``run`` (started at ``since``, the result files then as ``before``) with its
+    time, exit code and the files it wrote (their figures and markdown); save it under
+    ``runs_dir()``; its path."""
     root = results_dir() if results_root is None else results_root
     _running.clear()
     run.seconds = round(time.time() - since, 3)
     run.exit_code = exit_code
-    written = files_since(since, root)
+    written = files_written(before, root)
     run.files = [str(p.relative_to(ROOT)) if ROOT in p.parents else str(p) for p in written]
     for p, name in zip(written, run.files):
         if p.suffix == ".json" and p.stat().st_size < 64 << 20:
