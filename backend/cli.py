@@ -20,7 +20,6 @@ import os
 import signal
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 log = logging.getLogger("triton_disagg.cli")
@@ -263,7 +262,26 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    from backend.launch.restarts import RestartPolicy
+
+    policy = RestartPolicy()
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=policy.max_restarts,
+        help=f"restart tritonserver when it exits unasked, at most this many times within {policy.window_s:g} s; "
+        "past it (0: at the first exit) stop everything and exit non-zero",
+    )
+
+
 def cmd_serve(args) -> int:
+    from backend.launch.restarts import RestartPolicy, ServerWatch
+
+    try:  # checked before anything starts
+        policy = RestartPolicy(max_restarts=args.max_restarts)
+    except ValueError as e:
+        raise SystemExit(f"--max-restarts: {e}") from None
     server, frontend = start_server(args)
     openai = f", OpenAI API {frontend.url}/v1" if frontend is not None else ""
     print(
@@ -274,24 +292,27 @@ def cmd_serve(args) -> int:
     )
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *a: stop.update(now=True))
+    down = ""  # why tritonserver stays down
     try:
-        while not stop["now"] and server.proc.poll() is None:
-            time.sleep(0.5)
+        down = ServerWatch(server, policy).run(lambda: stop["now"])
     except KeyboardInterrupt:
         pass
     finally:
-        print(
-            "stopping tritonserver: draining (leaving the membership, finishing requests in flight; "
-            "interrupt again to stop at once) ...",
-            flush=True,
-        )
+        if down:
+            print(f"error: {down}; stopping everything serve started", file=sys.stderr, flush=True)
+        else:
+            print(
+                "stopping tritonserver: draining (leaving the membership, finishing requests in flight; "
+                "interrupt again to stop at once) ...",
+                flush=True,
+            )
         try:
             stop_server(server, frontend, args.drain_timeout)
         except KeyboardInterrupt:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             print("stopping now: the requests in flight end", flush=True)
             stop_server(server, frontend, 0.0)
-    return 0
+    return 1 if down else 0
 
 
 def cmd_demo(args) -> int:
@@ -631,12 +652,13 @@ def main(argv=None) -> int:
     sp.add_argument("--model", default=None)
     sp.set_defaults(fn=cmd_prepare)
     for name, fn, help_ in (
-        ("serve", cmd_serve, "run tritonserver until Ctrl-C"),
+        ("serve", cmd_serve, "run tritonserver until Ctrl-C, restarting it when it dies"),
         ("demo", cmd_demo, "serve, answer a sample prompt, stop"),
     ):
         sp = sub.add_parser(name, help=help_)
         _add_server_args(sp)
         sp.set_defaults(fn=fn)
+    _add_serve_args(sub.choices["serve"])
     sp = sub.add_parser("generate", help="stream an answer from a running server")
     sp.add_argument("prompt")
     sp.add_argument("--url", default="127.0.0.1:8001", help="gRPC address")

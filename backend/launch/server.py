@@ -1,4 +1,4 @@
-"""Start and stop a real ``tritonserver`` on a model repository, and wait until it is ready.
+"""Start, stop and restart a real ``tritonserver`` on a model repository, and wait until it is ready.
 
 The server runs with explicit model control, so a :class:`Supervisor`
 (``backend/launch/supervisor.py``) can reload a model whose instance died. A stop drains
@@ -64,6 +64,7 @@ class TritonServer:
         self.supervisor: Supervisor | None = None
         self.etcd: EtcdServer | None = None  # the deployment's private etcd, if its launcher started one
         self.proc: subprocess.Popen | None = None
+        self.messenger_secret = ""  # the KV messenger's deployment secret, set at the first start
 
     @property
     def http_url(self) -> str:
@@ -116,8 +117,9 @@ class TritonServer:
     def start(self, timeout_s: float = 300.0) -> "TritonServer":
         env = install_stub().server_env()
         env.update(self.extra_env)
-        # the KV messenger's deployment secret: one per server unless the caller shares one
-        env.setdefault(SECRET_ENV, auth.new_secret())
+        # the KV messenger's deployment secret: one per server unless the caller shares one; kept
+        # over restarts
+        env.setdefault(SECRET_ENV, self.messenger_secret or auth.new_secret())
         env.setdefault(GRPC_URL_ENV, self.grpc_url)  # what the instances register for routers
         env.setdefault(METRICS_URL_ENV, self.metrics_url)  # ... and for autoscalers
         self.messenger_secret = env[SECRET_ENV]
@@ -150,6 +152,13 @@ class TritonServer:
 
             self.supervisor = Supervisor(self).start()
         return self
+
+    def restart(self, timeout_s: float = 300.0) -> "TritonServer":
+        """Start again after the process exited on its own, with the same repository, ports,
+        environment and secret; what is left of the old one (stubs in its process group) is
+        killed first."""
+        self.stop(drain_timeout_s=0.0)
+        return self.start(timeout_s)
 
     def is_ready(self) -> bool:
         try:

@@ -66,6 +66,8 @@ class Supervisor:
                 log.exception("supervisor check failed")
 
     def _check(self) -> None:
+        if self.server.proc is None or self.server.proc.poll() is not None:
+            return  # the server itself is gone: its stubs with it (``serve`` restarts the server)
         live = self.server.instance_pids()
         dead: dict[str, list[str]] = {}
         with self._lock:

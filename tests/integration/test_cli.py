@@ -1,5 +1,6 @@
 """The console command as a user runs it: serve (at its defaults: the weights format it picks
-is logged with its reason), generate against it, Ctrl-C stops everything
+is logged with its reason), generate against it; ``kill -9`` of its tritonserver: serve
+restarts it and it answers again on the same port; Ctrl-C stops everything
 cleanly: a first Ctrl-C drains (the requests in flight may finish), a second one stops at once
 even with streams in flight (they end with "the server is shutting down")."""
 
@@ -46,14 +47,19 @@ def test_serve_generate_and_ctrl_c(tmp_path):
         text=True,
         start_new_session=True,
     )
-    try:
-        deadline, lines = time.monotonic() + 300, []
+    lines: list[str] = []
+
+    def read_until(text: str, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             line = proc.stdout.readline()
             assert line or proc.poll() is None, "serve exited early:\n" + "".join(lines)
             lines.append(line)
-            if "Ctrl-C stops" in line:
-                break
+            if text in line:
+                return line
+        raise AssertionError(f"no {text!r} from serve within {timeout_s:.0f}s:\n" + "".join(lines))
+
+    def ask_paris() -> None:
         out = subprocess.run(
             [str(BIN), "generate", "--url", f"127.0.0.1:{ports[1]}", "--chat", "What is the capital of France?"],
             capture_output=True,
@@ -61,6 +67,21 @@ def test_serve_generate_and_ctrl_c(tmp_path):
             timeout=120,
         )
         assert out.returncode == 0 and "Paris" in out.stdout, out.stdout + out.stderr
+
+    try:
+        read_until("Ctrl-C stops", 300)
+        ask_paris()
+        # kill -9 of the tritonserver serve started: serve restarts it on the same ports
+        (triton,) = [c for c in psutil.Process(proc.pid).children() if "tritonserver" in c.name()]
+        old_pids = [triton.pid] + [c.pid for c in triton.children(recursive=True)]
+        t_kill = time.monotonic()
+        triton.kill()
+        died = read_until("tritonserver exited unexpectedly", 30)
+        assert "killed by signal 9 (SIGKILL)" in died and "restart 1 " in died, died
+        read_until("tritonserver restarted (restart 1)", 300)
+        print(f"tritonserver restarted {time.monotonic() - t_kill:.1f}s after its kill -9")
+        ask_paris()
+        assert not [p for p in old_pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
         server_pids = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
         assert server_pids
         streams = [None, None]
