@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from backend.disagg.auth import add_secret_flag, parse_args
+
 log = logging.getLogger("triton_disagg.cli")
 SAMPLE_PROMPT = "What is the capital of France?"
 
@@ -82,11 +84,11 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
         help="a router setting of the Triton front model and the OpenAI frontend alike (migration_limit, "
         "health_probe_interval_s, health_probe_timeout_s, health_probe_failures, kv_routing_weight)",
     )
-    p.add_argument(
-        "--messenger-secret-file",
-        default=None,
-        help="file holding the secret KV messenger peers prove (split deployments: the same file on "
-        "every server; default: a secret generated for this run)",
+    add_secret_flag(
+        p,
+        "file holding the deployment secret (signs membership records and drain requests, KV messenger "
+        "peers prove it; split deployments: the same file on every server; default: $TRITON_DISAGG_DEPLOYMENT_SECRET, "
+        "else a secret generated for this run)",
     )
     p.add_argument(
         "--fabric-device",
@@ -120,7 +122,7 @@ def _overrides(items: list[str]) -> dict:
 
 
 def start_server(args):
-    from backend.disagg.auth import SECRET_ENV
+    from backend.disagg.auth import SECRET_ENV, env_secret
     from backend.launch.deployment import render_deployment
     from backend.launch.server import TritonServer
     from backend.serving.config import RouterSettings
@@ -130,9 +132,9 @@ def start_server(args):
     if args.fabric_device:
         overrides["fabric_device"] = args.fabric_device
     repo_dir = Path(tempfile.mkdtemp(prefix="triton-disagg-repo-"))
-    if args.messenger_secret_file:
-        overrides["messenger_secret_file"] = str(Path(args.messenger_secret_file).resolve())
-    elif args.mode == "disagg" and not os.environ.get(SECRET_ENV):
+    if args.deployment_secret_file:
+        overrides["deployment_secret_file"] = str(Path(args.deployment_secret_file).resolve())
+    elif args.mode == "disagg" and not env_secret():
         # the deployment secret, in a file the operator can hand to servers that join and to
         # `triton-disagg drain` (readable by this user only)
         from backend.disagg.auth import new_secret
@@ -140,11 +142,11 @@ def start_server(args):
         secret_file = repo_dir.with_name(repo_dir.name + ".secret")
         secret_file.write_text(new_secret())
         secret_file.chmod(0o600)
-        overrides["messenger_secret_file"] = str(secret_file)
-    elif args.mode in ("prefill", "decode") and not os.environ.get(SECRET_ENV):
+        overrides["deployment_secret_file"] = str(secret_file)
+    elif args.mode in ("prefill", "decode") and not env_secret():
         raise SystemExit(
-            f"--mode {args.mode}: both sides of a split deployment must share the KV messenger's secret: "
-            f"give --messenger-secret-file FILE (or set {SECRET_ENV}) on every server"
+            f"--mode {args.mode}: both sides of a split deployment must share the deployment secret: "
+            f"give --deployment-secret-file FILE (or set {SECRET_ENV}) on every server"
         )
     if args.mode in ("prefill", "decode") and not args.discovery:
         raise SystemExit(
@@ -210,8 +212,8 @@ def start_server(args):
             f"membership: {discovery} (deployment {args.deployment!r}); other servers join with "
             f"--discovery {discovery} --deployment {args.deployment}"
             + (
-                f" --messenger-secret-file {overrides['messenger_secret_file']}"
-                if "messenger_secret_file" in overrides
+                f" --deployment-secret-file {overrides['deployment_secret_file']}"
+                if "deployment_secret_file" in overrides
                 else ""
             ),
             flush=True,
@@ -227,8 +229,8 @@ def start_server(args):
             {
                 "discovery": discovery,
                 "deployment": args.deployment,
-                "messenger_secret_file": overrides.get("messenger_secret_file"),
-                "extra_env": {SECRET_ENV: os.environ.get(SECRET_ENV) or server.messenger_secret},
+                "deployment_secret_file": overrides.get("deployment_secret_file"),
+                "extra_env": {SECRET_ENV: server.deployment_secret},
                 "router": router,
             }
             if args.mode in ("disagg", "decode")
@@ -363,7 +365,7 @@ def cmd_drain(args) -> int:
     from backend.launch.drain import drain, find, members
 
     try:
-        secret = load_secret(str(Path(args.messenger_secret_file).resolve()) if args.messenger_secret_file else "")
+        secret = load_secret(args.deployment_secret_file)
         record = find(members(args.discovery, args.deployment, secret), args.instance)
         drain(record, secret)
     except (LookupError, RuntimeError, ConnectionError, AuthError) as e:
@@ -380,14 +382,18 @@ def cmd_agent(args) -> int:
     from backend.autoscale.agent import AgentConfig, run
     from backend.disagg.auth import AuthError, load_secret
 
+    if not args.deployment_secret_file:
+        raise SystemExit(
+            "agent: give --deployment-secret-file FILE, the deployment secret (the same file on every host)"
+        )
     try:
-        load_secret(args.messenger_secret_file)
+        load_secret(args.deployment_secret_file)
     except AuthError as e:
         raise SystemExit(f"agent: {e}") from None
     role_sets = {r: getattr(args, f"{r}_set") for r in ("prefill", "decode")}
     config = AgentConfig(
         discovery=args.discovery,
-        secret_file=str(Path(args.messenger_secret_file).resolve()),
+        secret_file=str(Path(args.deployment_secret_file).resolve()),
         deployment=args.deployment,
         host=args.host,
         messenger_host=args.messenger_host or args.host,
@@ -414,7 +420,7 @@ def cmd_autoscale(args) -> int:
     from backend.planner.slo import SLO
 
     try:
-        secret = load_secret(str(Path(args.messenger_secret_file).resolve()) if args.messenger_secret_file else "")
+        secret = load_secret(args.deployment_secret_file)
         policy = PolicyConfig(
             SLO(args.ttft, args.itl),
             min_instances={"prefill": args.min_prefill, "decode": args.min_decode},
@@ -474,9 +480,7 @@ def cmd_autoscale(args) -> int:
 def _add_autoscale_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--discovery", required=True, metavar="etcd://HOST:PORT", help="the deployment's etcd")
     sp.add_argument("--deployment", default="default")
-    sp.add_argument(
-        "--messenger-secret-file", default=None, help="the deployment secret (default: $TRITON_DISAGG_MESSENGER_SECRET)"
-    )
+    add_secret_flag(sp, "the deployment secret (default: $TRITON_DISAGG_DEPLOYMENT_SECRET)")
     sp.add_argument("--ttft", type=float, required=True, help="SLO: TTFT p90 in seconds")
     sp.add_argument("--itl", type=float, required=True, help="SLO: inter-token latency p90 in seconds")
     for role in ("prefill", "decode"):
@@ -511,9 +515,7 @@ def _add_autoscale_args(sp: argparse.ArgumentParser) -> None:
 def _add_agent_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--discovery", required=True, metavar="etcd://HOST:PORT", help="the deployment's etcd")
     sp.add_argument("--deployment", default="default")
-    sp.add_argument(
-        "--messenger-secret-file", required=True, help="the deployment secret (the same file on every host)"
-    )
+    add_secret_flag(sp, "the deployment secret (needed; the same file on every host)")
     sp.add_argument("--host", default="127.0.0.1", help="address its instances and control API listen on")
     sp.add_argument(
         "--messenger-host", default=None, help="address of its prefill instances' messengers (default: --host)"
@@ -678,9 +680,7 @@ def main(argv=None) -> int:
     sp.add_argument("instance", help="its name in the membership, or its Triton model name (e.g. decode_1)")
     sp.add_argument("--discovery", required=True, metavar="etcd://HOST:PORT", help="the deployment's etcd")
     sp.add_argument("--deployment", default="default")
-    sp.add_argument(
-        "--messenger-secret-file", default=None, help="the deployment secret (default: $TRITON_DISAGG_MESSENGER_SECRET)"
-    )
+    add_secret_flag(sp, "the deployment secret (default: $TRITON_DISAGG_DEPLOYMENT_SECRET)")
     sp.set_defaults(fn=cmd_drain)
     sp = sub.add_parser("plan", help="recommend a deployment for an SLO from an engine profile and a simulation")
     _add_plan_args(sp)
@@ -694,7 +694,7 @@ def main(argv=None) -> int:
     sp = sub.add_parser("autoscale", help="scale prefill and decode instances to an SLO as the load changes")
     _add_autoscale_args(sp)
     sp.set_defaults(fn=cmd_autoscale)
-    args = p.parse_args(argv)
+    args = parse_args(p, argv)
     return args.fn(args)
 
 

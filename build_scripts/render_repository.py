@@ -5,7 +5,8 @@ the tensor lists (``{{client_inputs}}``, ``{{decode_inputs}}``, ``{{prefill_inpu
 ``{{client_outputs}}``, ``{{decode_outputs}}``, ``{{prefill_outputs}}``, from ``backend/serving/tensors.py``) and
 ``{{parameters}}``: every parameter of the model's role, with the deployment's value or its
 default (``backend/serving/config.py``). An unknown parameter or a malformed value is refused
-here, naming it, before any server starts.
+here, naming it, before any server starts; a renamed one given under its old name is rendered
+under its new name (``backend/cluster/config.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 import shutil
 from pathlib import Path
 
+from backend.disagg.auth import accept_renamed
 from backend.serving.config import check_parameters, parameter_defaults
 from backend.serving.tensors import CONTROL_INPUTS, DRAIN_INPUT, INPUTS, OUTPUTS, STATE_OUTPUT, TensorSpec, pbtxt_list
 
@@ -50,6 +52,7 @@ def render_config(template: str, name: str, role: str, params: dict, count: int 
         raise ValueError(f"model {name!r}: parameter role={params['role']!r} but the template is a {role} model")
     params.pop("role", None)
     try:
+        params = accept_renamed(params)
         check_parameters(role, params)
     except ValueError as e:
         raise ValueError(f"model {name!r}: {e}") from None

@@ -247,7 +247,7 @@ class RampDeployment:
     def start(self, timeout_s: float = 400.0) -> RampDeployment:
         s = self.setup
         self.etcd.start()
-        common = ["--discovery", self.etcd.url, "--messenger-secret-file", str(self.secret_file)]
+        common = ["--discovery", self.etcd.url, "--deployment-secret-file", str(self.secret_file)]
         agent = ["agent", *common, "--max-instances", str(s.max_prefill + s.max_decode + 1)]
         agent += ["--drain-timeout", str(s.drain_timeout_s), "--log-dir", str(self.tmp / "instances")]
         agent += ["--model", str(self.model_dir)]
@@ -280,7 +280,7 @@ class RampDeployment:
             log_file=self.tmp / "openai.log",
             discovery=self.etcd.url,
             deployment="default",
-            messenger_secret_file=self.secret_file,
+            deployment_secret_file=self.secret_file,
         )
         self.frontend.start_process()
         deadline = time.monotonic() + timeout_s

@@ -136,7 +136,7 @@ class Agent:
         c = self.config
         cmd = [sys.executable, "-m", "backend.cli", "serve", "--mode", role, f"--{role}-instances", "1"]
         cmd += ["--discovery", c.discovery, "--deployment", c.deployment]
-        cmd += ["--messenger-secret-file", str(Path(c.secret_file).resolve())]
+        cmd += ["--deployment-secret-file", str(Path(c.secret_file).resolve())]
         cmd += ["--host", c.host, "--messenger-host", c.messenger_host or c.host]
         cmd += ["--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)]
         cmd += ["--drain-timeout", str(c.drain_timeout_s), "--log-file", str(log_file.with_suffix(".triton.log"))]

@@ -17,7 +17,7 @@ What it needs from the cluster:
   get and patch, ``deployments`` get, ``pods`` list and patch (apps and core API groups).
 * The pod spec: ``terminationGracePeriodSeconds`` above the serve process's ``--drain-timeout``
   (default 30 s), or the pod is killed mid-drain; the container runs
-  ``triton-disagg serve --mode prefill|decode --discovery etcd://... --messenger-secret-file ...
+  ``triton-disagg serve --mode prefill|decode --discovery etcd://... --deployment-secret-file ...
   --host 0.0.0.0 --messenger-host $(POD_IP)`` (``POD_IP`` from the downward API,
   ``status.podIP``), its Triton gRPC port the ``grpc_port`` given here.
 

@@ -25,26 +25,19 @@ class ConnectorConfig:
     ``prefill_unavailable``. ``kv_xfer_timeout_s``: one NIXL transfer stuck this long fails its request.
     ``kv_quarantine_s``: pages of a failed request are reused after this long at the latest
     (sooner when the sender confirms it stopped). ``meta_slots``: receive slots for the last
-    hidden state and logits (requests in transfer at once). ``messenger_secret_file``: the
-    deployment secret peers prove (default: environment variable
-    ``TRITON_DISAGG_MESSENGER_SECRET``; see ``backend/disagg/auth.py``).
-    ``messenger_max_connections`` (prefill role): decode instances connected at once.
-    ``messenger_handshake_timeout_s``: the whole handshake's deadline. ``fabric_device``: the
-    network device(s) NIXL's UCX transport may listen and send on (``UCX_NET_DEVICES``, e.g.
-    ``eth0`` or ``mlx5_0:1``); ``auto``: loopback (``lo``) when every messenger address of this
-    instance (with ``discovery``: the etcd address and its own messenger address) is a loopback
-    address, else UCX's default (every device) unless the environment
-    sets ``UCX_NET_DEVICES``; ``all``: UCX's default. ``cache_report_interval_s`` (prefill
-    role): how often it reports its prefix cache and load to the connected decode instances.
+    hidden state and logits (requests in transfer at once). ``messenger_max_connections``
+    (prefill role): decode instances connected at once. ``messenger_handshake_timeout_s``: the
+    whole handshake's deadline (the secret peers prove is the membership's
+    ``deployment_secret_file``, ``backend/cluster/config.py``). ``fabric_device``: the network
+    device(s) NIXL's UCX transport may listen and send on (``UCX_NET_DEVICES``, e.g. ``eth0`` or
+    ``mlx5_0:1``); ``auto``: loopback (``lo``) when every messenger address of this instance (with
+    the membership's etcd: its address and this instance's messenger address) is a loopback
+    address, else UCX's default (every device) unless the environment sets ``UCX_NET_DEVICES``;
+    ``all``: UCX's default. ``cache_report_interval_s`` (prefill role): how often it reports its
+    prefix cache and load to the connected decode instances.
     ``kv_routing_weight`` (decode role): picking a prefill instance, the weight of each prompt
     page not in its cache against each page of this instance's prefills queued there
-    (``backend/serving/kv_router.py``; 0: least loaded). Membership (``backend/cluster/``):
-    ``discovery`` (``etcd://HOST:PORT``): the deployment's etcd, where every prefill and decode
-    instance registers under ``/triton-disagg/<deployment>/`` with a lease of
-    ``membership_ttl_s`` that it keeps alive, and where decode instances find the prefill
-    instances (then ``prefill_endpoints`` is not used); empty: the fixed ``prefill_endpoints``.
-    ``membership_grace_s``: after an etcd outage, how long a member missing from etcd stays
-    before it is dropped (live instances register again within it)."""
+    (``backend/serving/kv_router.py``; 0: least loaded)."""
 
     fabric_backend: str = "UCX"
     meta_slots: int = 64
@@ -58,16 +51,11 @@ class ConnectorConfig:
     messenger_port: int = 0
     messenger_advertise: str = ""
     stream_layers: bool = True
-    messenger_secret_file: str = ""
     messenger_max_connections: int = 64
     messenger_handshake_timeout_s: float = 10.0
     fabric_device: str = "auto"
     cache_report_interval_s: float = 0.5
     kv_routing_weight: float = 1.0
-    discovery: str = ""
-    deployment: str = "default"
-    membership_ttl_s: float = 5.0
-    membership_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.meta_slots < 1:
@@ -82,7 +70,6 @@ class ConnectorConfig:
             "prefill_connect_wait_s",
             "messenger_handshake_timeout_s",
             "cache_report_interval_s",
-            "membership_grace_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -92,17 +79,6 @@ class ConnectorConfig:
             raise ValueError(f"messenger_port must be in [0, 65535], got {self.messenger_port}")
         if self.prefill_endpoints:
             self.endpoints()  # validates the syntax
-        if self.membership_ttl_s < 1:
-            raise ValueError(
-                f"membership_ttl_s must be >= 1 (etcd leases count whole seconds), got {self.membership_ttl_s}"
-            )
-        if self.discovery:
-            scheme, sep, rest = self.discovery.partition("://")
-            host, colon, port = rest.rpartition(":")
-            if scheme not in ("etcd", "http") or not sep or not host or not port.isdigit():
-                raise ValueError(f"discovery {self.discovery!r} must be etcd://HOST:PORT")
-        if not self.deployment or "/" in self.deployment:
-            raise ValueError(f"deployment {self.deployment!r} must be a non-empty name without '/'")
 
     def endpoints(self) -> list[tuple[str, int]]:
         """``prefill_endpoints`` as [(host, port), ...]; an error names a malformed entry."""
@@ -116,16 +92,17 @@ class ConnectorConfig:
             raise ValueError("no prefill endpoints configured (parameter 'prefill_endpoints')")
         return out
 
-    def net_devices(self) -> str | None:
-        """The ``UCX_NET_DEVICES`` this instance's fabric agent uses; None: leave UCX's choice."""
+    def net_devices(self, etcd_host: str = "") -> str | None:
+        """The ``UCX_NET_DEVICES`` this instance's fabric agent uses; None: leave UCX's choice.
+        ``etcd_host``: the deployment's etcd, when the membership finds the peers."""
         if self.fabric_device == "all":
             return None
         if self.fabric_device != "auto":
             return self.fabric_device
         if os.environ.get("UCX_NET_DEVICES"):
             return None  # the operator chose already
-        if self.discovery:  # the peers are not known yet: local if the deployment's etcd is
-            hosts = [self.discovery.partition("://")[2].rpartition(":")[0], self.messenger_host]
+        if etcd_host:  # the peers are not known yet: local if the deployment's etcd is
+            hosts = [etcd_host, self.messenger_host]
         elif self.prefill_endpoints:
             hosts = [h for h, _ in self.endpoints()]
         else:

@@ -64,9 +64,14 @@ def kv_layout(kv: KVCacheSpec) -> KVLayout:
 
 
 def make_agent(
-    engine: Engine, name: str, config: ConnectorConfig, on_send_error: Callable[[str, int, str], None] | None = None
+    engine: Engine,
+    name: str,
+    config: ConnectorConfig,
+    on_send_error: Callable[[str, int, str], None] | None = None,
+    etcd_host: str = "",
 ) -> FabricAgent:
-    """The instance's fabric agent: its KV layout, every shard pool, the meta slots."""
+    """The instance's fabric agent: its KV layout, every shard pool, the meta slots
+    (``etcd_host``: the deployment's etcd, for the choice of network devices)."""
     kv, dims = engine.kv_cache(), engine.dims()
     return FabricAgent(
         name,
@@ -78,7 +83,7 @@ def make_agent(
         quarantine_s=config.kv_quarantine_s,
         xfer_timeout_s=config.kv_xfer_timeout_s,
         on_send_error=on_send_error,
-        net_devices=config.net_devices(),
+        net_devices=config.net_devices(etcd_host),
     )
 
 
@@ -101,7 +106,8 @@ class _SendJob:
 class NixlKVSender(KVSender):
     """Prefill role (see the module docstring). ``on_send_error(req_id, reason)`` is told when a
     transfer fails so the prefill can be aborted; ``on_started(request)`` when the engine
-    schedules a request's first chunk."""
+    schedules a request's first chunk. ``etcd_host`` (both roles): the deployment's etcd, if
+    the membership finds the peers (see ``ConnectorConfig.net_devices``)."""
 
     def __init__(
         self,
@@ -110,6 +116,7 @@ class NixlKVSender(KVSender):
         name: str,
         on_send_error: Callable[[str, str], None],
         on_started: Callable[[SendRequest], None],
+        etcd_host: str = "",
     ):
         self.engine = engine
         self.layout = kv_layout(engine.kv_cache())
@@ -117,7 +124,7 @@ class NixlKVSender(KVSender):
         self.stream_layers = config.stream_layers
         self._on_send_error = on_send_error
         self._on_started = on_started
-        self.agent = make_agent(engine, name, config, on_send_error=self._send_error)
+        self.agent = make_agent(engine, name, config, on_send_error=self._send_error, etcd_host=etcd_host)
         self._poster = Poster(name, config.kv_xfer_timeout_s, self._post_failed)
         self.jobs: dict[str, _SendJob] = {}
         self._lock = threading.Lock()
@@ -285,14 +292,14 @@ _MAX_PENDING_OBSERVATIONS = 10_000  # per histogram, between two metric refreshe
 
 class NixlKVReceiver(KVReceiver):
     """Decode role (see the module docstring). ``source`` of :meth:`expect` is the sending
-    instance's (peer name, KV layout)."""
+    instance's (peer name, KV layout). ``etcd_host``: as :class:`NixlKVSender`'s."""
 
-    def __init__(self, engine: Engine, config: ConnectorConfig, name: str):
+    def __init__(self, engine: Engine, config: ConnectorConfig, name: str, etcd_host: str = ""):
         self.layout = kv_layout(engine.kv_cache())
         self.dims = engine.dims()
         self.timeout_s = config.kv_transfer_timeout_s
         self.queue_timeout_s = config.prefill_queue_timeout_s
-        self.agent = make_agent(engine, name, config)
+        self.agent = make_agent(engine, name, config, etcd_host=etcd_host)
         self._active: dict[str, _Receive] = {}
         self._lock = threading.Lock()
         self.totals = {"kv_transfer_seconds_total": 0.0, "kv_transfer_bytes_total": 0, "kv_writes_total": 0}

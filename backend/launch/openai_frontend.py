@@ -22,8 +22,8 @@ log = logging.getLogger("triton_disagg.server")
 class OpenAIFrontend:
     """The frontend process for the deployment at ``triton_url`` (gRPC); with ``discovery``
     (``etcd://HOST:PORT``) for the decode instances of ``deployment`` in that etcd instead, on
-    any number of servers (``messenger_secret_file`` or ``extra_env``'s
-    ``TRITON_DISAGG_MESSENGER_SECRET``: the deployment secret that signs their records;
+    any number of servers (``deployment_secret_file`` or ``extra_env``'s
+    ``TRITON_DISAGG_DEPLOYMENT_SECRET``: the deployment secret that signs their records;
     ``router``: router settings by name, ``RouterSettings``'s, e.g. ``{"migration_limit": "2"}``)."""
 
     def __init__(
@@ -38,7 +38,7 @@ class OpenAIFrontend:
         log_file: str | Path | None = None,
         discovery: str = "",
         deployment: str = "",
-        messenger_secret_file: str | Path | None = None,
+        deployment_secret_file: str | Path | None = None,
         router: dict[str, str] | None = None,
         extra_env: dict[str, str] | None = None,
     ):
@@ -48,7 +48,7 @@ class OpenAIFrontend:
         self.served_model_name = served_model_name or triton_model
         self.log_file = Path(log_file) if log_file else None
         self.discovery, self.deployment = discovery, deployment
-        self.messenger_secret_file = str(messenger_secret_file) if messenger_secret_file else ""
+        self.deployment_secret_file = str(deployment_secret_file) if deployment_secret_file else ""
         self.router = dict(router or {})
         self.extra_env = dict(extra_env or {})
         self.proc: subprocess.Popen | None = None
@@ -90,7 +90,7 @@ class OpenAIFrontend:
         for flag, value in (
             ("--discovery", self.discovery),
             ("--deployment", self.deployment),
-            ("--messenger-secret-file", self.messenger_secret_file),
+            ("--deployment-secret-file", self.deployment_secret_file),
             *(("--" + name.replace("_", "-"), str(value)) for name, value in self.router.items()),
         ):
             if value:

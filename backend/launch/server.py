@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import requests
 
 from backend.disagg import auth
-from backend.disagg.auth import SECRET_ENV
+from backend.disagg.auth import SECRET_ENV, accept_renamed
 from backend.launch.ports import free_port
 from backend.launch.triton_install import install_stub
 from backend.serving.discovery import GRPC_URL_ENV, METRICS_URL_ENV
@@ -64,7 +64,7 @@ class TritonServer:
         self.supervisor: Supervisor | None = None
         self.etcd: EtcdServer | None = None  # the deployment's private etcd, if its launcher started one
         self.proc: subprocess.Popen | None = None
-        self.messenger_secret = ""  # the KV messenger's deployment secret, set at the first start
+        self.deployment_secret = ""  # the deployment secret, set at the first start, kept over restarts
 
     @property
     def http_url(self) -> str:
@@ -115,14 +115,13 @@ class TritonServer:
         return cmd
 
     def start(self, timeout_s: float = 300.0) -> "TritonServer":
-        env = install_stub().server_env()
-        env.update(self.extra_env)
-        # the KV messenger's deployment secret: one per server unless the caller shares one; kept
-        # over restarts
-        env.setdefault(SECRET_ENV, self.messenger_secret or auth.new_secret())
+        # the deployment secret (also under its old name, for a release): one per server unless
+        # the caller shares one; kept over restarts
+        env = accept_renamed({**install_stub().server_env(), **self.extra_env})
+        env.setdefault(SECRET_ENV, self.deployment_secret or auth.new_secret())
         env.setdefault(GRPC_URL_ENV, self.grpc_url)  # what the instances register for routers
         env.setdefault(METRICS_URL_ENV, self.metrics_url)  # ... and for autoscalers
-        self.messenger_secret = env[SECRET_ENV]
+        self.deployment_secret = env[SECRET_ENV]
         drain_file(self.repo).unlink(missing_ok=True)  # left by a stop that was cut short
         drain_now_file(self.repo).unlink(missing_ok=True)
         out = open(self.log_file, "ab") if self.log_file else None

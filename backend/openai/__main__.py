@@ -4,8 +4,8 @@ next to Triton). With ``--discovery etcd://HOST:PORT`` it routes across the deco
 the deployment's membership (on any number of Triton servers) and moves a request whose instance
 fails it to another (at most ``--migration-limit`` times; the router settings, flags here, are
 the Triton front model's: ``RouterSettings``); the membership records are verified with the
-deployment secret (``--messenger-secret-file``, else the environment variable
-``TRITON_DISAGG_MESSENGER_SECRET``)."""
+deployment secret (``--deployment-secret-file``, else the environment variable
+``TRITON_DISAGG_DEPLOYMENT_SECRET``)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import logging
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    from backend.disagg.auth import add_secret_flag
     from backend.serving.config import ROUTER_SETTINGS, RouterSettings
 
     p.add_argument("--triton-url", default="127.0.0.1:8001", help="gRPC address of the Triton deployment")
@@ -30,11 +31,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="route across the decode instances registered in this etcd (instead of one Triton model)",
     )
     p.add_argument("--deployment", default="default", help="the deployment's name in etcd (with --discovery)")
-    p.add_argument(
-        "--messenger-secret-file",
-        default="",
-        metavar="FILE",
-        help="the deployment secret that signs membership records (default: $TRITON_DISAGG_MESSENGER_SECRET)",
+    add_secret_flag(
+        p, "the deployment secret that signs membership records (default: $TRITON_DISAGG_DEPLOYMENT_SECRET)"
     )
     for name in ROUTER_SETTINGS:  # the Triton front model's router settings, same names and defaults
         p.add_argument(
@@ -60,7 +58,7 @@ def run(args) -> int:
 
         try:
             base_url(args.discovery)
-            secret = load_secret(args.messenger_secret_file)
+            secret = load_secret(args.deployment_secret_file)
         except (ValueError, AuthError) as e:
             raise SystemExit(f"--discovery: {e}") from None
     try:
@@ -105,10 +103,12 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
+    from backend.disagg.auth import parse_args
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     p = argparse.ArgumentParser(prog="python -m backend.openai", description=__doc__)
     add_args(p)
-    return run(p.parse_args(argv))
+    return run(parse_args(p, argv))
 
 
 if __name__ == "__main__":

@@ -86,9 +86,9 @@ def node_candidates(
             dec = tuple(InstanceSpec(node_threads, b, max_num_seqs, kv_tokens, machine=p + i) for i in range(nodes - p))
             cmd = (
                 f"on each of {p} prefill nodes: triton-disagg serve --mode prefill --discovery ETCD_URL "
-                f"--messenger-host NODE_ADDRESS --messenger-secret-file SECRET {sets}; on each of {nodes - p} "
+                f"--messenger-host NODE_ADDRESS --deployment-secret-file SECRET {sets}; on each of {nodes - p} "
                 f"decode nodes: triton-disagg serve --mode decode --discovery ETCD_URL "
-                f"--messenger-secret-file SECRET {sets}"
+                f"--deployment-secret-file SECRET {sets}"
             )
             out.append(
                 Candidate(

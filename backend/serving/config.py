@@ -1,7 +1,8 @@
 """The configuration tree of a model instance, parsed once from its ``config.pbtxt`` string
-parameters: ``role``, then one typed section per layer (engine, serving, KV connector).
-Defaults live in the section dataclasses and nowhere else; an unknown or malformed parameter
-fails the model load with a message naming it. Tensor parallelism is the engine section's
+parameters: ``role``, then one typed section per concern (engine, serving, KV connector,
+membership). Defaults live in the section dataclasses and nowhere else; an unknown or malformed
+parameter fails the model load with a message naming it (a renamed one is still accepted for a
+release under its old name: ``backend/cluster/config.py``). Tensor parallelism is the engine section's
 ``tensor_parallel_size``."""
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from backend.cluster.config import MembershipConfig
+from backend.disagg.auth import accept_renamed
 from backend.disagg.config import ConnectorConfig
 from backend.engine.config import EngineConfig, field_types, parse_section, parse_value
 from backend.engine.sampling_params import DRAFT_METHODS, MAX_DRAFT_TOKENS
@@ -102,7 +105,12 @@ class ServingConfig:
             os.sched_setaffinity(0, self.cores())
 
 
-SECTIONS = {"engine": EngineConfig, "serving": ServingConfig, "connector": ConnectorConfig}
+SECTIONS = {
+    "engine": EngineConfig,
+    "serving": ServingConfig,
+    "connector": ConnectorConfig,
+    "membership": MembershipConfig,
+}
 
 
 def _fields() -> dict[str, tuple[str, type]]:
@@ -121,6 +129,7 @@ FIELDS = _fields()
 
 def _by_section(params: dict) -> dict[str, dict]:
     """The parameters other than ``role``, grouped by section; an unknown one is refused by name."""
+    params = accept_renamed(params)
     unknown = sorted(k for k in params if k != "role" and k not in FIELDS)
     if unknown:
         raise ValueError(f"unknown parameter(s) {unknown}; known: {sorted(['role', *FIELDS])}")
@@ -137,6 +146,7 @@ class InstanceConfig:
     engine: EngineConfig
     serving: ServingConfig
     connector: ConnectorConfig
+    membership: MembershipConfig
 
     @classmethod
     def from_parameters(cls, params: dict) -> "InstanceConfig":
@@ -155,6 +165,7 @@ class InstanceConfig:
             engine=EngineConfig.from_dict(by_section["engine"]),
             serving=parse_section(ServingConfig, by_section["serving"], "serving"),
             connector=parse_section(ConnectorConfig, by_section["connector"], "connector"),
+            membership=parse_section(MembershipConfig, by_section["membership"], "membership"),
         )
 
 
@@ -227,8 +238,8 @@ def parameter_defaults(role: str) -> dict[str, str]:
     if role == "front":
         return {f.name: _to_string(f.default) for f in FrontConfig.__dataclass_fields__.values()}
     out = {"role": role, "model_path": ""}
-    for cls in (EngineConfig, ServingConfig, ConnectorConfig):
-        for f in cls.__dataclass_fields__.values():
+    for cls in SECTIONS.values():
+        for f in dataclasses.fields(cls):
             if f.init and f.name != "model_path":
                 out[f.name] = _to_string(f.default)
     return out

@@ -153,13 +153,15 @@ class DecodeWorker:
         # a deployment, where model instance names repeat
         self.peer_name = f"{name}-{uuid.uuid4().hex[:8]}"
         self.config = config
-        if not config.connector.discovery:
+        if not config.membership.discovery:
             config.connector.endpoints()  # refuses a decode model without prefill instances
-        self._secret = auth.load_secret(config.connector.messenger_secret_file)  # none: refuse to start
+        self._secret = auth.load_secret(config.membership.deployment_secret_file)  # none: refuse to start
         self.engine = start_engine(config)
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.dims().vocab_size
-        self.receiver = NixlKVReceiver(self.engine, config.connector, self.peer_name)
+        self.receiver = NixlKVReceiver(
+            self.engine, config.connector, self.peer_name, etcd_host=config.membership.etcd_host()
+        )
         self.engine.set_kv_loader(self)
         self.loop = EngineLoop(self.engine, name=f"{name}-engine")
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()

@@ -2,8 +2,9 @@
 (``backend/cluster/``): its own signed record under a lease (:func:`register`), and, for a
 decode worker, the prefill instances it may use (:class:`PrefillDirectory`).
 
-With ``discovery`` set (``etcd://HOST:PORT``) both go through etcd under the deployment's prefix;
-without it a decode worker's prefill instances are the fixed ``prefill_endpoints`` list, handed
+With the membership's ``discovery`` set (``etcd://HOST:PORT``, ``backend/cluster/config.py``)
+both go through etcd under the deployment's prefix; without it a decode worker's prefill
+instances are the connector's fixed ``prefill_endpoints`` list, handed
 to the worker once, as the same "joined" event: the worker has one code path. A record is
 accepted only if its model identity and KV layout are this instance's (:func:`identity`);
 records that fail verification or acceptance are logged by name and never reach routing.
@@ -52,7 +53,7 @@ def register(
 ) -> Registration | None:
     """Register this instance in etcd (None without ``discovery``); the lease is kept alive by
     the registration's thread, and ``close()`` deregisters."""
-    c = config.connector
+    c = config.membership
     if not c.discovery:
         return None
     model_identity, layout = identity(config, dims)
@@ -80,7 +81,7 @@ class PrefillDirectory:
     again)."""
 
     def __init__(self, config: InstanceConfig, secret: bytes, dims: ModelDims, on_change: OnChange):
-        c = config.connector
+        c = config.membership
         self._own = identity(config, dims)
         self._membership: Membership | None = None
         if c.discovery:
@@ -96,11 +97,12 @@ class PrefillDirectory:
             self.source = f"etcd {c.discovery} (deployment {c.deployment!r})"
         else:
             model_identity, layout = self._own
+            fixed = config.connector
             records = [
                 InstanceRecord(c.deployment, f"{h}:{p}", "prefill", "", "", f"{h}:{p}", model_identity, layout, 1, 0.0)
-                for h, p in c.endpoints()
+                for h, p in fixed.endpoints()
             ]
-            self.source = f"prefill_endpoints {c.prefill_endpoints}"
+            self.source = f"prefill_endpoints {fixed.prefill_endpoints}"
             on_change(records, [])
 
     def _accept(self, record: InstanceRecord) -> str | None:

@@ -107,7 +107,7 @@ class PrefillWorker:
     def __init__(self, config: InstanceConfig, name: str, model: str = ""):
         self.name = name
         self.config = config
-        secret = auth.load_secret(config.connector.messenger_secret_file)  # none: refuse to start
+        secret = auth.load_secret(config.membership.deployment_secret_file)  # none: refuse to start
         self.engine = start_engine(config)
         self.vocab_size = self.engine.dims().vocab_size
         self.max_model_len = self.engine.max_model_len
@@ -119,6 +119,7 @@ class PrefillWorker:
             name,
             lambda req_id, reason: self._events.put(SendError(req_id, reason)),
             lambda request: self._events.put(Started(request.req_id, request.generation)),
+            etcd_host=config.membership.etcd_host(),
         )
         self.loop = EngineLoop(self.engine, name=f"{name}-engine")
         c = config.connector

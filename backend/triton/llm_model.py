@@ -55,7 +55,7 @@ class TritonPythonModel:
             observations=self.worker.observations,
         )
         self.drain_timeout_s = config.serving.drain_timeout_s
-        self.secret = auth.load_secret(config.connector.messenger_secret_file) if config.role == "decode" else None
+        self.secret = auth.load_secret(config.membership.deployment_secret_file) if config.role == "decode" else None
         self.drain = DrainWatch(
             args["model_repository"],
             lambda: self.admission.drain_gracefully(DRAIN_MESSAGE, self.drain_timeout_s),

@@ -33,7 +33,7 @@ class TritonPythonModel:
             raise ValueError(f"the prefill model needs role 'prefill', got {config.role!r}")
         self.worker = PrefillWorker(config, self.instance, cfg["name"])
         self.metrics = InstanceMetrics(pb_utils, {"model": cfg["name"], "instance": self.instance}, self.worker.stats)
-        self.secret = auth.load_secret(config.connector.messenger_secret_file)
+        self.secret = auth.load_secret(config.membership.deployment_secret_file)
         self.drain_timeout_s = config.serving.drain_timeout_s
         self.drain = DrainWatch(args["model_repository"], lambda: self.worker.drain(self.drain_timeout_s))
         log.info("instance %s ready: %s", self.instance, self.worker.describe())

@@ -133,7 +133,7 @@ def test_the_agent_refuses_an_unsigned_or_forged_request(tmp_path):
                 "agent",
                 "--discovery",
                 etcd.url,
-                "--messenger-secret-file",
+                "--deployment-secret-file",
                 str(secret_file),
                 "--log-dir",
                 str(tmp_path / "inst"),

@@ -112,7 +112,7 @@ def test_authenticated_peer_bad_requests_fail_alone(disagg_server, model_dir):
     )  # the model name carries the weights format
     agent = FabricAgent("attacker", layout, make_pools(layout, 4), meta_slots=1, meta_slot_floats=576 + 49152)
     got, lost = [], []
-    secret = disagg_server.messenger_secret.encode()
+    secret = disagg_server.deployment_secret.encode()
     host, port = endpoint(disagg_server)
     ep = PrefillEndpoint(host, port, agent, "attacker", secret, lambda e, m: got.append(m), lambda e, r: lost.append(r))
     again = PrefillEndpoint(host, port, agent, "attacker", secret, lambda e, m: None, lambda e, r: None)

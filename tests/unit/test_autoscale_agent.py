@@ -148,7 +148,7 @@ def test_the_command_runs_serve_for_one_instance_of_the_role(tmp_path):
     assert cmd[:3] == [sys.executable, "-m", "backend.cli"]
     assert "serve --mode prefill --prefill-instances 1" in joined
     assert "--discovery etcd://10.0.0.1:2379 --deployment prod" in joined
-    assert f"--messenger-secret-file {secret_file.resolve()}" in joined
+    assert f"--deployment-secret-file {secret_file.resolve()}" in joined
     assert "--host 10.0.0.5 --messenger-host 10.0.0.5" in joined
     assert "--http-port 1 --grpc-port 2 --metrics-port 3" in joined
     assert "--model /models/tiny" in joined

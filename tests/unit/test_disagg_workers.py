@@ -42,7 +42,7 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def secret(monkeypatch):
-    monkeypatch.setenv("TRITON_DISAGG_MESSENGER_SECRET", "unit-test-secret-0123456789")
+    monkeypatch.setenv("TRITON_DISAGG_DEPLOYMENT_SECRET", "unit-test-secret-0123456789")
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
