@@ -2,8 +2,8 @@
 ``--discovery``): their signed records from etcd (a ``Membership(role="decode")``,
 ``backend/cluster/``: a record that fails verification is logged and never routed to), one gRPC
 client per Triton server, a health probe of each instance every ``health_probe_interval_s`` of
-the router's settings (its answer carries the cache summary), all feeding a :class:`Router`,
-which picks and migrates.
+the router's settings (every 0.1 s while one has never passed a probe; its answer carries the
+cache summary), all feeding a :class:`Router`, which picks and migrates.
 
 The membership's threads hand their changes to the event loop, where the router lives.
 """
@@ -93,7 +93,7 @@ class DecodeFleet:
     async def _probe_loop(self) -> None:
         while True:
             self._probe_all()
-            await asyncio.sleep(self.router.settings.health_probe_interval_s)
+            await asyncio.sleep(self.router.table.probe_interval())
 
     def _probe_all(self) -> None:
         for target in self.router.targets():

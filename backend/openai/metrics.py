@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from backend.openai.router import REASONS, Router
+from backend.openai.router import Router, Target
+from backend.serving.routing import REASONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -44,19 +45,19 @@ def exposition(router: Router | None) -> str:
     if router is not None:
         status = router.status()
 
-        def labels(t) -> dict[str, str]:
+        def labels(t: Target) -> dict[str, str]:
             return {"target": t.name, "grpc_url": t.grpc_url, "model": t.model}
 
         lines += _family(
             "triton_disagg_decode_target_up",
             "gauge",
             "1 while the frontend routes new requests to this decode instance",
-            [(labels(s.target), float(s.up and not s.draining)) for s in status],
+            [(labels(t), float(s.serving)) for t, s in status],
         )
         lines += _family(
             "triton_disagg_requests_routed_total",
             "counter",
             "requests (first attempts and moves) the frontend sent to this decode instance",
-            [(labels(s.target), float(s.routed)) for s in status],
+            [(labels(t), float(s.routed)) for t, s in status],
         )
     return "\n".join(lines) + "\n"

@@ -1,28 +1,27 @@
-"""The frontend's router: which decode instance of the deployment a request goes to, and where it
-goes next when that instance stops serving it (request migration).
+"""The OpenAI frontend's router: an asyncio adapter over the routing and migration core
+(``backend/serving/routing.py``, which the Triton front model shares: target health, the
+KV-aware pick, the excluded targets, the migration limit, the resume), for the decode instances
+of the deployment's membership.
 
-It knows the decode instances of the membership (:meth:`Router.update`, records from etcd) and
-their health (:meth:`Router.probed`, one health probe a second each, with its cache summary). A
-request goes to a member that is not draining and whose probes pass, the one the
-:class:`KVRouter` finds cheapest for its prompt (``backend/serving/kv_router.py``: prompt pages
-not cached there, pages in flight there). A member is routable after its first passing probe;
-``probe_failures`` failed probes in a row take it down, and so does leaving the membership: its
-requests in flight move at once (a dead instance would never answer them; reason
-``instance_down``).
+It maps membership records to targets (:meth:`Router.update`: a record that joins, changes or
+leaves; the requests in flight on one that leaves move at once, reason ``instance_down``) and
+hands each probe's outcome to the core (:meth:`Router.probed`).
 
 :meth:`Router.generate` relays one request as one stream of deltas. When its stream fails with an
-error of kind None (Triton's own, e.g. a dead stub) or ``out_of_service``, breaks (gRPC
-unavailable, connection lost) or ends without a final response (reason ``stream_error``), the
-request continues on another member, never one that failed it before, with every output token
-its client has received as ``resume_token_ids``: the decode model continues after them (counts,
-grammar, detokenizer) and sends only what follows, so the client sees no token repeated or lost.
-Log-probabilities follow the tokens they belong to; the prompt's (asked for with ``echo``) come
-once, in the first response relayed: an attempt after that is not asked for them
-(:meth:`DecodeFleet.generate` asks only while no output token was sent) and any it sends
-anyway are dropped here.
-At most ``migration_limit`` moves; then, as when no other member serves, the stream ends with an
+error of kind None (Triton's own, e.g. a dead stub), ``out_of_service`` or ``draining``, breaks
+(gRPC unavailable, connection lost) or ends without a final response (reason ``stream_error``;
+it counts as a failed probe of that instance), the request continues on another instance, never
+one that failed it before, with every output token its client has received as
+``resume_token_ids``: the decode model continues after them (counts, grammar, detokenizer) and
+sends only what follows, so the client sees no token repeated or lost. Log-probabilities follow
+the tokens they belong to; the prompt's (asked for with ``echo``) come once, in the first
+response relayed: an attempt after that is not asked for them (:meth:`DecodeFleet.generate`
+asks only while no output token was sent) and any it sends anyway are dropped here. At most
+``migration_limit`` moves; then, as when no other instance serves, the stream ends with an
 ``out_of_service`` error saying why. Any other error (bad request, overloaded, ...) is the
-request's answer and ends it as is.
+request's answer and ends it as is. A new request while no instance serves fails at once, unless
+one has not passed a probe yet (a server starting): it waits for that at most
+``health_probe_timeout_s``.
 
 Everything here runs on the frontend's event loop (membership changes are handed to it); opening
 a stream is the caller's (``OpenStream``), so the logic runs in unit tests with fake targets.
@@ -33,8 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 from backend.cluster.records import InstanceRecord
@@ -42,13 +40,13 @@ from backend.engine.cache_summary import CacheSummary
 from backend.engine.outputs import ErrorKind
 from backend.openai.triton_stream import Delta, GenerationError, StreamLost
 from backend.serving.config import RouterSettings
-from backend.serving.kv_router import KVRouter
+from backend.serving.routing import Journey, NotMoved, RoutingTable, TargetStatus
 
 log = logging.getLogger("triton_disagg.openai")
 
-REASONS = ("instance_down", "stream_error")  # why a request moved (the migrations counter's label)
 # error kinds that say the instance, not the request, failed (or takes nothing new: draining)
 MOVABLE = (None, ErrorKind.OUT_OF_SERVICE, ErrorKind.DRAINING)
+FIRST_PICK_POLL_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -61,48 +59,17 @@ class Target:
     model: str
 
 
-@dataclass(frozen=True)
-class TargetStatus:
-    target: Target
-    up: bool  # its probes pass
-    draining: bool
-    routed: int  # requests (attempts) sent to it
-
-
 # opens one attempt of a request on a target, after the output the client already has
 OpenStream = Callable[[Target, list[int]], AsyncIterator[Delta]]
 
 
-@dataclass(eq=False)
-class _Member:
-    target: Target
-    draining: bool
-    up: bool = False
-    failures: int = 0  # failed probes in a row
-    reason: str = "no health probe answered yet"
-    routed: int = 0
-    attempts: set[_Attempt] = field(default_factory=set)
-
-
-@dataclass(eq=False)
-class _Attempt:
-    """A request's stream on one member; ``lost`` is set when the member went down under it."""
+@dataclass(eq=False, kw_only=True)
+class _Journey(Journey):
+    """A request across its attempts; ``lost`` is set when the instance of its current attempt
+    went down or left under it (``why``)."""
 
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     why: str = ""
-
-
-@dataclass(eq=False)
-class _Journey:
-    """One request across its attempts (also its identity in the KV router): ``sent`` the output
-    tokens its client has, ``failed`` the members that failed it."""
-
-    request_id: str
-    prompt_ids: list[int]
-    pages: int
-    sent: list[int] = field(default_factory=list)
-    failed: list[str] = field(default_factory=list)
-    prompt_relayed: bool = False  # the prompt's log-probabilities reached the client
 
 
 class _Moved(Exception):
@@ -121,11 +88,10 @@ class Router:
 
     def __init__(self, settings: RouterSettings | None = None):
         self.settings = settings = settings or RouterSettings()
-        self.migration_limit = settings.migration_limit
-        self.probe_failures = settings.health_probe_failures
-        self.kv = KVRouter(settings.kv_routing_weight)
-        self.migrations: Counter[str] = Counter()
-        self._members: dict[str, _Member] = {}
+        self.table = RoutingTable(settings, log)
+        self.migrations = self.table.migrations
+        self.kv = self.table.kv
+        self._targets: dict[str, Target] = {}
 
     # ------------------------------------------------------------ membership and health
     def update(self, joined: Iterable[InstanceRecord], left: Iterable[InstanceRecord]) -> None:
@@ -133,96 +99,40 @@ class Router:
         in flight move)."""
         for record in joined:
             target = Target(record.name, record.grpc_url, record.model)
-            member = self._members.get(record.name)
-            if member is None or member.target != target:
-                if member is not None:
-                    self._lose(member, "its record changed address")
-                self._members[record.name] = _Member(target, record.draining)
+            known = self._targets.get(record.name)
+            if known != target:
+                if known is not None:
+                    _lose(self.table.leave(record.name), "its record changed address")
+                self._targets[record.name] = target
                 log.info("decode instance %s joined: model %s at %s", record.name, record.model, record.grpc_url)
-            elif member.draining != record.draining:
-                member.draining = record.draining
-                log.info(
-                    "decode instance %s %s", record.name, "drains: no new requests" if record.draining else "serves"
-                )
+            self.table.join(record.name, record.draining)
         for record in left:
-            gone = self._members.pop(record.name, None)
-            if gone is not None:
-                log.info("decode instance %s left the membership", record.name)
-                self._lose(gone, "it left the membership")
-                self.kv.forget(record.name)
+            if self._targets.pop(record.name, None) is not None:
+                _lose(self.table.leave(record.name), "it left the membership")
 
     def probed(self, name: str, summary: CacheSummary | None, error: str | None) -> None:
         """The outcome of a health probe of ``name``: its cache summary (None: it sent none) or
-        why it failed. One pass makes it routable; ``probe_failures`` failures in a row take it
-        down."""
-        member = self._members.get(name)
-        if member is None:
-            return  # left meanwhile
-        if error is None:
-            if not member.up:
-                log.info(
-                    "decode instance %s (%s at %s) serves; routing to it",
-                    name,
-                    member.target.model,
-                    member.target.grpc_url,
-                )
-            member.up, member.failures, member.reason = True, 0, ""
-            if summary is not None:
-                self.kv.update(name, summary)
-            return
-        member.failures += 1
-        member.reason = error
-        if member.up and member.failures >= self.probe_failures:
-            member.up = False
-            self.kv.forget(name)
-            log.error("decode instance %s is down (%s); routing around it", name, error)
-            self._lose(member, f"its health probes failed ({error})")
-
-    def _lose(self, member: _Member, why: str) -> None:
-        for attempt in member.attempts:
-            attempt.why = why
-            attempt.lost.set()
+        why it failed."""
+        _lose(self.table.probed(name, summary, error), f"its health probes failed ({error})")
 
     def targets(self) -> list[Target]:
-        return [m.target for m in self._members.values()]
+        return list(self._targets.values())
 
     def serving(self, exclude: Iterable[str] = ()) -> list[Target]:
         """The members a new request may go to: up, not draining, not in ``exclude``."""
-        skip = set(exclude)
-        return [m.target for m in self._members.values() if m.up and not m.draining and m.target.name not in skip]
+        return [self._targets[n] for n in self.table.serving(exclude)]
 
     def down_reasons(self) -> str:
-        """Why members do not serve, for an error message."""
-        parts = [
-            f"{m.target.name}: {'draining' if m.draining and m.up else m.reason}"
-            for m in self._members.values()
-            if not m.up or m.draining
-        ]
-        return "; ".join(parts) or "no decode instance in the membership"
+        return self.table.down_reasons()
 
-    def status(self) -> list[TargetStatus]:
-        return [TargetStatus(m.target, m.up, m.draining, m.routed) for m in self._members.values()]
+    def status(self) -> list[tuple[Target, TargetStatus]]:
+        return [(self._targets[s.name], s) for s in self.table.status() if s.name in self._targets]
+
+    def pick(self, journey: Journey, exclude: Iterable[str] = ()) -> Target | None:
+        name = self.table.pick(journey, exclude)
+        return None if name is None else self._targets[name]
 
     # ------------------------------------------------------------ routing
-    def pick(self, request: object, token_ids: Sequence[int], pages: int, exclude: Iterable[str] = ()) -> Target | None:
-        """The serving member (not in ``exclude``) the KV router prefers for the prompt
-        ``token_ids``; the request counts as in flight there (``pages`` pages) until
-        :meth:`done`. None if no member serves."""
-        candidates = [t.name for t in self.serving(exclude)]
-        name = self.kv.pick(request, token_ids, candidates, pages)
-        if name is None:
-            return None
-        member = self._members[name]
-        member.routed += 1
-        return member.target
-
-    def done(self, target: Target, request: object) -> None:
-        self.kv.done(target.name, request)
-
-    def pages(self, n_tokens: int) -> int:
-        """The KV pages ``n_tokens`` tokens take on a decode instance (its reported page size)."""
-        return max(1, -(-n_tokens // self.kv.page_size()))
-
     async def generate(
         self, request_id: str, token_ids: list[int], max_tokens: int, open_stream: OpenStream
     ) -> AsyncGenerator[Delta, None]:
@@ -230,10 +140,8 @@ class Router:
         takes (at most ``migration_limit`` moves); :class:`GenerationError` when it fails for
         good. ``token_ids``: its prompt, for routing (empty: by load alone). Closing the
         iterator early closes the open stream (which cancels the request there)."""
-        journey = _Journey(request_id, list(token_ids), self.pages(len(token_ids) + max_tokens))
-        target = self.pick(journey, token_ids, journey.pages)
-        if target is None:
-            raise GenerationError(ErrorKind.OUT_OF_SERVICE, f"no decode instance is serving ({self.down_reasons()})")
+        journey = _Journey(request_id, list(token_ids), self.table.pages(len(token_ids) + max_tokens))
+        target = await self._first_pick(journey)
         while True:
             try:
                 stream = open_stream(target, list(journey.sent))
@@ -241,57 +149,37 @@ class Router:
                 async with contextlib.aclosing(self._attempt(target, journey, stream)) as deltas:
                     async for delta in deltas:
                         journey.sent.extend(delta.token_ids)
-                        if delta.prompt_token_ids is not None:
-                            if journey.prompt_relayed:
-                                delta = delta.without_prompt()  # sent by an earlier attempt
-                            journey.prompt_relayed = True
+                        if delta.prompt_token_ids is not None and not journey.relay_prompt():
+                            delta = delta.without_prompt()  # sent by an earlier attempt
                         yield delta
                         if delta.finish_reason is not None:
                             return
                 raise _Moved("stream_error", "its stream ended before the request finished")
             except _Moved as moved:
-                target = self._move(journey, target, moved)
+                if moved.reason == "stream_error":  # counts as a failed probe of that instance
+                    _lose(self.table.failed(target.name, moved.why), f"its streams failed ({moved.why})")
+                try:
+                    target = self._targets[self.table.move(journey, target.name, moved.why, moved.reason)]
+                except NotMoved as e:
+                    raise GenerationError(ErrorKind.OUT_OF_SERVICE, e.message) from None
 
-    def _move(self, journey: _Journey, target: Target, moved: _Moved) -> Target:
-        """Where the request goes after ``target`` failed it, or the error that ends it."""
-        journey.failed.append(target.name)
-        limit = self.migration_limit
-        where = f"decode instance {target.name} ({target.model} at {target.grpc_url}): {moved.why}"
-        if len(journey.failed) > limit:
-            raise GenerationError(
-                ErrorKind.OUT_OF_SERVICE,
-                f"{where}; migration limit reached: the request was moved {limit} time(s) already "
-                f"(--migration-limit {limit}), so it is not moved again",
-            )
-        retry = self.pick(journey, journey.prompt_ids + journey.sent, journey.pages, exclude=journey.failed)
-        if retry is None:
-            raise GenerationError(
-                ErrorKind.OUT_OF_SERVICE, f"{where}; no other decode instance is serving ({self.down_reasons()})"
-            )
-        self.migrations[moved.reason] += 1
-        log.warning(
-            "request %s moves from %s to %s after %d output token(s) sent (%s: %s); move %d of %d",
-            journey.request_id,
-            target.name,
-            retry.name,
-            len(journey.sent),
-            moved.reason,
-            moved.why,
-            len(journey.failed),
-            limit,
-        )
-        return retry
+    async def _first_pick(self, journey: _Journey) -> Target:
+        deadline = asyncio.get_running_loop().time() + self.settings.health_probe_timeout_s
+        while (target := self.pick(journey)) is None:
+            if not self.table.awaiting_first_probe() or asyncio.get_running_loop().time() > deadline:
+                raise GenerationError(
+                    ErrorKind.OUT_OF_SERVICE, f"no decode instance is serving ({self.table.down_reasons()})"
+                )
+            await asyncio.sleep(FIRST_PICK_POLL_S)
+        return target
 
     async def _attempt(
         self, target: Target, journey: _Journey, stream: AsyncIterator[Delta]
     ) -> AsyncGenerator[Delta, None]:
         """One attempt's deltas; raises :class:`_Moved` when the request may continue elsewhere
         (its member went down, or the stream failed in a way that is not the request's)."""
-        attempt = _Attempt()
-        member = self._members.get(target.name)
-        if member is not None:
-            member.attempts.add(attempt)
-        lost = asyncio.ensure_future(attempt.lost.wait())
+        journey.lost = asyncio.Event()
+        lost = asyncio.ensure_future(journey.lost.wait())
         try:
             while True:
                 step = asyncio.ensure_future(anext(stream))
@@ -303,7 +191,7 @@ class Router:
                         with contextlib.suppress(BaseException):
                             await step
                 if not step.done() or step.cancelled():
-                    raise _Moved("instance_down", attempt.why)
+                    raise _Moved("instance_down", journey.why)
                 try:
                     delta = step.result()
                 except StopAsyncIteration:
@@ -319,9 +207,15 @@ class Router:
                     return
         finally:
             lost.cancel()
-            if member is not None:
-                member.attempts.discard(attempt)
-            self.done(target, journey)
+            self.table.done(target.name, journey)
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+
+def _lose(journeys: list[Journey], why: str) -> None:
+    """The instance under these requests' attempts went down or left: they move."""
+    for journey in journeys:
+        if isinstance(journey, _Journey):
+            journey.why = why
+            journey.lost.set()

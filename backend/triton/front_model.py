@@ -1,18 +1,21 @@
 """Triton Python-backend front model of the disaggregated deployment.
 
 Clients call it with the same tensors as the aggregated ``llm`` model. It tokenizes the prompt
-as the decode models do and sends each request to one decode model (among the serving ones, by
-the health state of ``backend/triton/decode_targets.py``, the one with the lowest KV-aware
-routing cost: prompt pages it does not cache, and load; the decode models are listed in the
-``decode_models`` parameter) with a decoupled BLS call and streams the responses back as they arrive. A
+as the decode models do and sends each request to one decode model (the ``decode_models``
+parameter lists them) with a decoupled BLS call and streams the responses back as they arrive.
+Which one, and where a request goes when its decode model fails it, is the routing core's
+(``backend/serving/routing.py``, the same as the OpenAI frontend's; its probes are sent by
+``backend/triton/decode_targets.py``): among the serving ones, the lowest KV-aware routing cost
+(prompt pages it does not cache, and load). A
 response whose ``finish_reason`` is set is the last one. A client that cancels gets its
 request cancelled on the decode model by a control request (``cancel_request_id``), so the
 decode instance (and the prefill instance working for it) stop and free their pages.
 
 Request migration: when a decode model goes down (its health probes fail), answers a request
 as out of service, fails in a way that is not the request's fault (Triton's error for a dead
-stub) or ends its stream early, the request moves to another serving decode model with the
-output its client already has (``resume_token_ids``); that model computes or fetches the KV of
+stub) or ends its stream early (which counts as a failed probe of it), the request moves to
+another serving decode model, never one that failed it before, with the output its client
+already has (``resume_token_ids``); that model computes or fetches the KV of
 prompt plus output (its prefix cache, a prefill instance, or itself) and continues the stream
 where it stopped: the client sees one stream, no token repeated or lost (greedy output equals
 an uninterrupted run; a guided request's grammar replays the sent tokens; a sampled one goes on
@@ -24,8 +27,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
-from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +37,7 @@ from backend.engine.outputs import ErrorKind
 from backend.serving.config import FrontConfig
 from backend.serving.errors import parse_error
 from backend.serving.request import parse_request, prompt_token_ids
+from backend.serving.routing import REASONS, Journey, NotMoved
 from backend.serving.tensors import OUTPUTS
 from backend.triton.decode_targets import DecodeTargets
 from backend.triton.lifecycle import DRAIN_MESSAGE, DrainWatch
@@ -42,6 +46,7 @@ from backend.triton.sender import GuardedSender, triton_error
 
 log = logging.getLogger("triton_disagg.front")
 RESUME = "resume_token_ids"
+FIRST_PICK_POLL_S = 0.02
 
 
 class TritonPythonModel:
@@ -51,8 +56,8 @@ class TritonPythonModel:
         self.outputs = [o.name for o in OUTPUTS]
         self.draining = False
         self.config = config
-        self.migrations: Counter[str] = Counter()  # requests moved to another decode model, by reason
         self.targets = DecodeTargets(self.pb, config, self._fail_lost)
+        self.table = self.targets.table
         self.tokenizer = None
         if config.model_path.strip():
             from transformers import AutoTokenizer
@@ -60,7 +65,7 @@ class TritonPythonModel:
             self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         else:
             log.warning("front model %s: no model_path, so no tokenizer: routing by load alone", cfg["name"])
-        self.metrics = FrontMetrics(self.pb, cfg["name"], self.targets, self.migrations)
+        self.metrics = FrontMetrics(self.pb, cfg["name"], self.targets)
         self.drain = DrainWatch(args["model_repository"], self._drain)
         self.targets.start()
         log.info("front model %s: routing to %s", cfg["name"], config.targets())
@@ -70,17 +75,40 @@ class TritonPythonModel:
         for request in requests:
             sender = GuardedSender(pb, request.get_response_sender())
             arrays = {t.name(): t.as_numpy() for t in request.inputs()}
-            fwd = Forwarding(sender, [pb.Tensor(name, arr) for name, arr in arrays.items() if name != RESUME])
-            fwd.token_ids, fwd.pages = self._route_key(arrays)
-            fwd.sent = _resume_ids(arrays)
-            target = None if self.draining else self.targets.pick(fwd, fwd.token_ids + fwd.sent, fwd.pages)
-            if target is None:
-                why = DRAIN_MESSAGE if self.draining else f"no decode model is serving ({self.targets.down_reasons()})"
-                _send_error(pb, sender, ErrorKind.OUT_OF_SERVICE, why)
+            prompt_ids, pages = self._route_key(arrays)
+            fwd = Forwarding(
+                f"front-{uuid.uuid4().hex}",
+                prompt_ids,
+                pages,
+                sent=_resume_ids(arrays),
+                sender=sender,
+                inputs=[pb.Tensor(name, arr) for name, arr in arrays.items() if name != RESUME],
+            )
+            target = None if self.draining else self.table.pick(fwd)
+            if target is None and not self.draining and self.table.awaiting_first_probe():
+                threading.Thread(target=self._begin_when_served, args=(fwd,), daemon=True).start()
                 continue
-            with fwd.lock:
-                self._start(fwd, target)
+            self._begin(fwd, target)
         return None
+
+    def _begin(self, fwd: "Forwarding", target: str | None) -> None:
+        if target is None:
+            why = DRAIN_MESSAGE if self.draining else f"no decode model is serving ({self.table.down_reasons()})"
+            _send_error(self.pb, fwd.sender, ErrorKind.OUT_OF_SERVICE, why)
+            return
+        with fwd.lock:
+            self._start(fwd, target)
+
+    def _begin_when_served(self, fwd: "Forwarding") -> None:
+        """No decode model serves yet, but one has not passed a probe (the server starts): wait
+        for it, at most ``health_probe_timeout_s``."""
+        deadline = time.monotonic() + self.config.health_probe_timeout_s
+        target = None
+        while not self.draining and time.monotonic() < deadline and self.table.awaiting_first_probe():
+            time.sleep(FIRST_PICK_POLL_S)
+        if not self.draining:
+            target = self.table.pick(fwd)
+        self._begin(fwd, target)
 
     def _route_key(self, arrays: dict) -> tuple[list[int], int]:
         """The prompt's token ids (empty when there is no tokenizer, or the request is malformed
@@ -99,7 +127,7 @@ class TritonPythonModel:
         except Exception as e:  # RequestError, or a text the tokenizer rejects: the decode model says why
             log.debug("routing a request by load alone: %s", e)
             return [], 1
-        return ids, -(-(len(ids) + req.max_tokens) // self.targets.page_size())
+        return ids, self.table.pages(len(ids) + req.max_tokens)
 
     def _start(self, fwd: "Forwarding", target: str) -> None:
         """Forward ``fwd`` to ``target`` as a new attempt (the caller holds ``fwd.lock``); the
@@ -120,47 +148,31 @@ class TritonPythonModel:
             name = t.name()
             if name == "prompt_log_probs":
                 fwd.inputs = [i for i in fwd.inputs if i.name() != "return_prompt_log_probs"]
+                if not fwd.relay_prompt():
+                    continue  # an earlier attempt sent them
             elif name == "cum_log_probs":
-                fwd.cum_logprob = fwd.cum_before + float(t.as_numpy().reshape(-1)[0])
-                t = self.pb.Tensor(name, np.array([fwd.cum_logprob], dtype=np.float32))
+                cum = fwd.cumulative(float(t.as_numpy().reshape(-1)[0]))
+                t = self.pb.Tensor(name, np.array([cum], dtype=np.float32))
             out.append(t)
         return out
 
     def _move(self, fwd: "Forwarding", attempt: int, target: str, why: str, reason: str) -> None:
-        """Attempt ``attempt`` of ``fwd`` on ``target`` ended without finishing the request: send
-        it (the prompt plus the tokens its client has) to another serving decode model, at most
-        ``migration_limit`` times; else fail it, saying why."""
-        limit = self.config.migration_limit
+        """Attempt ``attempt`` of ``fwd`` on ``target`` ended without finishing the request: the
+        routing core moves it (the prompt plus the tokens its client has) to another serving
+        decode model, or it fails, saying why."""
         with fwd.lock:
             if fwd.attempt != attempt or fwd.target != target or fwd.sender.closed:
                 return  # moved or answered already
             if fwd.sender.is_cancelled():
                 return
-            retry = None
-            if not self.draining and fwd.moves < limit:
-                retry = self.targets.pick(fwd, fwd.token_ids + fwd.sent, fwd.pages, exclude=target)
-            if retry is None:
-                fwd.attempt += 1  # no relay of the old attempt may follow the error
+            try:
                 if self.draining:
-                    message = DRAIN_MESSAGE
-                elif fwd.moves >= limit:
-                    message = f"decode model {target}: {why}; the request was not moved again (migration_limit {limit})"
-                else:
-                    message = f"decode model {target}: {why}; no other decode model is serving"
-                _send_error(self.pb, fwd.sender, ErrorKind.OUT_OF_SERVICE, message)
+                    raise NotMoved(DRAIN_MESSAGE)
+                retry = self.table.move(fwd, target, why, reason)
+            except NotMoved as e:
+                fwd.attempt += 1  # no relay of the old attempt may follow the error
+                _send_error(self.pb, fwd.sender, ErrorKind.OUT_OF_SERVICE, e.message)
                 return
-            fwd.moves += 1
-            fwd.cum_before = fwd.cum_logprob  # the next attempt sums only the output it makes
-            self.migrations[reason] += 1
-            log.warning(
-                "decode model %s stopped a request after %d output token(s) (%s); moving it to %s (move %d of %d)",
-                target,
-                len(fwd.sent),
-                why,
-                retry,
-                fwd.moves,
-                limit,
-            )
             self._start(fwd, retry)
 
     def _fail_lost(self, target: str, reason: str, lost: list) -> None:
@@ -176,15 +188,13 @@ class TritonPythonModel:
         end them (they drain too) or the front unloads."""
         self.draining = True
         self.targets.close()  # no more probes: the decode models drain too
-        log.warning(
-            "front model: the server stops; %d request(s) in flight may finish", len(self.targets.all_inflight())
-        )
+        log.warning("front model: the server stops; %d request(s) in flight may finish", len(self.table.in_flight()))
 
     def _forward(self, fwd: "Forwarding", target: str, attempt: int, inputs: list) -> None:
         ended = self._forward_once(fwd, target, attempt, inputs)
-        self.targets.done(target, fwd)
+        self.table.done(target, fwd)
         if ended is not None:
-            self.targets.mark_failed(target, ended)
+            self.targets.failed(target, ended)  # counts as a failed probe of it
             self._move(fwd, attempt, target, ended, "stream_error")
 
     def _forward_once(self, fwd: "Forwarding", target: str, attempt: int, inputs: list):
@@ -194,7 +204,7 @@ class TritonPythonModel:
         or None when it is answered or failed for good."""
         pb = self.pb
         stop = threading.Event()
-        request_id = f"front-{uuid.uuid4().hex}"
+        request_id = f"{fwd.request_id}-{attempt}"
         # exec() below blocks until the first response; the watcher must run already
         threading.Thread(target=self._watch_cancel, args=(fwd.sender, target, request_id, stop), daemon=True).start()
         try:
@@ -265,28 +275,22 @@ class TritonPythonModel:
         self.draining = True
         self.drain.close()
         self.targets.close()
-        for fwd in self.targets.all_inflight():
+        for fwd in self.table.in_flight():
+            assert isinstance(fwd, Forwarding)
             _send_error(self.pb, fwd.sender, ErrorKind.OUT_OF_SERVICE, DRAIN_MESSAGE)
         self.metrics.close()
 
 
-@dataclass(eq=False)
-class Forwarding:
-    """One client request on its way through the front. ``attempt``: the forwarding that owns
-    the client's sender (a newer one supersedes an attempt on a decode model that stopped
-    serving it) and ``target`` where it runs; ``sent``: the output tokens its client has (they
-    go along when it moves); ``moves``: how often it moved (``migration_limit``)."""
+@dataclass(eq=False, kw_only=True)
+class Forwarding(Journey):
+    """One client request on its way through the front (a :class:`Journey` of the routing
+    core). ``attempt``: the forwarding that owns the client's sender (a newer one supersedes an
+    attempt on a decode model that stopped serving it) and ``target`` where it runs."""
 
     sender: GuardedSender
     inputs: list  # the client's tensors, without resume_token_ids
-    token_ids: list = field(default_factory=list)  # the prompt, for routing
-    pages: int = 1  # the pages it will hold on a decode model
-    sent: list = field(default_factory=list)
     attempt: int = 0
     target: str = ""
-    moves: int = 0
-    cum_logprob: float = 0.0  # the output's cumulative log-probability relayed so far
-    cum_before: float = 0.0  # that of the attempts before this one
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -316,18 +320,16 @@ class FrontMetrics:
     ``triton_disagg_migrations_total{model, reason}``: requests moved to another decode model
     (``instance_down``: its probes failed; ``stream_error``: its stream failed or stopped)."""
 
-    REASONS = ("instance_down", "stream_error")
-
-    def __init__(self, pb, model: str, targets: DecodeTargets, migrations: Counter, period_s: float = 0.25):
+    def __init__(self, pb, model: str, targets: DecodeTargets, period_s: float = 0.25):
         self._targets = targets
-        self._migrations = migrations
+        self._migrations = targets.table.migrations
         self._migration_family = pb.MetricFamily(
             name="triton_disagg_migrations_total",
             description="requests the front moved to another decode model, by reason",
             kind=pb.MetricFamily.COUNTER,
         )
-        self._migrated = {r: self._migration_family.Metric(labels={"model": model, "reason": r}) for r in self.REASONS}
-        self._migrated_seen = dict.fromkeys(self.REASONS, 0)
+        self._migrated = {r: self._migration_family.Metric(labels={"model": model, "reason": r}) for r in REASONS}
+        self._migrated_seen = dict.fromkeys(REASONS, 0)
         self._up_family = pb.MetricFamily(
             name="triton_disagg_decode_target_up",
             description="1 while the front model routes to this decode model (its health probes pass)",
@@ -338,7 +340,7 @@ class FrontMetrics:
             description="requests admitted and not finished in this instance",
             kind=pb.MetricFamily.GAUGE,
         )
-        self._up = {t: self._up_family.Metric(labels={"model": model, "target": t}) for t in targets.states}
+        self._up = {t: self._up_family.Metric(labels={"model": model, "target": t}) for t in targets.table.names()}
         self._active = self._active_family.Metric(labels={"model": model, "instance": model})
         self._router_families = [
             pb.MetricFamily(name=f"triton_disagg_router_{name}_total", description=text, kind=pb.MetricFamily.COUNTER)
@@ -359,8 +361,8 @@ class FrontMetrics:
         while not self._stop.wait(period_s):
             for name, up in self._targets.gauges().items():
                 self._up[name].set(up)
-            self._active.set(float(len(self._targets.all_inflight())))
-            counters = self._targets.router_counters()
+            self._active.set(float(len(self._targets.table.in_flight())))
+            counters = dict(self._targets.table.kv.counters)
             for name, metric in self._router.items():
                 metric.increment(counters[name] - self._router_seen[name])
                 self._router_seen[name] = counters[name]

@@ -18,6 +18,7 @@ from backend.openai.metrics import exposition
 from backend.openai.router import Router, Target
 from backend.openai.triton_stream import Delta, GenerationError, StreamLost
 from backend.serving.config import RouterSettings
+from backend.serving.routing import Journey
 
 SALT = "00"
 
@@ -39,6 +40,10 @@ def router(*names: str, up: bool = True, **kw) -> Router:
         for n in names:
             r.probed(n, summary(), None)
     return r
+
+
+def journey(prompt: list[int], pages: int = 1) -> Journey:
+    return Journey("req", prompt, pages)
 
 
 def token(i: int) -> int:
@@ -96,13 +101,13 @@ def whole(deltas: list[Delta]) -> list[int]:
 
 def test_only_probed_members_that_are_not_draining_serve():
     r = router("a", "b", up=False)
-    assert r.serving() == [] and r.pick(object(), [1, 2], 1) is None
+    assert r.serving() == [] and r.pick(journey([1, 2])) is None
     r.probed("a", summary(), None)
     assert [t.name for t in r.serving()] == ["a"]
     r.update([record("b", draining=True)], [])
     r.probed("b", summary(), None)
     assert [t.name for t in r.serving()] == ["a"]
-    assert {getattr(r.pick(object(), [1, 2], 1), "name", None) for _ in range(6)} == {"a"}
+    assert {getattr(r.pick(journey([1, 2])), "name", None) for _ in range(6)} == {"a"}
     assert "b: draining" in r.down_reasons()
     r.update([record("b")], [])  # it serves again
     assert {t.name for t in r.serving()} == {"a", "b"}
@@ -127,11 +132,11 @@ def test_pick_prefers_the_member_that_caches_the_prompt():
     r = router("a", "b")
     r.probed("b", summary(prompt), None)
     for _ in range(4):
-        request = object()
-        target = r.pick(request, prompt, 3)
+        request = journey(prompt, 3)
+        target = r.pick(request)
         assert target is not None and target.name == "b"
-        r.done(target, request)
-    other = r.pick(object(), prompt, 3, exclude=["b"])
+        r.table.done(target.name, request)
+    other = r.pick(journey(prompt, 3), exclude=["b"])
     assert other is not None and other.name == "a"
 
 
@@ -212,9 +217,12 @@ def test_with_no_other_member_the_request_fails_and_a_bad_request_never_moves():
     with pytest.raises(GenerationError) as e:
         asyncio.run(collect(r, fake))
     assert e.value is bad and len(fake.calls) == 1 and r.migrations == {}
+    down = router("a", health_probe_failures=1)
+    down.probed("a", None, "Stub process is not healthy")
     with pytest.raises(GenerationError) as e:
-        asyncio.run(collect(router("a", up=False), fake))
+        asyncio.run(collect(down, fake))  # at once: its probe failed
     assert e.value.kind is ErrorKind.OUT_OF_SERVICE and "no decode instance is serving" in e.value.message
+    assert "a: Stub process is not healthy" in e.value.message
 
 
 @pytest.mark.parametrize("how", ["probes fail", "leaves"])
@@ -261,7 +269,7 @@ def test_metrics_exposition():
     r = router("a", "b")
     r.update([record("b", draining=True)], [])
     r.migrations["stream_error"] += 2
-    r.pick(object(), [1], 1)
+    r.pick(journey([1]))
     text = exposition(r)
     assert 'triton_disagg_migrations_total{reason="stream_error"} 2' in text
     assert 'triton_disagg_migrations_total{reason="instance_down"} 0' in text

@@ -29,9 +29,9 @@ def test_both_routers_start_from_the_same_settings():
     front = FrontConfig()
     assert {n: getattr(front, n) for n in ROUTER_SETTINGS} == dataclasses.asdict(RouterSettings())
     assert FrontendConfig("unused:1").router == RouterSettings()
-    router = Router()
-    assert router.migration_limit == 3 and router.probe_failures == 2
-    assert Router(RouterSettings(migration_limit=0, health_probe_failures=5)).probe_failures == 5
+    assert Router().table.settings == RouterSettings()
+    both = RouterSettings(migration_limit=0, health_probe_failures=5)
+    assert Router(both).table.settings is both  # one routing core reads them (backend/serving/routing.py)
 
 
 @pytest.mark.parametrize(

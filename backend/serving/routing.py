@@ -1,0 +1,285 @@
+"""The routing and migration core that both fronts share: the Triton front model
+(``backend/triton/front_model.py``, threads, BLS calls) and the OpenAI frontend
+(``backend/openai/router.py``, asyncio, gRPC) are thin adapters over it that only open streams
+and relay responses. Nothing here knows a transport.
+
+Targets (decode instances) and their health: a target joins (from the membership, or the front
+model's ``decode_models``) and is routable after its first passing health probe; it takes no
+new request while it drains (its record says so, or its probe answers "draining"), while
+``health_probe_failures`` probes in a row failed (a stream that a target ends in a way that is
+not the request's fault, e.g. a dead stub, counts as a failed probe too), or once it left. When a
+target goes down or leaves, the requests in flight on it are returned to the adapter, which
+moves them (a dead instance never answers them). One passing probe brings it back.
+
+The pick (:class:`KVRouter`): among the serving targets not excluded, the one with the lowest
+``kv_routing_weight`` x (prompt pages not cached there) + (pages of requests in flight there).
+
+A request across its attempts is a :class:`Journey`: the prompt, the output tokens its client
+has (they go to the next target as ``resume_token_ids``: the stream continues there, no token
+repeated or lost, a guided request's grammar replays them), the targets that failed it (never
+picked again for it), whether the prompt's log-probabilities reached the client (they are
+relayed once) and the output's cumulative log-probability of earlier attempts (summed into
+``cum_log_probs``). :meth:`RoutingTable.move` moves it at most ``migration_limit`` times, then,
+as when no other target serves, raises :class:`NotMoved` with the client's error message.
+Moves are counted by reason (``REASONS``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from backend.engine.cache_summary import CacheSummary
+from backend.serving.config import RouterSettings
+from backend.serving.kv_router import KVRouter
+
+# why a request moved (the migrations counter's label): its target went down or left, or its
+# stream failed or ended early in a way that is not the request's fault
+REASONS = ("instance_down", "stream_error")
+NEVER_PROBED = "no health probe passed yet"
+FIRST_PROBE_INTERVAL_S = 0.1
+
+
+@dataclass(eq=False)
+class Journey:
+    """One client request across its attempts (also its identity in the KV router)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    pages: int  # the KV pages it holds on a target (prompt plus output)
+    sent: list[int] = field(default_factory=list)  # output tokens its client has
+    failed: list[str] = field(default_factory=list)  # targets that failed it, in order
+    prompt_relayed: bool = False  # the prompt's log-probabilities reached the client
+    cum_before: float = 0.0  # the output's cumulative log-probability over earlier attempts
+    cum: float = 0.0  # ... and the current one, as relayed
+
+    @property
+    def moves(self) -> int:
+        return len(self.failed)
+
+    def route_ids(self) -> list[int]:
+        """What a target would have to hold to continue it: the prompt and the output sent."""
+        return self.prompt_ids + self.sent
+
+    def relay_prompt(self) -> bool:
+        """True for the first attempt's prompt log-probabilities; a later attempt's are dropped."""
+        first = not self.prompt_relayed
+        self.prompt_relayed = True
+        return first
+
+    def cumulative(self, attempt_cum: float) -> float:
+        """``cum_log_probs`` as the client sees it: earlier attempts' plus this one's."""
+        self.cum = self.cum_before + attempt_cum
+        return self.cum
+
+
+class NotMoved(Exception):
+    """The request cannot move on: ``message`` is its error for the client (out of service)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+@dataclass(eq=False)
+class TargetState:
+    name: str
+    draining: bool = False  # its membership record says so
+    probe_draining: bool = False  # its last probe answered "draining"
+    up: bool = False  # its last probes pass (routable unless draining)
+    passed: bool = False  # a probe of it passed once
+    failures: int = 0  # failed probes in a row
+    reason: str = NEVER_PROBED
+    routed: int = 0  # attempts sent to it
+    in_flight: set[Journey] = field(default_factory=set)
+
+    @property
+    def serving(self) -> bool:
+        return self.up and not (self.draining or self.probe_draining)
+
+
+@dataclass(frozen=True)
+class TargetStatus:
+    name: str
+    up: bool
+    serving: bool  # up and not draining
+    routed: int
+    in_flight: int
+
+
+class RoutingTable:
+    """Targets, their health, the pick and the moves, behind one lock (callable from any
+    thread, or from an event loop: nothing here blocks). ``noun`` names a target in messages."""
+
+    def __init__(self, settings: RouterSettings, log: logging.Logger, noun: str = "decode instance"):
+        self.settings, self.log, self.noun = settings, log, noun
+        self.kv = KVRouter(settings.kv_routing_weight)
+        self.migrations: Counter[str] = Counter()
+        self._targets: dict[str, TargetState] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ membership
+    def join(self, name: str, draining: bool = False) -> None:
+        """``name`` is a target (routable after its first passing probe)."""
+        with self._lock:
+            if name not in self._targets:
+                self._targets[name] = TargetState(name, draining=draining)
+                return
+            state = self._targets[name]
+            changed, state.draining = state.draining != draining, draining
+        if changed:
+            self.log.info("%s %s %s", self.noun, name, "drains: no new requests" if draining else "serves")
+
+    def leave(self, name: str) -> list[Journey]:
+        """``name`` left: the requests in flight there, to move."""
+        with self._lock:
+            state = self._targets.pop(name, None)
+        self.kv.forget(name)
+        if state is None:
+            return []
+        self.log.info("%s %s left the membership", self.noun, name)
+        return list(state.in_flight)
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._targets)
+
+    # ------------------------------------------------------------ health
+    def probed(
+        self, name: str, summary: CacheSummary | None = None, error: str | None = None, draining: bool = False
+    ) -> list[Journey]:
+        """A probe of ``name`` passed (``summary``: its cache summary, None: it sent none), answered
+        ``draining``, or failed with ``error``. Returns the requests in flight there when this
+        took it down (to move)."""
+        if error is not None and not draining:
+            return self.failed(name, error)
+        with self._lock:
+            state = self._targets.get(name)
+            if state is None:
+                return []  # left meanwhile
+            drains = draining and not state.probe_draining
+            back = not draining and (not state.up or state.probe_draining)
+            state.up, state.passed, state.failures = True, True, 0
+            state.probe_draining, state.reason = draining, error or ""
+        if summary is not None:
+            self.kv.update(name, summary)
+        if drains:
+            self.log.warning("%s %s drains (%s); no new requests go there", self.noun, name, error)
+        elif back:
+            self.log.warning("%s %s serves; routing to it", self.noun, name)
+        return []
+
+    def failed(self, name: str, why: str) -> list[Journey]:
+        """A failed probe of ``name``, or a stream it ended in a way that is not the request's
+        fault: ``health_probe_failures`` in a row take it down. Returns the requests in flight
+        there when this took it down (to move)."""
+        with self._lock:
+            state = self._targets.get(name)
+            if state is None:
+                return []
+            state.failures += 1
+            state.reason = why
+            if not (state.up and state.failures >= self.settings.health_probe_failures):
+                return []
+            state.up = False
+            lost, state.in_flight = list(state.in_flight), set()
+        self.kv.forget(name)  # it may come back with an empty cache
+        self.log.error(
+            "%s %s is down (%s); routing around it, moving its %d request(s)", self.noun, name, why, len(lost)
+        )
+        return lost
+
+    def awaiting_first_probe(self) -> bool:
+        """No target serves, but one has never passed a probe (it may, in a moment: a server
+        starting). A new request may wait for it, at most ``health_probe_timeout_s``; otherwise
+        it fails at once."""
+        with self._lock:
+            states = list(self._targets.values())
+        return not any(s.serving for s in states) and any(not s.passed for s in states)
+
+    def probe_interval(self) -> float:
+        """How long until the next round of probes: ``FIRST_PROBE_INTERVAL_S`` while a target has
+        never passed one (so that a starting one serves soon after it can), else
+        ``health_probe_interval_s``."""
+        with self._lock:
+            waiting = any(not s.passed for s in self._targets.values())
+        interval = self.settings.health_probe_interval_s
+        return min(interval, FIRST_PROBE_INTERVAL_S) if waiting else interval
+
+    # ------------------------------------------------------------ routing
+    def serving(self, exclude: Iterable[str] = ()) -> list[str]:
+        skip = set(exclude)
+        with self._lock:
+            return [s.name for s in self._targets.values() if s.serving and s.name not in skip]
+
+    def pick(self, journey: Journey, exclude: Iterable[str] = ()) -> str | None:
+        """The serving target (not in ``exclude``) the KV router prefers for ``journey``; it is in
+        flight there until :meth:`done`. None if none serves."""
+        with self._lock:
+            skip = set(exclude)
+            candidates = [s.name for s in self._targets.values() if s.serving and s.name not in skip]
+            name = self.kv.pick(journey, journey.route_ids(), candidates, journey.pages)
+            if name is not None:
+                state = self._targets[name]
+                state.routed += 1
+                state.in_flight.add(journey)
+            return name
+
+    def done(self, name: str, journey: Journey) -> None:
+        """``journey``'s attempt on ``name`` ended."""
+        with self._lock:
+            state = self._targets.get(name)
+            if state is not None:
+                state.in_flight.discard(journey)
+        self.kv.done(name, journey)
+
+    def move(self, journey: Journey, name: str, why: str, reason: str) -> str:
+        """``journey``'s attempt on ``name`` ended, ``why``, without finishing it: the target it
+        continues on (never one that failed it before), or :class:`NotMoved`."""
+        journey.failed.append(name)
+        limit = self.settings.migration_limit
+        where = f"{self.noun} {name}: {why}"
+        if journey.moves > limit:
+            raise NotMoved(
+                f"{where}; migration limit reached: the request was moved {limit} time(s) already "
+                f"(migration_limit {limit}), so it is not moved again"
+            )
+        retry = self.pick(journey, exclude=journey.failed)
+        if retry is None:
+            raise NotMoved(f"{where}; no other {self.noun} is serving ({self.down_reasons()})")
+        journey.cum_before = journey.cum  # the next attempt sums only the output it makes
+        self.migrations[reason] += 1
+        self.log.warning(
+            "request %s moves from %s to %s after %d output token(s) sent (%s: %s); move %d of %d",
+            journey.request_id,
+            name,
+            retry,
+            len(journey.sent),
+            reason,
+            why,
+            journey.moves,
+            limit,
+        )
+        return retry
+
+    def pages(self, n_tokens: int) -> int:
+        """The KV pages ``n_tokens`` tokens take on a target (its reported page size)."""
+        return max(1, -(-n_tokens // self.kv.page_size()))
+
+    # ------------------------------------------------------------ what it knows
+    def down_reasons(self) -> str:
+        """Why targets do not serve, for an error message."""
+        with self._lock:
+            parts = [f"{s.name}: {'draining' if s.up else s.reason}" for s in self._targets.values() if not s.serving]
+        return "; ".join(parts) or f"no {self.noun} in the deployment"
+
+    def in_flight(self) -> list[Journey]:
+        with self._lock:
+            return [j for s in self._targets.values() for j in s.in_flight]
+
+    def status(self) -> list[TargetStatus]:
+        with self._lock:
+            return [TargetStatus(s.name, s.up, s.serving, s.routed, len(s.in_flight)) for s in self._targets.values()]

@@ -1,0 +1,169 @@
+"""The routing and migration core both fronts share (``backend/serving/routing.py``), without any
+transport: when a target is routable (first passing probe, not draining, not down), what takes
+it down and which requests then move, the KV-aware pick, and a request's moves (never back to
+a target that failed it, the output sent goes along, at most ``migration_limit`` moves, the
+prompt's log-probabilities relayed once, ``cum_log_probs`` summed across attempts)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from backend.engine.cache_summary import CacheSummary, page_key
+from backend.engine.page_allocator import page_hashes
+from backend.serving.config import RouterSettings
+from backend.serving.routing import FIRST_PROBE_INTERVAL_S, Journey, NotMoved, RoutingTable
+
+SALT = "00"
+log = logging.getLogger("test_routing")
+
+
+def summary(cached: list[int] | None = None, page_size: int = 4) -> CacheSummary:
+    keys = frozenset(page_key(h) for h in page_hashes(cached or [], page_size, bytes.fromhex(SALT)))
+    return CacheSummary(SALT, page_size, 1, keys, 1000, 1000, 0, 0)
+
+
+def table(*names: str, up: bool = True, **kw) -> RoutingTable:
+    t = RoutingTable(RouterSettings(**kw), log)
+    for n in names:
+        t.join(n)
+        if up:
+            t.probed(n, summary())
+    return t
+
+
+def journey(prompt: list[int] | None = None, pages: int = 2) -> Journey:
+    return Journey("req", list(prompt or [1, 2, 3]), pages)
+
+
+def test_a_target_serves_after_its_first_passing_probe_and_not_while_it_drains():
+    t = table("a", "b", up=False)
+    assert t.serving() == [] and t.pick(journey()) is None
+    assert t.awaiting_first_probe() and t.probe_interval() == FIRST_PROBE_INTERVAL_S
+    assert "a: no health probe passed yet" in t.down_reasons()
+    t.probed("a", summary())
+    assert t.serving() == ["a"] and not t.awaiting_first_probe()
+    assert t.probe_interval() == FIRST_PROBE_INTERVAL_S  # b has not passed one yet
+    t.probed("b", summary())
+    assert t.probe_interval() == RouterSettings().health_probe_interval_s
+    t.join("b", draining=True)  # its record says it drains
+    assert t.serving() == ["a"] and "b: draining" in t.down_reasons()
+    t.join("b", draining=False)
+    t.probed("a", None, "[draining] the server stops", draining=True)  # its probe says it drains
+    assert t.serving() == ["b"] and "a: draining" in t.down_reasons()
+    assert {t.pick(journey()) for _ in range(5)} == {"b"}
+    t.probed("a", summary())
+    assert sorted(t.serving()) == ["a", "b"]
+    assert t.serving(exclude=["a"]) == ["b"]
+
+
+def test_failures_in_a_row_take_a_target_down_with_its_requests_and_one_pass_brings_it_back():
+    t = table("a", "b", health_probe_failures=2)
+    on_a = [journey(list(range(40))) for _ in range(2)]
+    t.probed("a", summary(list(range(40))))  # a caches the prompts: they go there
+    assert [t.pick(j) for j in on_a] == ["a", "a"]
+    assert t.failed("a", "Stub process is not healthy") == []  # one failure is not enough
+    assert sorted(t.serving()) == ["a", "b"]
+    t.probed("a", summary())  # a pass resets the count
+    assert t.failed("a", "x") == []
+    lost = t.probed("a", None, "Stub process is not healthy")
+    assert set(lost) == set(on_a) and t.serving() == ["b"]
+    assert "a: Stub process is not healthy" in t.down_reasons()
+    assert t.failed("a", "again") == []  # down already: nothing more to move
+    assert t.kv.inflight("a") == 0 and t.in_flight() == []
+    t.probed("a", summary())
+    assert sorted(t.serving()) == ["a", "b"] and not t.awaiting_first_probe()
+    assert t.probed("gone", summary()) == [] and t.failed("gone", "x") == []  # left meanwhile
+
+
+def test_a_target_that_leaves_returns_its_requests_and_is_forgotten():
+    t = table("a", "b")
+    j = journey()
+    name = t.pick(j)
+    assert name is not None and t.in_flight() == [j]
+    assert t.leave(name) == [j] and t.leave(name) == []
+    assert name not in t.names() and t.kv.inflight(name) == 0
+    other = "b" if name == "a" else "a"
+    t.leave(other)
+    assert t.down_reasons() == "no decode instance in the deployment" and not t.awaiting_first_probe()
+
+
+def test_the_pick_prefers_the_target_that_caches_the_prompt_and_counts_the_load():
+    prompt = list(range(40))
+    t = table("a", "b")
+    t.probed("b", summary(prompt))
+    for _ in range(3):
+        j = journey(prompt, 3)
+        assert t.pick(j) == "b"
+        t.done("b", j)
+    assert t.pick(journey(prompt, 3), exclude=["b"]) == "a"
+    status = {s.name: s for s in t.status()}
+    assert status["b"].routed == 3 and status["b"].in_flight == 0 and status["a"].in_flight == 1
+    assert t.pages(1) == 1 and t.pages(9) == 3  # 4 tokens a page, as b reports
+    t.done("gone", journey())  # an attempt on a target that left: nothing to do
+
+
+def test_a_move_never_goes_back_and_carries_the_output_sent():
+    prompt = list(range(40))
+    t = table("a", "b", "c")
+    t.probed("a", summary(prompt))
+    t.probed("b", summary(prompt[:20]))
+    j = journey(prompt)
+    assert t.pick(j) == "a"
+    j.sent = [7, 8]
+    t.done("a", j)
+    assert t.move(j, "a", "connection lost", "stream_error") == "b"
+    assert j.route_ids() == prompt + [7, 8] and j.failed == ["a"] and j.moves == 1
+    t.done("b", j)
+    assert t.move(j, "b", "its stream ended", "stream_error") == "c"
+    assert t.migrations == {"stream_error": 2}
+    t.done("c", j)
+    with pytest.raises(NotMoved) as e:
+        t.move(j, "c", "Stub process is not healthy", "instance_down")
+    assert "decode instance c: Stub process is not healthy; no other decode instance is serving" in e.value.message
+    assert t.migrations == {"stream_error": 2}
+
+
+def test_past_the_migration_limit_a_request_is_not_moved_and_zero_never_moves():
+    t = table("a", "b", "c", migration_limit=1)
+    j = journey()
+    first = t.pick(j)
+    assert first is not None
+    second = t.move(j, first, "lost", "instance_down")
+    with pytest.raises(NotMoved) as e:
+        t.move(j, second, "lost", "instance_down")
+    assert "migration limit reached: the request was moved 1 time(s) already (migration_limit 1)" in e.value.message
+    assert t.migrations == {"instance_down": 1}
+    never = table("a", "b", migration_limit=0)
+    j = journey()
+    name = never.pick(j)
+    assert name is not None
+    with pytest.raises(NotMoved, match="migration_limit 0"):
+        never.move(j, name, "lost", "stream_error")
+
+
+def test_the_resume_relays_the_prompt_once_and_sums_the_cumulative_log_probability():
+    t = table("a", "b")
+    j = journey()
+    name = t.pick(j)
+    assert name is not None
+    assert j.relay_prompt() and not j.relay_prompt()
+    assert j.cumulative(-1.5) == -1.5 and j.cumulative(-2.0) == -2.0  # the attempt's running sum
+    t.move(j, name, "lost", "stream_error")
+    assert j.cumulative(-0.5) == pytest.approx(-2.5)  # the next attempt counts from there
+    assert not j.relay_prompt()
+
+
+def test_a_changed_draining_flag_is_logged_once(caplog):
+    t = table("a")
+    with caplog.at_level(logging.INFO, logger="test_routing"):
+        t.join("a", draining=True)
+        t.join("a", draining=True)
+        t.probed("a", None, "[draining] stops", draining=True)
+        t.probed("a", None, "[draining] stops", draining=True)
+        t.probed("a", summary())
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines.count("decode instance a drains: no new requests") == 1
+    assert sum("drains ([draining] stops)" in m for m in lines) == 1
+    assert "decode instance a serves; routing to it" in lines
