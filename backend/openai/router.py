@@ -40,13 +40,12 @@ from backend.engine.cache_summary import CacheSummary
 from backend.engine.outputs import ErrorKind
 from backend.openai.triton_stream import Delta, GenerationError, StreamLost
 from backend.serving.config import RouterSettings
-from backend.serving.routing import Journey, NotMoved, RoutingTable, TargetStatus
+from backend.serving.routing import FIRST_PICK_POLL_S, Journey, NotMoved, RoutingTable, TargetStatus
 
 log = logging.getLogger("triton_disagg.openai")
 
 # error kinds that say the instance, not the request, failed (or takes nothing new: draining)
 MOVABLE = (None, ErrorKind.OUT_OF_SERVICE, ErrorKind.DRAINING)
-FIRST_PICK_POLL_S = 0.02
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from backend.serving.kv_router import KVRouter
 REASONS = ("instance_down", "stream_error")
 NEVER_PROBED = "no health probe passed yet"
 FIRST_PROBE_INTERVAL_S = 0.1
+FIRST_PICK_POLL_S = 0.02  # how often a request that waits for a first passing probe looks again
 
 
 @dataclass(eq=False)
@@ -211,17 +212,18 @@ class RoutingTable:
 
     # ------------------------------------------------------------ routing
     def serving(self, exclude: Iterable[str] = ()) -> list[str]:
-        skip = set(exclude)
         with self._lock:
-            return [s.name for s in self._targets.values() if s.serving and s.name not in skip]
+            return self._serving(exclude)
+
+    def _serving(self, exclude: Iterable[str]) -> list[str]:  # the lock held
+        skip = set(exclude)
+        return [s.name for s in self._targets.values() if s.serving and s.name not in skip]
 
     def pick(self, journey: Journey, exclude: Iterable[str] = ()) -> str | None:
         """The serving target (not in ``exclude``) the KV router prefers for ``journey``; it is in
         flight there until :meth:`done`. None if none serves."""
         with self._lock:
-            skip = set(exclude)
-            candidates = [s.name for s in self._targets.values() if s.serving and s.name not in skip]
-            name = self.kv.pick(journey, journey.route_ids(), candidates, journey.pages)
+            name = self.kv.pick(journey, journey.route_ids(), self._serving(exclude), journey.pages)
             if name is not None:
                 state = self._targets[name]
                 state.routed += 1

@@ -37,7 +37,7 @@ from backend.engine.outputs import ErrorKind
 from backend.serving.config import FrontConfig
 from backend.serving.errors import parse_error
 from backend.serving.request import parse_request, prompt_token_ids
-from backend.serving.routing import REASONS, Journey, NotMoved
+from backend.serving.routing import FIRST_PICK_POLL_S, REASONS, Journey, NotMoved
 from backend.serving.tensors import OUTPUTS
 from backend.triton.decode_targets import DecodeTargets
 from backend.triton.lifecycle import DRAIN_MESSAGE, DrainWatch
@@ -46,7 +46,6 @@ from backend.triton.sender import GuardedSender, triton_error
 
 log = logging.getLogger("triton_disagg.front")
 RESUME = "resume_token_ids"
-FIRST_PICK_POLL_S = 0.02
 
 
 class TritonPythonModel:
