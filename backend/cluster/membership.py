@@ -223,6 +223,12 @@ class Membership:
             found = [r for r in self._members.values() if role is None or r.role == role]
         return sorted(found, key=lambda r: (r.role, r.name))
 
+    def wait_listed(self, timeout_s: float) -> bool:
+        """Wait until the first listing is in (the members etcd held when this started); False
+        if etcd did not answer within ``timeout_s``."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._synced, timeout_s)
+
     def wait_for(self, predicate: Callable[[list[InstanceRecord]], bool], timeout_s: float) -> bool:
         """Wait until ``predicate(members())`` holds; False if it still does not after ``timeout_s``."""
         with self._cond:
@@ -293,8 +299,7 @@ class Membership:
         with self._notify_lock:
             with self._cond:
                 joined, left = mutate()
-                if joined or left:
-                    self._cond.notify_all()
+                self._cond.notify_all()  # a change, or a listing that found none (wait_listed)
             if (joined or left) and self._on_change is not None:
                 try:
                     self._on_change(joined, left)

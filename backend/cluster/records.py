@@ -154,3 +154,13 @@ def prefix_of(deployment: str, role: str | None = None) -> str:
 
 def key_of(record: InstanceRecord) -> str:
     return prefix_of(record.deployment, record.role) + record.name
+
+
+def routable(record: InstanceRecord) -> str | None:
+    """None for a decode record a router can reach (a gRPC ``host:port`` and a model), else why not."""
+    host, sep, port = record.grpc_url.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return f"grpc_url {record.grpc_url!r} is not host:port"
+    if not record.model:
+        return "it names no Triton model"
+    return None

@@ -228,6 +228,10 @@ _TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
 
 def parse_value(name: str, raw, typ) -> object:
     """One parameter value (a string from config.pbtxt, or already typed) as ``typ``."""
+    if isinstance(typ, type) and dataclasses.is_dataclass(typ):  # a section: given parsed, never as a value
+        if isinstance(raw, typ):
+            return raw
+        raise ValueError(f"parameter {name!r} names a section of settings, not a value")
     if typ is bool:
         if isinstance(raw, bool):
             return raw

@@ -3,7 +3,8 @@
 Modes:
 - ``aggregated``: the ``llm`` model alone.
 - ``disagg``: front model ``llm`` -> decode models ``decode_<j>`` -> prefill models
-  ``prefill_<i>`` (each prefill model one instance with its own messenger port).
+  ``prefill_<i>`` (each prefill model one instance with its own messenger port). With a
+  membership the front routes to every decode instance of the deployment, on every server.
 - ``prefill`` / ``decode``: one side of a split deployment across servers or hosts.
 Decode instances find prefill instances in the deployment's membership (``discovery``: the
 etcd every instance registers in, ``backend/cluster/``); ``prefill_endpoints`` (a fixed list)
@@ -16,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from backend.launch.ports import free_port
+from backend.serving.config import MEMBERSHIP_FIELDS
 from build_scripts.render_repository import render
 
 # A disaggregated deployment on one machine splits its cores: one torch thread per instance
@@ -106,11 +108,15 @@ def render_deployment(
     if mode in ("disagg", "decode"):
         decodes = _decode_models(decode_instances, common, endpoints, per_model)
         models.update(decodes)
+        # with a membership the front routes to every decode instance of the deployment (this
+        # server's by BLS, the others' over gRPC); without one, to this server's decode models
+        membership = {k: v for k, v in common.items() if k in MEMBERSHIP_FIELDS}
+        targets = membership if discovery else {"decode_models": ",".join(decodes)}
         models["llm"] = {
             "source": "front",
             "count": 1,
             "params": {
-                "decode_models": ",".join(decodes),
+                **targets,
                 "model_path": model_path,  # its tokenizer: KV-aware routing
                 **per_model.get("front", {}),
             },

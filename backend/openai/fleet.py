@@ -22,22 +22,12 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 from backend.cluster.etcd import EtcdClient
 from backend.cluster.membership import Membership, Registration
-from backend.cluster.records import InstanceRecord
+from backend.cluster.records import InstanceRecord, routable
 from backend.engine.cache_summary import CacheSummary
 from backend.openai.router import Router, Target
 from backend.openai.triton_stream import Delta, GenerationError, GenerationParams, TritonStream
 
 log = logging.getLogger("triton_disagg.openai")
-
-
-def _check_record(record: InstanceRecord) -> str | None:
-    """None for a decode record the frontend can reach, else why not."""
-    host, sep, port = record.grpc_url.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        return f"grpc_url {record.grpc_url!r} is not host:port"
-    if not record.model:
-        return "it names no Triton model"
-    return None
 
 
 class DecodeFleet:
@@ -62,12 +52,7 @@ class DecodeFleet:
                 loop.call_soon_threadsafe(self._changed, joined, left)
 
         self._membership = Membership(
-            EtcdClient(self.discovery),
-            self.deployment,
-            self._secret,
-            role="decode",
-            accept=_check_record,
-            on_change=changed,
+            EtcdClient(self.discovery), self.deployment, self._secret, role="decode", accept=routable, on_change=changed
         )
         # routers are members too (role "router"): what an operator or an autoscaler can list
         record = InstanceRecord(

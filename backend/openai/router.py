@@ -40,23 +40,11 @@ from backend.engine.cache_summary import CacheSummary
 from backend.engine.outputs import ErrorKind
 from backend.openai.triton_stream import Delta, GenerationError, StreamLost
 from backend.serving.config import RouterSettings
-from backend.serving.routing import FIRST_PICK_POLL_S, Journey, NotMoved, RoutingTable, TargetStatus
+from backend.serving.routing import FIRST_PICK_POLL_S, MOVABLE, Journey, NotMoved, RoutingTable, Target, TargetStatus
+
+__all__ = ["Router", "Target"]
 
 log = logging.getLogger("triton_disagg.openai")
-
-# error kinds that say the instance, not the request, failed (or takes nothing new: draining)
-MOVABLE = (None, ErrorKind.OUT_OF_SERVICE, ErrorKind.DRAINING)
-
-
-@dataclass(frozen=True)
-class Target:
-    """A decode model instance: ``name`` its membership record's, reached at ``grpc_url``
-    (Triton's gRPC host:port) as Triton model ``model``."""
-
-    name: str
-    grpc_url: str
-    model: str
-
 
 # opens one attempt of a request on a target, after the output the client already has
 OpenStream = Callable[[Target, list[int]], AsyncIterator[Delta]]
@@ -90,24 +78,13 @@ class Router:
         self.table = RoutingTable(settings, log)
         self.migrations = self.table.migrations
         self.kv = self.table.kv
-        self._targets: dict[str, Target] = {}
 
     # ------------------------------------------------------------ membership and health
     def update(self, joined: Iterable[InstanceRecord], left: Iterable[InstanceRecord]) -> None:
         """Records that joined or changed (``draining``), and records that left (their requests
         in flight move)."""
-        for record in joined:
-            target = Target(record.name, record.grpc_url, record.model)
-            known = self._targets.get(record.name)
-            if known != target:
-                if known is not None:
-                    _lose(self.table.leave(record.name), "its record changed address")
-                self._targets[record.name] = target
-                log.info("decode instance %s joined: model %s at %s", record.name, record.model, record.grpc_url)
-            self.table.join(record.name, record.draining)
-        for record in left:
-            if self._targets.pop(record.name, None) is not None:
-                _lose(self.table.leave(record.name), "it left the membership")
+        for _, why, lost in self.table.update(joined, left):
+            _lose(lost, why)
 
     def probed(self, name: str, summary: CacheSummary | None, error: str | None) -> None:
         """The outcome of a health probe of ``name``: its cache summary (None: it sent none) or
@@ -115,21 +92,21 @@ class Router:
         _lose(self.table.probed(name, summary, error), f"its health probes failed ({error})")
 
     def targets(self) -> list[Target]:
-        return list(self._targets.values())
+        return [t for t in map(self.table.target, self.table.names()) if t is not None]
 
     def serving(self, exclude: Iterable[str] = ()) -> list[Target]:
         """The members a new request may go to: up, not draining, not in ``exclude``."""
-        return [self._targets[n] for n in self.table.serving(exclude)]
+        return [t for t in map(self.table.target, self.table.serving(exclude)) if t is not None]
 
     def down_reasons(self) -> str:
         return self.table.down_reasons()
 
     def status(self) -> list[tuple[Target, TargetStatus]]:
-        return [(self._targets[s.name], s) for s in self.table.status() if s.name in self._targets]
+        return [(t, s) for s in self.table.status() if (t := self.table.target(s.name)) is not None]
 
     def pick(self, journey: Journey, exclude: Iterable[str] = ()) -> Target | None:
         name = self.table.pick(journey, exclude)
-        return None if name is None else self._targets[name]
+        return None if name is None else self.table.target(name)
 
     # ------------------------------------------------------------ routing
     async def generate(
@@ -158,9 +135,14 @@ class Router:
                 if moved.reason == "stream_error":  # counts as a failed probe of that instance
                     _lose(self.table.failed(target.name, moved.why), f"its streams failed ({moved.why})")
                 try:
-                    target = self._targets[self.table.move(journey, target.name, moved.why, moved.reason)]
+                    retry = self.table.target(self.table.move(journey, target.name, moved.why, moved.reason))
                 except NotMoved as e:
                     raise GenerationError(ErrorKind.OUT_OF_SERVICE, e.message) from None
+                if retry is None:  # it left in this very moment
+                    raise GenerationError(
+                        ErrorKind.OUT_OF_SERVICE, f"{target.name}: {moved.why}; its successor left"
+                    ) from None
+                target = retry
 
     async def _first_pick(self, journey: _Journey) -> Target:
         deadline = asyncio.get_running_loop().time() + self.settings.health_probe_timeout_s

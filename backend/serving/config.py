@@ -212,31 +212,49 @@ ROUTER_SETTINGS = tuple(f.name for f in dataclasses.fields(RouterSettings))
 
 @dataclass(frozen=True)
 class FrontConfig(RouterSettings):
-    """The disaggregated front model: ``decode_models`` it routes to (comma-separated), with the
-    router settings of :class:`RouterSettings`. ``model_path``: the tokenizer that makes the
-    prompt's token ids for KV-aware routing (the decode models' own); empty: routed by load
-    alone."""
+    """The disaggregated front model, with the router settings of :class:`RouterSettings`.
+    ``decode_models``: the decode models of its own server it routes to (comma-separated); empty:
+    every decode instance in the deployment's membership (``membership.discovery``), on every
+    server of the deployment (those of its own server by BLS, the others over gRPC).
+    ``model_path``: the tokenizer that makes the prompt's token ids for KV-aware routing (the
+    decode models' own); empty: routed by load alone. ``membership``: the membership parameters
+    (``discovery``, ``deployment``, ``deployment_secret_file``, ...: :class:`MembershipConfig`)."""
 
-    decode_models: str = "decode"
+    decode_models: str = ""
     model_path: str = ""
+    membership: MembershipConfig = dataclasses.field(default_factory=MembershipConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.targets():
-            raise ValueError("parameter 'decode_models' lists no decode model")
+        if not self.targets() and not self.membership.discovery:
+            raise ValueError(
+                "parameter 'decode_models' lists no decode model and no 'discovery' names the deployment's "
+                "membership: the front model has nothing to route to"
+            )
 
     def targets(self) -> list[str]:
+        """The fixed decode models (empty: the membership's decode instances)."""
         return [m.strip() for m in self.decode_models.split(",") if m.strip()]
 
     @classmethod
     def from_parameters(cls, params: dict) -> "FrontConfig":
-        return parse_section(cls, params, "front model")
+        params = accept_renamed(dict(params))
+        section = {k: v for k, v in params.items() if k in MEMBERSHIP_FIELDS}
+        rest = {k: v for k, v in params.items() if k not in MEMBERSHIP_FIELDS}
+        if "membership" in rest:
+            raise ValueError("parameter 'membership' names a section of settings, not a value")
+        membership = parse_section(MembershipConfig, section, "membership")
+        return parse_section(cls, {**rest, "membership": membership}, "front model")
+
+
+MEMBERSHIP_FIELDS = frozenset(field_types(MembershipConfig))
 
 
 def parameter_defaults(role: str) -> dict[str, str]:
     """Every parameter of a role's model with its default, as config.pbtxt strings."""
     if role == "front":
-        return {f.name: _to_string(f.default) for f in FrontConfig.__dataclass_fields__.values()}
+        fields = [f for f in dataclasses.fields(FrontConfig) if f.name != "membership"]
+        return {f.name: _to_string(f.default) for f in [*fields, *dataclasses.fields(MembershipConfig)]}
     out = {"role": role, "model_path": ""}
     for cls in SECTIONS.values():
         for f in dataclasses.fields(cls):

@@ -32,16 +32,32 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from backend.cluster.records import InstanceRecord
 from backend.engine.cache_summary import CacheSummary
+from backend.engine.outputs import ErrorKind
 from backend.serving.config import RouterSettings
 from backend.serving.kv_router import KVRouter
 
 # why a request moved (the migrations counter's label): its target went down or left, or its
 # stream failed or ended early in a way that is not the request's fault
 REASONS = ("instance_down", "stream_error")
+# error kinds that say the target, not the request, failed (or takes nothing new: draining): the
+# request moves (an error without a kind is Triton's own, e.g. a dead stub's)
+MOVABLE = (None, ErrorKind.OUT_OF_SERVICE, ErrorKind.DRAINING)
 NEVER_PROBED = "no health probe passed yet"
 FIRST_PROBE_INTERVAL_S = 0.1
 FIRST_PICK_POLL_S = 0.02  # how often a request that waits for a first passing probe looks again
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a target is: ``name`` (its membership record's, or the front model's decode model),
+    reached at ``grpc_url`` (Triton's gRPC host:port; "" for the router's own server) as Triton
+    model ``model``."""
+
+    name: str
+    grpc_url: str
+    model: str
 
 
 @dataclass(eq=False)
@@ -120,12 +136,43 @@ class RoutingTable:
         self.kv = KVRouter(settings.kv_routing_weight)
         self.migrations: Counter[str] = Counter()
         self._targets: dict[str, TargetState] = {}
+        self._where: dict[str, Target] = {}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ membership
-    def join(self, name: str, draining: bool = False) -> None:
-        """``name`` is a target (routable after its first passing probe)."""
+    def update(
+        self, joined: Iterable[InstanceRecord], left: Iterable[InstanceRecord]
+    ) -> list[tuple[str, str, list[Journey]]]:
+        """Membership records that joined or changed (``draining``, or an address: the requests
+        in flight at the old one move), and records that left. Returns the requests in flight to
+        move: (target, why, requests)."""
+        lost: list[tuple[str, str, list[Journey]]] = []
+        for record in joined:
+            target = Target(record.name, record.grpc_url, record.model)
+            known = self.target(record.name)
+            if known != target:
+                if known is not None:
+                    lost.append((record.name, "its record changed address", self.leave(record.name)))
+                self.log.info("%s %s joined: model %s at %s", self.noun, record.name, record.model, record.grpc_url)
+            self.join(target, record.draining)
+        for record in left:
+            if self.target(record.name) is not None:
+                lost.append((record.name, "it left the membership", self.leave(record.name)))
+        return lost
+
+    def target(self, name: str) -> Target | None:
+        """Where ``name`` is; None once it left."""
         with self._lock:
+            return self._where.get(name)
+
+    def join(self, target: Target | str, draining: bool = False) -> None:
+        """``target`` is a target (routable after its first passing probe); a bare name is the
+        decode model of that name on the router's own server."""
+        if isinstance(target, str):
+            target = Target(target, "", target)
+        name = target.name
+        with self._lock:
+            self._where[name] = target
             if name not in self._targets:
                 self._targets[name] = TargetState(name, draining=draining)
                 return
@@ -138,6 +185,7 @@ class RoutingTable:
         """``name`` left: the requests in flight there, to move."""
         with self._lock:
             state = self._targets.pop(name, None)
+            self._where.pop(name, None)
         self.kv.forget(name)
         if state is None:
             return []

@@ -1,54 +1,119 @@
-"""The front model's decode models as the routing core sees them (``backend/serving/routing.py``,
-shared with the OpenAI frontend: health, the KV-aware pick, moves): this file sends the probes.
+"""The front model's decode targets as the routing core sees them (``backend/serving/routing.py``,
+shared with the OpenAI frontend: health, the KV-aware pick, moves): which they are, how each is
+reached (``backend/triton/decode_link.py``), and their probes.
 
-Every ``health_probe_interval_s`` (every 0.1 s while a model has never passed one) each decode
-model gets a control request (``health_probe``) on its own thread; it answers with an empty
-final response, carrying its cache summary (``instance_state``), while it can serve. A probe that
-errs (a dead stub answers "not healthy", a decode instance without a prefill connection or a
-lost tensor-parallel rank answers "out of service") or stays unanswered for
-``health_probe_timeout_s`` is a failure; a draining one answers "draining": it gets no new
-requests, and its requests in flight go on. The core decides when a model is up or down; the
-requests in flight on one that goes down go to ``on_lost``, which moves them.
+Which: the fixed ``decode_models`` of this server, or, when that is empty, every decode instance
+of the deployment's membership (``discovery``: a ``Membership(role="decode")``,
+``backend/cluster/``; a record that fails verification is logged and never routed to). A
+record whose ``grpc_url`` is this server's (``TRITON_DISAGG_GRPC_URL``, set by the launcher) is
+reached by BLS, any other over gRPC: a client of this server's Triton API reaches the decode
+instances of every server, and its streams move off a server that dies.
+
+Every ``health_probe_interval_s`` (every 0.1 s while a target has never passed one) each target
+gets a control request (``health_probe``) on its own thread; it answers with an empty final
+response, carrying its cache summary (``instance_state``), while it can serve. A probe that errs
+(a dead stub answers "not healthy", a dead server does not answer, a decode instance without a
+prefill connection or a lost tensor-parallel rank answers "out of service") or stays unanswered
+for ``health_probe_timeout_s`` is a failure; a draining one answers "draining": it gets no new
+requests, and its requests in flight go on. The core decides when a target is up or down; the
+requests in flight on one that goes down or leaves go to ``on_lost``, which moves them.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 
-import numpy as np
-
+from backend.cluster.etcd import EtcdClient
+from backend.cluster.membership import Membership
+from backend.cluster.records import InstanceRecord, routable
+from backend.disagg.auth import load_secret
 from backend.engine.cache_summary import CacheSummary
 from backend.engine.outputs import ErrorKind
 from backend.serving.config import FrontConfig
+from backend.serving.discovery import GRPC_URL_ENV
 from backend.serving.errors import parse_error
-from backend.serving.routing import Journey, RoutingTable
-from backend.serving.tensors import STATE_OUTPUT
+from backend.serving.routing import Journey, RoutingTable, Target
+from backend.serving.tensors import OUTPUTS, STATE_OUTPUT
+from backend.triton.decode_link import BlsLink, DecodeLink, GrpcLink
 
 log = logging.getLogger("triton_disagg.front")
+LISTING_WAIT_S = 5.0  # how long the front's start waits for the membership's first listing
 
 
 class DecodeTargets:
-    """The routing core over the ``decode_models`` (``table``) and their probes;
-    ``on_lost(name, reason, requests)`` runs when a model goes down with the requests it had."""
+    """The routing core over the front's decode targets (``table``), their links and probes;
+    ``on_lost(name, reason, requests)`` runs when a target goes down or leaves with the requests
+    it had."""
 
     def __init__(self, pb_utils, config: FrontConfig, on_lost: Callable[[str, str, list[Journey]], None]):
         self.pb, self.config, self._on_lost = pb_utils, config, on_lost
-        self.table = RoutingTable(config, log, noun="decode model")
+        self.table = RoutingTable(config, log, noun="decode instance" if self.spans_servers else "decode model")
         for name in config.targets():
             self.table.join(name)
+        self._own_url = os.environ.get(GRPC_URL_ENV, "")
+        self._outputs = [o.name for o in OUTPUTS]
+        self._links: dict[str, DecodeLink] = {}
+        self._membership: Membership | None = None
         self._probing: dict[str, float] = {}  # name -> when its outstanding probe was sent
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._probe_loop, name="front-probes", daemon=True)
 
+    @property
+    def spans_servers(self) -> bool:
+        """True when the targets are the membership's decode instances (no fixed list)."""
+        return not self.config.targets()
+
     def start(self) -> None:
-        """Begin probing. Call it when the front model's ``initialize`` is done: a probe (a BLS
-        request) sent while the calling model still initializes took tritonserver down."""
+        """Join the membership and begin probing. Call it when the front model's ``initialize``
+        is done: a probe (a BLS request) sent while the calling model still initializes took
+        tritonserver down."""
+        c = self.config.membership
+        if self.spans_servers:
+            self._membership = Membership(
+                EtcdClient(c.discovery),
+                c.deployment,
+                load_secret(c.deployment_secret_file),
+                role="decode",
+                accept=routable,
+                on_change=self._changed,
+                grace_s=c.membership_grace_s,
+            )
+            if not self._membership.wait_listed(LISTING_WAIT_S):
+                log.warning("etcd at %s does not answer yet: no decode instance known", c.discovery)
+            log.info(
+                "routing across the decode instances of deployment %r in %s (this server: %s)",
+                c.deployment,
+                c.discovery,
+                self._own_url or "its address unknown: every instance over gRPC",
+            )
         self._thread.start()
+
+    def _changed(self, joined: list[InstanceRecord], left: list[InstanceRecord]) -> None:  # membership thread
+        for name, why, lost in self.table.update(joined, left):
+            if lost:
+                self._on_lost(name, why, lost)
+
+    def link(self, name: str) -> DecodeLink | None:
+        """How to reach target ``name`` (None once it left)."""
+        target = self.table.target(name)
+        if target is None:
+            return None
+        with self._lock:
+            link = self._links.get(name)
+            if link is None or link.target != target:
+                link = self._links[name] = self._make_link(target)
+        return link
+
+    def _make_link(self, target: Target) -> DecodeLink:
+        if not target.grpc_url or target.grpc_url == self._own_url:
+            return BlsLink(self.pb, target, self._outputs)
+        return GrpcLink(target, self.config.health_probe_timeout_s)
 
     def failed(self, name: str, why: str) -> None:
         """A failed probe of ``name``, or a stream it ended that was not the request's fault."""
@@ -74,17 +139,14 @@ class DecodeTargets:
                 return
 
     def _probe(self, name: str) -> None:
-        pb = self.pb
         error, summary = None, None
         try:
-            probe = pb.Tensor("health_probe", np.array([True], dtype=bool))
-            for resp in pb.InferenceRequest(
-                model_name=name, inputs=[probe], requested_output_names=[STATE_OUTPUT.name]
-            ).exec(decoupled=True):
-                if resp.has_error():
-                    error = resp.error().message()
+            link = self.link(name)
+            for reply in link.probe() if link is not None else []:
+                if reply.error is not None:
+                    error = reply.error
                 else:
-                    summary = _read_state(name, pb.get_output_tensor_by_name(resp, STATE_OUTPUT.name)) or summary
+                    summary = _read_state(name, reply.outputs.get(STATE_OUTPUT.name)) or summary
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
         with self._lock:
@@ -94,19 +156,30 @@ class DecodeTargets:
         else:
             self.table.probed(name, summary, error, draining=error is not None)
 
-    def gauges(self) -> dict[str, float]:
-        """1 for each decode model the front routes new requests to, else 0."""
-        return {s.name: float(s.serving) for s in self.table.status()}
+    def gauges(self) -> dict[tuple[str, str], float]:
+        """(decode model, gRPC address; "" for this server's) -> 1 while the front routes new
+        requests to an instance there, else 0. Keyed by where, not by instance: a reloaded stub
+        (a new instance, a new record) is the same decode model again."""
+        out: dict[tuple[str, str], float] = {}
+        for s in self.table.status():
+            where = self.table.target(s.name)
+            if where is not None:
+                url = "" if where.grpc_url == self._own_url else where.grpc_url
+                key = (where.model, url)
+                out[key] = max(out.get(key, 0.0), float(s.serving))
+        return out
 
     def close(self) -> None:
         self._stop.set()
+        if self._membership is not None:
+            self._membership.close()
 
 
-def _read_state(name: str, tensor) -> CacheSummary | None:
-    if tensor is None:
+def _read_state(name: str, arr) -> CacheSummary | None:
+    if arr is None:
         return None  # the final (empty) response, or a decode model that does not report
     try:
-        return CacheSummary.from_json(json.loads(tensor.as_numpy().reshape(-1)[0]))
+        return CacheSummary.from_json(json.loads(arr.reshape(-1)[0]))
     except ValueError as e:
-        log.warning("decode model %s: unreadable instance_state (%s); routing by load there", name, e)
+        log.warning("decode target %s: unreadable instance_state (%s); routing by load there", name, e)
         return None

@@ -1,26 +1,29 @@
 """Triton Python-backend front model of the disaggregated deployment.
 
 Clients call it with the same tensors as the aggregated ``llm`` model. It tokenizes the prompt
-as the decode models do and sends each request to one decode model (the ``decode_models``
-parameter lists them) with a decoupled BLS call and streams the responses back as they arrive.
-Which one, and where a request goes when its decode model fails it, is the routing core's
-(``backend/serving/routing.py``, the same as the OpenAI frontend's; its probes are sent by
-``backend/triton/decode_targets.py``): among the serving ones, the lowest KV-aware routing cost
-(prompt pages it does not cache, and load). A
-response whose ``finish_reason`` is set is the last one. A client that cancels gets its
-request cancelled on the decode model by a control request (``cancel_request_id``), so the
-decode instance (and the prefill instance working for it) stop and free their pages.
+as the decode models do and sends each request to one decode target, streaming the responses
+back as they arrive. The targets (``backend/triton/decode_targets.py``): every decode instance
+of the deployment's membership, on every server (this server's by a decoupled BLS call, the
+others' by a gRPC stream: ``backend/triton/decode_link.py``), or, with ``decode_models``, a
+fixed list of this server's decode models. Which one, and where a request goes when its target
+fails it, is the routing core's (``backend/serving/routing.py``, the same as the OpenAI
+frontend's): among the serving ones, the lowest KV-aware routing cost (prompt pages it does not
+cache, and load). A response whose ``finish_reason`` is set is the last one. A client that
+cancels gets its request cancelled on the target (a control request, ``cancel_request_id``,
+through BLS; Triton's request cancellation over gRPC), so the decode instance (and the prefill
+instance working for it) stop and free their pages.
 
-Request migration: when a decode model goes down (its health probes fail), answers a request
-as out of service, fails in a way that is not the request's fault (Triton's error for a dead
-stub) or ends its stream early (which counts as a failed probe of it), the request moves to
-another serving decode model, never one that failed it before, with the output its client
-already has (``resume_token_ids``); that model computes or fetches the KV of
-prompt plus output (its prefix cache, a prefill instance, or itself) and continues the stream
-where it stopped: the client sees one stream, no token repeated or lost (greedy output equals
-an uninterrupted run; a guided request's grammar replays the sent tokens; a sampled one goes on
-with its parameters). At most ``migration_limit`` moves per request. When the deployment stops
-(``backend/triton/lifecycle.py``), every request fails with the drain message.
+Request migration: when a target goes down (its health probes fail) or leaves the membership,
+answers a request as out of service, fails in a way that is not the request's fault (Triton's
+error for a dead stub, a broken call to a server that died) or ends its stream early (which
+counts as a failed probe of it), the request moves to another serving target, never one that
+failed it before, with the output its client already has (``resume_token_ids``); that target
+computes or fetches the KV of prompt plus output (its prefix cache, a prefill instance, or
+itself) and continues the stream where it stopped: the client sees one stream, no token
+repeated or lost (greedy output equals an uninterrupted run; a guided request's grammar replays
+the sent tokens; a sampled one goes on with its parameters). At most ``migration_limit`` moves
+per request. When the deployment stops (``backend/triton/lifecycle.py``), every request fails
+with the drain message.
 """
 
 from __future__ import annotations
@@ -37,8 +40,7 @@ from backend.engine.outputs import ErrorKind
 from backend.serving.config import FrontConfig
 from backend.serving.errors import parse_error
 from backend.serving.request import parse_request, prompt_token_ids
-from backend.serving.routing import FIRST_PICK_POLL_S, REASONS, Journey, NotMoved
-from backend.serving.tensors import OUTPUTS
+from backend.serving.routing import FIRST_PICK_POLL_S, MOVABLE, REASONS, Journey, NotMoved
 from backend.triton.decode_targets import DecodeTargets
 from backend.triton.lifecycle import DRAIN_MESSAGE, DrainWatch
 from backend.triton.model_args import init_model
@@ -52,7 +54,6 @@ class TritonPythonModel:
     def initialize(self, args):
         self.pb, cfg, params, _ = init_model(args)
         config = FrontConfig.from_parameters(params)
-        self.outputs = [o.name for o in OUTPUTS]
         self.draining = False
         self.config = config
         self.targets = DecodeTargets(self.pb, config, self._fail_lost)
@@ -81,7 +82,7 @@ class TritonPythonModel:
                 pages,
                 sent=_resume_ids(arrays),
                 sender=sender,
-                inputs=[pb.Tensor(name, arr) for name, arr in arrays.items() if name != RESUME],
+                inputs={name: arr for name, arr in arrays.items() if name != RESUME},
             )
             target = None if self.draining else self.table.pick(fwd)
             if target is None and not self.draining and self.table.awaiting_first_probe():
@@ -92,7 +93,7 @@ class TritonPythonModel:
 
     def _begin(self, fwd: "Forwarding", target: str | None) -> None:
         if target is None:
-            why = DRAIN_MESSAGE if self.draining else f"no decode model is serving ({self.table.down_reasons()})"
+            why = DRAIN_MESSAGE if self.draining else f"no {self.table.noun} is serving ({self.table.down_reasons()})"
             _send_error(self.pb, fwd.sender, ErrorKind.OUT_OF_SERVICE, why)
             return
         with fwd.lock:
@@ -133,26 +134,24 @@ class TritonPythonModel:
         output already sent goes along as ``resume_token_ids``."""
         fwd.attempt += 1
         fwd.target = target
-        inputs = list(fwd.inputs)
+        inputs = dict(fwd.inputs)
         if fwd.sent:
-            inputs.append(self.pb.Tensor(RESUME, np.array(fwd.sent, dtype=np.int32)))
+            inputs[RESUME] = np.array(fwd.sent, dtype=np.int32)
         threading.Thread(target=self._forward, args=(fwd, target, fwd.attempt, inputs), daemon=True).start()
 
-    def _relayed(self, fwd: "Forwarding", tensors: list) -> list:
+    def _relayed(self, fwd: "Forwarding", outputs: dict) -> list:
         """A decode model's response as the client gets it across moves: the prompt's
         log-probabilities go once (a later attempt is not asked for them again), and
         ``cum_log_probs`` counts the output of earlier attempts too."""
         out = []
-        for t in tensors:
-            name = t.name()
+        for name, arr in outputs.items():
             if name == "prompt_log_probs":
-                fwd.inputs = [i for i in fwd.inputs if i.name() != "return_prompt_log_probs"]
+                fwd.inputs.pop("return_prompt_log_probs", None)
                 if not fwd.relay_prompt():
                     continue  # an earlier attempt sent them
             elif name == "cum_log_probs":
-                cum = fwd.cumulative(float(t.as_numpy().reshape(-1)[0]))
-                t = self.pb.Tensor(name, np.array([cum], dtype=np.float32))
-            out.append(t)
+                arr = np.array([fwd.cumulative(float(arr.reshape(-1)[0]))], dtype=np.float32)
+            out.append(self.pb.Tensor(name, arr))
         return out
 
     def _move(self, fwd: "Forwarding", attempt: int, target: str, why: str, reason: str) -> None:
@@ -189,61 +188,60 @@ class TritonPythonModel:
         self.targets.close()  # no more probes: the decode models drain too
         log.warning("front model: the server stops; %d request(s) in flight may finish", len(self.table.in_flight()))
 
-    def _forward(self, fwd: "Forwarding", target: str, attempt: int, inputs: list) -> None:
+    def _forward(self, fwd: "Forwarding", target: str, attempt: int, inputs: dict) -> None:
         ended = self._forward_once(fwd, target, attempt, inputs)
         self.table.done(target, fwd)
         if ended is not None:
             self.targets.failed(target, ended)  # counts as a failed probe of it
             self._move(fwd, attempt, target, ended, "stream_error")
 
-    def _forward_once(self, fwd: "Forwarding", target: str, attempt: int, inputs: list):
-        """Relay one attempt. Returns why the decode model stopped serving the request before
-        its end (its out-of-service error, an error that is not ours, e.g. Triton's for a dead
-        stub, or a stream that ended without a final response; the caller moves it elsewhere),
-        or None when it is answered or failed for good."""
-        pb = self.pb
+    def _forward_once(self, fwd: "Forwarding", target: str, attempt: int, inputs: dict):
+        """Relay one attempt. Returns why the target stopped serving the request before its end
+        (its out-of-service error, an error that is not ours, e.g. Triton's for a dead stub or
+        a broken call to a dead server, or a stream that ended without a final response; the
+        caller moves it elsewhere), or None when it is answered or failed for good."""
+        link = self.targets.link(target)
+        if link is None:
+            return "it left the membership"
+        call = link.open(f"{fwd.request_id}-{attempt}", inputs)
         stop = threading.Event()
-        request_id = f"{fwd.request_id}-{attempt}"
-        # exec() below blocks until the first response; the watcher must run already
-        threading.Thread(target=self._watch_cancel, args=(fwd.sender, target, request_id, stop), daemon=True).start()
+        # the first response may take long (a prefill): the watcher must run already
+        threading.Thread(target=self._watch, args=(fwd, attempt, target, call, stop), daemon=True).start()
         try:
-            responses = pb.InferenceRequest(
-                model_name=target, inputs=inputs, request_id=request_id, requested_output_names=self.outputs
-            ).exec(decoupled=True)
-            return self._relay(fwd, attempt, responses)
+            return self._relay(fwd, attempt, call.replies())
         except Exception as e:
             log.warning("forwarding to %s failed: %s", target, e)
             return f"{type(e).__name__}: {e}"
         finally:
             stop.set()
+            call.finish()
 
-    def _relay(self, fwd: "Forwarding", attempt: int, responses):
+    def _relay(self, fwd: "Forwarding", attempt: int, replies):
         pb = self.pb
         final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         sender = fwd.sender
-        for resp in responses:
+        for reply in replies:
             with fwd.lock:
                 if fwd.attempt != attempt or sender.closed:  # superseded, or failed here already
                     return None
                 if sender.is_cancelled():
                     return None
-                if resp.has_error():
-                    kind, message = parse_error(resp.error().message())
-                    if kind in (None, ErrorKind.OUT_OF_SERVICE, ErrorKind.DRAINING):
-                        return message  # Triton's answer for a dead stub, or ours: moved elsewhere
-                    sender.send(pb.InferenceResponse(error=resp.error()), flags=final)
+                if reply.error is not None:
+                    kind, message = parse_error(reply.error)
+                    if kind in MOVABLE:
+                        return message  # Triton's answer for a dead stub or server, or ours: moved elsewhere
+                    _send_error(pb, sender, kind, message)
                     return None
-                tensors = resp.output_tensors()
-                if not tensors:
+                if not reply.outputs:
                     continue
-                reason = pb.get_output_tensor_by_name(resp, "finish_reason")
-                last = reason is not None and reason.as_numpy().reshape(-1)[0] not in (b"", "")
+                reason = reply.outputs.get("finish_reason")
+                last = reason is not None and reason.reshape(-1)[0] not in (b"", "")
                 sender.send(
-                    pb.InferenceResponse(output_tensors=self._relayed(fwd, tensors)), flags=final if last else 0
+                    pb.InferenceResponse(output_tensors=self._relayed(fwd, reply.outputs)), flags=final if last else 0
                 )
-                ids = pb.get_output_tensor_by_name(resp, "output_token_ids")
+                ids = reply.outputs.get("output_token_ids")
                 if ids is not None:
-                    fwd.sent.extend(int(t) for t in ids.as_numpy().reshape(-1))
+                    fwd.sent.extend(int(t) for t in ids.reshape(-1))
                 if last:
                     return None
         with fwd.lock:
@@ -251,24 +249,16 @@ class TritonPythonModel:
                 return None
         return "its stream ended before the request finished"
 
-    def _watch_cancel(self, sender, target: str, request_id: str, stop: threading.Event) -> None:
-        """When the client cancels, tell the decode model to cancel ``request_id`` at once, even
-        before any token (e.g. while its prefill runs), so both sides free their pages. (This
-        Triton's BLS response iterator has no cancel(); a control request does the job.)"""
-        pb = self.pb
+    def _watch(self, fwd: "Forwarding", attempt: int, target: str, call, stop: threading.Event) -> None:
+        """When the client cancels, or the request moved elsewhere meanwhile (its target went
+        down), cancel this attempt there at once, even before any token (e.g. while its prefill
+        runs), so that both sides free their pages."""
         while not stop.wait(0.05):
-            if not sender.is_cancelled():
-                continue
-            control = pb.Tensor("cancel_request_id", np.array([request_id.encode()], dtype=object))
-            try:
-                for _ in pb.InferenceRequest(model_name=target, inputs=[control], requested_output_names=[]).exec(
-                    decoupled=True
-                ):
-                    pass
-                log.info("client cancelled %s; cancelled it on %s", request_id, target)
-            except Exception as e:
-                log.warning("could not cancel %s on %s: %s", request_id, target, e)
-            return
+            if fwd.sender.is_cancelled() or fwd.attempt != attempt:
+                why = "the client cancelled" if fwd.sender.is_cancelled() else "it moved elsewhere"
+                log.info("%s attempt %d: %s; cancelling it on %s", fwd.request_id, attempt, why, target)
+                call.cancel()
+                return
 
     def finalize(self):
         self.draining = True
@@ -287,7 +277,7 @@ class Forwarding(Journey):
     attempt on a decode model that stopped serving it) and ``target`` where it runs."""
 
     sender: GuardedSender
-    inputs: list  # the client's tensors, without resume_token_ids
+    inputs: dict  # the client's tensors (name -> array), without resume_token_ids
     attempt: int = 0
     target: str = ""
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -312,8 +302,9 @@ def _send_error(pb, sender: GuardedSender, kind: ErrorKind, message: str) -> Non
 
 
 class FrontMetrics:
-    """``triton_disagg_decode_target_up{model, target}``: 1 while the front routes to that decode
-    model; ``triton_disagg_requests_active{model}``: requests the front is relaying;
+    """``triton_disagg_decode_target_up{model, target, grpc_url}``: 1 while the front routes to
+    decode model ``target`` at ``grpc_url`` ("" for its own server's);
+    ``triton_disagg_requests_active{model}``: requests the front is relaying;
     ``triton_disagg_router_query_tokens_total`` / ``_router_predicted_hit_tokens_total``: prompt
     tokens routed, and how many of them the chosen decode model was judged to cache;
     ``triton_disagg_migrations_total{model, reason}``: requests moved to another decode model
@@ -339,7 +330,8 @@ class FrontMetrics:
             description="requests admitted and not finished in this instance",
             kind=pb.MetricFamily.GAUGE,
         )
-        self._up = {t: self._up_family.Metric(labels={"model": model, "target": t}) for t in targets.table.names()}
+        self._model = model
+        self._up: dict = {}  # (decode model, grpc_url) -> its gauge
         self._active = self._active_family.Metric(labels={"model": model, "instance": model})
         self._router_families = [
             pb.MetricFamily(name=f"triton_disagg_router_{name}_total", description=text, kind=pb.MetricFamily.COUNTER)
@@ -358,8 +350,12 @@ class FrontMetrics:
 
     def _refresh(self, period_s: float) -> None:
         while not self._stop.wait(period_s):
-            for name, up in self._targets.gauges().items():
-                self._up[name].set(up)
+            gauges = self._targets.gauges()
+            for key in gauges.keys() - self._up.keys():
+                model, url = key
+                self._up[key] = self._up_family.Metric(labels={"model": self._model, "target": model, "grpc_url": url})
+            for key, metric in self._up.items():
+                metric.set(gauges.get(key, 0.0))  # none there now (left, or a server down): 0
             self._active.set(float(len(self._targets.table.in_flight())))
             counters = dict(self._targets.table.kv.counters)
             for name, metric in self._router.items():

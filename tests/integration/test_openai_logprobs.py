@@ -1,7 +1,7 @@
 """Log-probabilities, echo and token-id prompts through the OpenAI API, end to end: a real
 frontend process in front of a real tritonserver (aggregated; one check through the
 disaggregated front; a stream with echo and logprobs that moves when its decode instance is
-killed is in ``test_openai_router.py``). Prompt scoring (``echo`` with ``max_tokens`` 0, and lm-eval's
+killed is in ``test_two_servers.py``). Prompt scoring (``echo`` with ``max_tokens`` 0, and lm-eval's
 ``local-completions`` payload) and a generated continuation give the log-probabilities
 transformers computes on the same model in float32 (within 1e-3); chat ``logprobs`` and
 ``top_logprobs``; streamed chunks carry their tokens' log-probabilities; the 400s name the

@@ -74,6 +74,23 @@ def test_front_config():
         FrontConfig.from_parameters({"decode_models": " , "})
     with pytest.raises(ValueError, match="kv_routing_weight"):
         FrontConfig.from_parameters({"kv_routing_weight": "-1"})
+    # no fixed list: the deployment's membership (every server), its settings parsed as the instances' are
+    spanning = FrontConfig.from_parameters({"discovery": "etcd://h:2379", "deployment": "d", "membership_grace_s": "3"})
+    assert spanning.targets() == [] and spanning.membership.deployment == "d"
+    assert spanning.membership.membership_grace_s == 3.0
+    with pytest.raises(ValueError, match="discovery 'h:1' must be etcd://HOST:PORT"):
+        FrontConfig.from_parameters({"discovery": "h:1"})
+    with pytest.raises(ValueError, match="parameter 'membership' names a section"):
+        FrontConfig.from_parameters({"decode_models": "d", "membership": "x"})
+    with pytest.raises(ValueError, match=r"unknown front model parameter\(s\) \['discovry'\]"):
+        FrontConfig.from_parameters({"discovry": "etcd://h:1"})
+
+
+def test_a_front_with_a_membership_is_rendered_without_a_fixed_list(tmp_path):
+    repo = render_deployment(tmp_path / "repo", mode="disagg", model_path="/m", discovery="etcd://127.0.0.1:2379")
+    params = read_parameters((repo / "llm" / "config.pbtxt").read_text())
+    assert params["decode_models"] == "" and params["discovery"] == "etcd://127.0.0.1:2379"
+    assert FrontConfig.from_parameters(params).membership.discovery == "etcd://127.0.0.1:2379"
 
 
 def test_rendered_repository_lists_tensors_and_every_parameter(tmp_path):

@@ -26,7 +26,7 @@ def test_both_routers_start_from_the_same_settings():
         "kv_routing_weight",
         "migration_limit",
     )
-    front = FrontConfig()
+    front = FrontConfig(decode_models="decode_0")
     assert {n: getattr(front, n) for n in ROUTER_SETTINGS} == dataclasses.asdict(RouterSettings())
     assert FrontendConfig("unused:1").router == RouterSettings()
     assert Router().table.settings == RouterSettings()

@@ -10,10 +10,11 @@ import logging
 
 import pytest
 
+from backend.cluster.records import InstanceRecord
 from backend.engine.cache_summary import CacheSummary, page_key
 from backend.engine.page_allocator import page_hashes
 from backend.serving.config import RouterSettings
-from backend.serving.routing import FIRST_PROBE_INTERVAL_S, Journey, NotMoved, RoutingTable
+from backend.serving.routing import FIRST_PROBE_INTERVAL_S, Journey, NotMoved, RoutingTable, Target
 
 SALT = "00"
 log = logging.getLogger("test_routing")
@@ -167,3 +168,32 @@ def test_a_changed_draining_flag_is_logged_once(caplog):
     assert lines.count("decode instance a drains: no new requests") == 1
     assert sum("drains ([draining] stops)" in m for m in lines) == 1
     assert "decode instance a serves; routing to it" in lines
+
+
+def record(name: str, url: str = "a:8001", model: str = "decode_0", draining: bool = False) -> InstanceRecord:
+    return InstanceRecord("default", name, "decode", url, model, "", "m", "k", 1, 0.0, draining=draining)
+
+
+def test_membership_records_become_targets_and_a_moved_or_departed_one_hands_back_its_requests():
+    t = RoutingTable(RouterSettings(), log)
+    assert t.update([record("x"), record("y", url="b:8001")], []) == []
+    assert t.target("y") == Target("y", "b:8001", "decode_0") and sorted(t.names()) == ["x", "y"]
+    for n in ("x", "y"):
+        t.probed(n, summary())
+    j = journey()
+    where = t.pick(j, exclude=["x"])
+    assert where == "y"
+    # the same record again (its lease renewed, say): nothing moves; draining: no new requests
+    assert t.update([record("y", url="b:8001", draining=True)], []) == []
+    assert t.serving() == ["x"] and t.target("y") is not None
+    # a new address: the requests in flight at the old one move; it must pass a probe again
+    assert t.update([record("y", url="c:8001")], []) == [("y", "its record changed address", [j])]
+    assert t.target("y") == Target("y", "c:8001", "decode_0") and t.serving() == ["x"]
+    j2 = journey()
+    t.probed("y", summary())
+    assert t.pick(j2, exclude=["x"]) == "y"
+    assert t.update([], [record("y", url="c:8001")]) == [("y", "it left the membership", [j2])]
+    assert t.target("y") is None and t.names() == ["x"]
+    assert t.update([], [record("y")]) == []  # gone already
+    t.join("decode_3")  # a fixed decode model: on the router's own server
+    assert t.target("decode_3") == Target("decode_3", "", "decode_3")

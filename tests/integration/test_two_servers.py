@@ -1,19 +1,23 @@
-"""The OpenAI frontend routing across two Triton servers from the deployment's membership, and
-moving requests (real etcd, real tritonservers, real NIXL, the real model):
+"""One deployment across two Triton servers, reached through both APIs (real etcd, real
+tritonservers, real NIXL, the real model):
 
-server A: 1 prefill + 1 decode instance (mode disagg); server B: 1 decode instance (mode decode,
-its prefill instance found in the membership: A's); both sign their records with one secret, and
-the frontend (``--discovery``) knows them only from etcd.
+server A: 1 prefill + 1 decode instance and the front model ``llm`` (mode disagg); server B: 1
+decode instance and its own front (mode decode, its prefill instance found in the membership:
+A's); both sign their records with one secret. The OpenAI frontend (``--discovery``) and both
+front models know the decode instances only from etcd.
 
-- 6 concurrent completions reach both servers' decode instances and equal transformers' greedy
-  output;
+- 6 concurrent completions through the OpenAI frontend reach both servers' decode instances and
+  equal transformers' greedy output; the same through server A's Triton API (its front model);
 - a record written into etcd with the wrong signature (pointing at a real decode model) is never
   routed to, and the frontend logs it;
 - kill -9 of a decode instance serving some of 4 long greedy streams after about 30 tokens: every
   stream completes, each equal to transformers' output (no token repeated or lost), and the
   frontend's ``triton_disagg_migrations_total`` counts the moves; a fifth stream with echo and
   logprobs gets the prompt's log-probabilities once and every output token's, equal to
-  transformers' (it moves when the killed instance served it).
+  transformers' (it moves when the killed instance served it);
+- kill -9 of server B's whole ``tritonserver`` while it serves some of 6 greedy streams of 150
+  tokens, through server A's Triton API and then through the OpenAI API: every stream
+  completes equal to transformers' output, the moves are counted; B is started again after each.
 """
 
 from __future__ import annotations
@@ -32,13 +36,23 @@ import pytest
 import requests
 import torch
 
+from backend.client import stream_generate
 from backend.cluster.etcd import EtcdClient
 from backend.cluster.records import InstanceRecord, decode, encode, key_of, prefix_of
 from backend.disagg.auth import SECRET_ENV, new_secret
 from backend.launch.openai_frontend import OpenAIFrontend
 from backend.launch.server import TritonServer
 from backend.serving.request import prompt_token_ids
-from tests.conftest import EXACT, PROMPTS, REMOTE_PREFILL, hf_greedy, metric_values, private_etcd, read_metrics
+from tests.conftest import (
+    EXACT,
+    PROMPTS,
+    REMOTE_PREFILL,
+    generate_concurrently,
+    hf_greedy,
+    metric_values,
+    private_etcd,
+    read_metrics,
+)
 
 pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
 
@@ -79,6 +93,35 @@ class Cluster:
 
     def migrations(self) -> float:
         return sum(metric_values(self.metrics, "triton_disagg_migrations_total"))
+
+
+class OpenAIStreams:
+    """Greedy streamed completions through the OpenAI frontend, one thread each (not started):
+    what each received (chunks, text) and the error it ended with."""
+
+    def __init__(self, client: openai.OpenAI, prompts: list[str], n_tokens: int):
+        self.received = [0] * len(prompts)
+        self.texts = [""] * len(prompts)
+        self.errors: list = [None] * len(prompts)
+
+        def run(i: int) -> None:
+            try:
+                chunks = client.completions.create(
+                    model=MODEL,
+                    prompt=prompts[i],
+                    max_tokens=n_tokens,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+                for chunk in chunks:
+                    if chunk.choices and chunk.choices[0].text:
+                        self.texts[i] += chunk.choices[0].text
+                        self.received[i] += 1
+            except Exception as e:  # noqa: BLE001 - asserted by the tests
+                self.errors[i] = e
+
+        self.threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
 
 
 def _start_all(servers: list[TritonServer], timeout_s: float) -> None:
@@ -229,28 +272,9 @@ N_TOKENS = 140
 
 def test_streams_move_when_their_decode_instance_is_killed(cluster, tokenizer, hf_model):
     prompts = PROMPTS[:4]
-    client = cluster.client()
-    received = [0] * len(prompts)
-    texts = [""] * len(prompts)
-    errors: list = [None] * len(prompts)
+    streams = OpenAIStreams(cluster.client(), prompts, N_TOKENS)
+    received, texts, errors = streams.received, streams.texts, streams.errors
     before = cluster.migrations()
-
-    def stream(i: int) -> None:
-        try:
-            chunks = client.completions.create(
-                model=MODEL,
-                prompt=prompts[i],
-                max_tokens=N_TOKENS,
-                temperature=0,
-                stream=True,
-                extra_body={"ignore_eos": True},
-            )
-            for chunk in chunks:
-                if chunk.choices and chunk.choices[0].text:
-                    texts[i] += chunk.choices[0].text
-                    received[i] += 1
-        except Exception as e:  # noqa: BLE001 - asserted below
-            errors[i] = e
 
     # and one more stream, greedy with echo and logprobs: the prompt's log-probabilities reach the
     # client once, and every output token's, across the move
@@ -272,8 +296,7 @@ def test_streams_move_when_their_decode_instance_is_killed(cluster, tokenizer, h
         except Exception as e:  # noqa: BLE001 - asserted below
             errors.append(e)
 
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
-    threads.append(threading.Thread(target=stream_logprobs))
+    threads = streams.threads + [threading.Thread(target=stream_logprobs)]
     [t.start() for t in threads]
     deadline = time.monotonic() + 120
     while min(received) < 30 or len(pieces) < 20 or not (active(cluster.a) or active(cluster.b)):
@@ -303,3 +326,113 @@ def test_streams_move_when_their_decode_instance_is_killed(cluster, tokenizer, h
         f"killed server {name}'s decode instance with {on_victim:.0f} stream(s) on it at {at_kill}; {moved:.0f} moved"
     )
     assert moved >= on_victim >= 1
+
+
+def front_targets_up(server: TritonServer) -> list[float]:
+    """The front model ``llm``'s decode_target_up gauges on ``server``."""
+    return metric_values(server.metrics_url, "triton_disagg_decode_target_up", model="llm")
+
+
+def front_migrations(server: TritonServer) -> float:
+    return sum(metric_values(server.metrics_url, "triton_disagg_migrations_total", model="llm"))
+
+
+def wait_all_up(cluster: Cluster, timeout_s: float = 120) -> None:
+    """Until the OpenAI frontend and server A's front model route to both decode instances
+    (and to nothing else: a killed instance's record is gone)."""
+    deadline = time.monotonic() + timeout_s
+    while sorted(cluster.targets_up().values()) != [1.0, 1.0] or sorted(front_targets_up(cluster.a)) != [1.0, 1.0]:
+        assert time.monotonic() < deadline, (cluster.targets_up(), front_targets_up(cluster.a))
+        time.sleep(0.3)
+
+
+def test_the_triton_api_reaches_both_servers(cluster, tokenizer, hf_model):
+    wait_all_up(cluster)
+    before = requests_total(cluster.a), requests_total(cluster.b)
+    prompts = PROMPTS[:6]
+    results = generate_concurrently(cluster.a.grpc_url, prompts, "llm", 16)
+    assert [r.error for r in results] == [None] * len(prompts)
+    for prompt, r in zip(prompts, results):
+        assert r.token_ids == hf_greedy(hf_model, prompt_token_ids(tokenizer, prompt, False), 16), prompt
+    deadline = time.monotonic() + 5  # the servers' metrics refresh
+    while True:
+        served = requests_total(cluster.a) - before[0], requests_total(cluster.b) - before[1]
+        if min(served) > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    print(f"decode requests through A's Triton API: server A {served[0]:.0f}, server B {served[1]:.0f}")
+    assert min(served) > 0 and sum(served) == len(prompts), served
+
+
+SERVER_KILL_TOKENS = 150
+
+
+def kill_server_b_under(cluster: Cluster, received: list[int], migrations) -> tuple[float, float]:
+    """Once every stream has 30 tokens and server B serves some of them, kill -9 its
+    tritonserver. Returns (B's streams then, the migration count before)."""
+    deadline = time.monotonic() + 120
+    while min(received) < 30 or not active(cluster.b):
+        assert time.monotonic() < deadline, (received, active(cluster.a), active(cluster.b))
+        time.sleep(0.05)
+    on_b, before = active(cluster.b), migrations()
+    assert cluster.b.proc is not None
+    os.kill(cluster.b.proc.pid, signal.SIGKILL)
+    return on_b, before
+
+
+def restart_b(cluster: Cluster) -> None:
+    cluster.b.restart(timeout_s=400)
+    wait_all_up(cluster)
+
+
+def test_triton_api_streams_move_off_a_killed_server(cluster, tokenizer, hf_model):
+    wait_all_up(cluster)
+    prompts = PROMPTS[:6]
+    received = [0] * len(prompts)
+    results: list = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        def on_text(_delta: str) -> None:
+            received[i] += 1
+
+        results[i] = stream_generate(
+            cluster.a.grpc_url, prompts[i], SERVER_KILL_TOKENS, ignore_eos=True, on_text=on_text, timeout_s=300
+        )
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    [t.start() for t in threads]
+    try:
+        on_b, before = kill_server_b_under(cluster, received, lambda: front_migrations(cluster.a))
+        [t.join(300) for t in threads]
+        assert [r.error for r in results] == [None] * len(prompts)
+        for prompt, r in zip(prompts, results):
+            want = hf_greedy(hf_model, prompt_token_ids(tokenizer, prompt, False), SERVER_KILL_TOKENS)
+            assert r.token_ids == want, prompt
+        time.sleep(0.6)  # the front's metrics refresh
+        moved = front_migrations(cluster.a) - before
+        print(f"{on_b:.0f} of {len(prompts)} streams were on server B when it was killed; {moved:.0f} moved")
+        assert moved >= on_b >= 1
+    finally:
+        [t.join(300) for t in threads]
+        restart_b(cluster)
+
+
+def test_openai_streams_move_off_a_killed_server(cluster, tokenizer, hf_model):
+    wait_all_up(cluster)
+    prompts = PROMPTS[:6]
+    streams = OpenAIStreams(cluster.client(), prompts, SERVER_KILL_TOKENS)
+    received, texts, errors, threads = streams.received, streams.texts, streams.errors, streams.threads
+    [t.start() for t in threads]
+    try:
+        on_b, before = kill_server_b_under(cluster, received, cluster.migrations)
+        [t.join(300) for t in threads]
+        assert errors == [None] * len(prompts)
+        for prompt, text in zip(prompts, texts):
+            want = hf_greedy(hf_model, prompt_token_ids(tokenizer, prompt, False), SERVER_KILL_TOKENS)
+            assert text == tokenizer.decode(want, skip_special_tokens=True), prompt
+        moved = cluster.migrations() - before
+        print(f"{on_b:.0f} of {len(prompts)} streams were on server B when it was killed; {moved:.0f} moved")
+        assert moved >= on_b >= 1
+    finally:
+        [t.join(300) for t in threads]
+        restart_b(cluster)

@@ -1,0 +1,235 @@
+"""How the front model reaches one decode model: a :class:`DecodeLink` opens an attempt of a
+request there (the client's tensors in, each response out as a :class:`Reply`: an error message,
+or the output arrays) and sends its health probe. Two kinds, one interface, so one relay and one
+prober serve both:
+
+- :class:`BlsLink`: a decode model of this Triton server, by a decoupled BLS call; a client's
+  cancellation reaches it as a control request (``cancel_request_id``; this Triton's BLS response
+  iterator has no cancel()).
+- :class:`GrpcLink`: a decode model of another server of the deployment (its membership record's
+  ``grpc_url``), by a tritonclient gRPC stream per attempt; cancelling stops the stream with
+  Triton's request cancellation, which frees the request's pages there. A finished attempt's
+  stream is closed without cancelling (cancelling a call whose final response Triton still
+  writes leaves that response in Triton's gRPC handler, holding the model).
+
+A broken call (the server died: connection reset, unavailable) is a :class:`Reply` whose error
+has no kind of ours, like Triton's answer for a dead stub: the request may move.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from backend.serving.routing import Target
+from backend.serving.tensors import PROBE_INPUT, STATE_OUTPUT
+
+log = logging.getLogger("triton_disagg.front")
+
+
+@dataclass
+class Reply:
+    """One response of a decode model: ``error`` (its message) or ``outputs`` (name -> array)."""
+
+    error: str | None = None
+    outputs: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+class Attempt(Protocol):
+    def replies(self) -> Iterator[Reply]:
+        """The responses until the final one (or an error, or a broken call)."""
+        ...
+
+    def cancel(self) -> None:
+        """Cancel the request there (the client went away, or it moved elsewhere)."""
+        ...
+
+    def finish(self) -> None:
+        """The relay is done with it (after its end, or a cancel)."""
+        ...
+
+
+class DecodeLink(Protocol):
+    target: Target
+
+    def open(self, request_id: str, inputs: dict[str, np.ndarray]) -> Attempt: ...
+
+    def probe(self) -> list[Reply]:
+        """Send the health probe and wait for its responses."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class BlsLink:
+    """A decode model of this server (BLS)."""
+
+    def __init__(self, pb_utils, target: Target, outputs: list[str]):
+        self.pb, self.target, self._outputs = pb_utils, target, outputs
+
+    def open(self, request_id: str, inputs: dict[str, np.ndarray]) -> Attempt:
+        return _BlsAttempt(self, request_id, inputs)
+
+    def probe(self) -> list[Reply]:
+        pb = self.pb
+        request = pb.InferenceRequest(
+            model_name=self.target.model,
+            inputs=[pb.Tensor(PROBE_INPUT.name, np.array([True], dtype=bool))],
+            requested_output_names=[STATE_OUTPUT.name],
+        )
+        return [self._reply(r) for r in request.exec(decoupled=True)]
+
+    def _reply(self, resp) -> Reply:
+        if resp.has_error():
+            return Reply(error=resp.error().message())
+        return Reply(outputs={t.name(): t.as_numpy() for t in resp.output_tensors()})
+
+    def close(self) -> None:
+        pass
+
+
+class _BlsAttempt:
+    def __init__(self, link: BlsLink, request_id: str, inputs: dict[str, np.ndarray]):
+        self.link, self.request_id, self.inputs = link, request_id, inputs
+
+    def replies(self) -> Iterator[Reply]:
+        pb, link = self.link.pb, self.link
+        request = pb.InferenceRequest(
+            model_name=link.target.model,
+            inputs=[pb.Tensor(name, arr) for name, arr in self.inputs.items()],
+            request_id=self.request_id,
+            requested_output_names=link._outputs,
+        )
+        for resp in request.exec(decoupled=True):
+            yield link._reply(resp)
+
+    def finish(self) -> None:
+        pass  # a BLS call ends with its final response
+
+    def cancel(self) -> None:
+        pb, model = self.link.pb, self.link.target.model
+        control = pb.Tensor("cancel_request_id", np.array([self.request_id.encode()], dtype=object))
+        try:
+            for _ in pb.InferenceRequest(model_name=model, inputs=[control], requested_output_names=[]).exec(
+                decoupled=True
+            ):
+                pass
+            log.info("cancelled %s on %s", self.request_id, model)
+        except Exception as e:
+            log.warning("could not cancel %s on %s: %s", self.request_id, model, e)
+
+
+_END = object()
+
+
+class GrpcLink:
+    """A decode model of another Triton server (gRPC); ``timeout_s`` bounds a probe."""
+
+    def __init__(self, target: Target, timeout_s: float):
+        self.target, self.timeout_s = target, timeout_s
+
+    def open(self, request_id: str, inputs: dict[str, np.ndarray]) -> Attempt:
+        return _GrpcAttempt(self.target, request_id, inputs)
+
+    def probe(self) -> list[Reply]:
+        attempt = _GrpcAttempt(
+            self.target, f"probe-{uuid.uuid4().hex}", {PROBE_INPUT.name: np.array([True], dtype=bool)}
+        )
+        out: list[Reply] = []
+        try:
+            for reply in attempt.replies(self.timeout_s):
+                out.append(reply)
+        finally:
+            attempt.finish()
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+class _GrpcAttempt:
+    """One gRPC stream (its own client: tritonclient's synchronous client has one stream)."""
+
+    def __init__(self, target: Target, request_id: str, inputs: dict[str, np.ndarray]):
+        self.target, self.request_id, self.inputs = target, request_id, inputs
+        self._queue: queue.Queue = queue.Queue()
+        self._client = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def replies(self, timeout_s: float | None = None) -> Iterator[Reply]:
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+        try:
+            with self._lock:
+                if self._closed:
+                    return
+                self._client = client = grpcclient.InferenceServerClient(self.target.grpc_url)
+            client.start_stream(callback=lambda result, error: self._queue.put((result, error)))
+            tensors = []
+            for name, arr in self.inputs.items():
+                t = grpcclient.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
+                t.set_data_from_numpy(arr)
+                tensors.append(t)
+            client.async_stream_infer(
+                self.target.model, tensors, request_id=self.request_id, enable_empty_final_response=True
+            )
+        except InferenceServerException as e:
+            yield Reply(error=f"Triton at {self.target.grpc_url}: {e.message()}")
+            return
+        while True:
+            try:
+                item = self._queue.get(timeout=timeout_s)
+            except queue.Empty:
+                yield Reply(error=f"Triton at {self.target.grpc_url} did not answer within {timeout_s:g}s")
+                return
+            if item is _END:
+                return
+            result, error = item
+            if error is not None:
+                yield Reply(error=str(error.message()) if hasattr(error, "message") else str(error))
+                return
+            response = result.get_response()
+            outputs = {}
+            for out in response.outputs:
+                arr = result.as_numpy(out.name)
+                if arr is not None:
+                    outputs[out.name] = arr
+            yield Reply(outputs=outputs)
+            final = response.parameters.get("triton_final_response")
+            if final is not None and final.bool_param:
+                return
+
+    def finish(self) -> None:
+        """The request ended: close the stream without cancelling (Triton ends the call)."""
+        self._stop(cancel=False)
+
+    def cancel(self) -> None:
+        self._stop(cancel=True)
+
+    def _stop(self, cancel: bool) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            client = self._client
+        self._queue.put(_END)
+        if client is None:
+            return
+
+        def stop() -> None:
+            try:
+                client.stop_stream(cancel_requests=cancel)
+                client.close()
+            except Exception as e:  # a dead server: nothing to close there
+                log.debug("closing the stream to %s: %s", self.target.grpc_url, e)
+
+        threading.Thread(target=stop, name="front-grpc-close", daemon=True).start()
