@@ -43,6 +43,8 @@ class Reply:
 
 
 class Attempt(Protocol):
+    local: bool  # on this server (BLS)
+
     def replies(self) -> Iterator[Reply]:
         """The responses until the final one (or an error, or a broken call)."""
         ...
@@ -96,6 +98,8 @@ class BlsLink:
 
 
 class _BlsAttempt:
+    local = True
+
     def __init__(self, link: BlsLink, request_id: str, inputs: dict[str, np.ndarray]):
         self.link, self.request_id, self.inputs = link, request_id, inputs
 
@@ -156,6 +160,8 @@ class GrpcLink:
 
 class _GrpcAttempt:
     """One gRPC stream (its own client: tritonclient's synchronous client has one stream)."""
+
+    local = False
 
     def __init__(self, target: Target, request_id: str, inputs: dict[str, np.ndarray]):
         self.target, self.request_id, self.inputs = target, request_id, inputs

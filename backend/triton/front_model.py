@@ -250,14 +250,20 @@ class TritonPythonModel:
         return "its stream ended before the request finished"
 
     def _watch(self, fwd: "Forwarding", attempt: int, target: str, call, stop: threading.Event) -> None:
-        """When the client cancels, or the request moved elsewhere meanwhile (its target went
-        down), cancel this attempt there at once, even before any token (e.g. while its prefill
-        runs), so that both sides free their pages."""
+        """When the client cancels, cancel this attempt there at once, even before any token
+        (e.g. while its prefill runs), so that both sides free their pages. An attempt on another
+        server is cancelled too when the request moved elsewhere meanwhile (its target went down:
+        closing our own gRPC stream is safe); one on this server is not (a BLS call into a model
+        that died and is being reloaded is what that would be)."""
+        remote = not call.local
         while not stop.wait(0.05):
-            if fwd.sender.is_cancelled() or fwd.attempt != attempt:
-                why = "the client cancelled" if fwd.sender.is_cancelled() else "it moved elsewhere"
+            cancelled, moved = fwd.sender.is_cancelled(), fwd.attempt != attempt
+            if cancelled or (moved and remote):
+                why = "the client cancelled" if cancelled else "it moved elsewhere"
                 log.info("%s attempt %d: %s; cancelling it on %s", fwd.request_id, attempt, why, target)
                 call.cancel()
+                return
+            if moved:
                 return
 
     def finalize(self):
