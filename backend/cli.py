@@ -122,39 +122,14 @@ def _overrides(items: list[str]) -> dict:
 
 
 def start_server(args):
-    from backend.disagg.auth import SECRET_ENV, env_secret
-    from backend.launch.deployment import render_deployment
-    from backend.launch.server import TritonServer
+    """Start what ``serve`` / ``demo`` asked for, through the one launcher (``backend/launch/launcher.py``)."""
+    from backend.launch.launcher import Launch, LaunchError
     from backend.serving.config import RouterSettings
     from build_scripts.prepare_model import ensure_model
 
     overrides = _overrides(args.set)
     if args.fabric_device:
         overrides["fabric_device"] = args.fabric_device
-    repo_dir = Path(tempfile.mkdtemp(prefix="triton-disagg-repo-"))
-    if args.deployment_secret_file:
-        overrides["deployment_secret_file"] = str(Path(args.deployment_secret_file).resolve())
-    elif args.mode == "disagg" and not env_secret():
-        # the deployment secret, in a file the operator can hand to servers that join and to
-        # `triton-disagg drain` (readable by this user only)
-        from backend.disagg.auth import new_secret
-
-        secret_file = repo_dir.with_name(repo_dir.name + ".secret")
-        secret_file.write_text(new_secret())
-        secret_file.chmod(0o600)
-        overrides["deployment_secret_file"] = str(secret_file)
-    elif args.mode in ("prefill", "decode") and not env_secret():
-        raise SystemExit(
-            f"--mode {args.mode}: both sides of a split deployment must share the deployment secret: "
-            f"give --deployment-secret-file FILE (or set {SECRET_ENV}) on every server"
-        )
-    if args.mode in ("prefill", "decode") and not args.discovery:
-        raise SystemExit(
-            f"--mode {args.mode}: give --discovery etcd://HOST:PORT, the etcd of the deployment to join "
-            "(`serve --mode disagg` prints it)"
-        )
-    if args.openai_port and args.mode == "prefill":
-        raise SystemExit("--openai-port: a prefill-only server has no model that answers requests")
     per_model = {role: _overrides(getattr(args, f"{role}_set")) for role in ("prefill", "decode")}
     if any(per_model.values()) and args.mode == "aggregated":
         raise SystemExit("--prefill-set/--decode-set: an aggregated deployment has no prefill or decode models")
@@ -165,96 +140,52 @@ def start_server(args):
         raise SystemExit(f"--router-set: {e}") from None
     if router and args.mode not in ("disagg", "decode"):
         raise SystemExit(f"--router-set: nothing routes in {args.mode} mode (it has no front model)")
-    per_model["front"] = router
-    model_dir = ensure_model(args.model)
-    etcd = None
-    discovery = args.discovery or ""
-    if args.mode == "disagg" and not discovery:
-        from backend.launch.etcd_server import EtcdServer, etcd_binary
-
-        if etcd_binary() is None:
-            raise SystemExit("--mode disagg keeps its membership in etcd, which is not installed (scripts/setup.sh)")
-        etcd = EtcdServer(host=args.etcd_host or args.messenger_host).start()
-        discovery = etcd.url
-    if args.mode != "aggregated":
-        log.info("membership: %s (deployment %r)", discovery, args.deployment)
-    repo = render_deployment(
-        repo_dir,
+    launch = Launch(
         mode=args.mode,
-        model_path=str(model_dir),
         overrides=overrides,
+        per_model={k: v for k, v in per_model.items() if v},
         prefill_instances=args.prefill_instances,
         decode_instances=args.decode_instances,
-        messenger_host=args.messenger_host,
         with_aggregated=args.with_aggregated,
-        discovery=discovery,
+        discovery=args.discovery or "",
         deployment=args.deployment,
-        per_model={k: v for k, v in per_model.items() if v},
-    )
-    server = TritonServer(
-        repo,
+        secret_file=args.deployment_secret_file or "",
+        messenger_host=args.messenger_host,
+        etcd_host=args.etcd_host or "",
         host=args.host,
         http_port=args.http_port,
         grpc_port=args.grpc_port,
         metrics_port=args.metrics_port,
         log_file=args.log_file,
+        router=router,
+        openai_port=args.openai_port,
+        openai_log_file=Path(args.log_file).with_suffix(".openai.log") if args.log_file else None,
+        timeout_s=300.0,
     )
-    server.etcd = etcd
-    log.info("serving %s in %s mode from %s", model_dir, args.mode, repo)
     try:
-        server.start()
-    except BaseException:
-        if etcd is not None:
-            etcd.stop()
-        raise
+        launch.check()
+    except LaunchError as e:
+        raise SystemExit(str(e)) from None
+    launch.model_dir = ensure_model(args.model)
+    log.info("serving %s in %s mode", launch.model_dir, args.mode)
+    try:
+        server, frontend = launch.start()
+    except LaunchError as e:
+        raise SystemExit(str(e)) from None
     if args.mode != "aggregated":
+        secret = f" --deployment-secret-file {launch.used_secret_file}" if launch.used_secret_file else ""
         print(
-            f"membership: {discovery} (deployment {args.deployment!r}); other servers join with "
-            f"--discovery {discovery} --deployment {args.deployment}"
-            + (
-                f" --deployment-secret-file {overrides['deployment_secret_file']}"
-                if "deployment_secret_file" in overrides
-                else ""
-            ),
+            f"membership: {launch.used_discovery} (deployment {args.deployment!r}); other servers join with "
+            f"--discovery {launch.used_discovery} --deployment {args.deployment}{secret}",
             flush=True,
         )
-    frontend = None
-    if args.openai_port:
-        from backend.launch.openai_frontend import OpenAIFrontend
-
-        log_file = Path(args.log_file).with_suffix(".openai.log") if args.log_file else None
-        # in a disaggregated deployment it routes across every decode instance of the membership
-        # (any server) and moves requests between them; aggregated: the one llm model
-        member = (
-            {
-                "discovery": discovery,
-                "deployment": args.deployment,
-                "deployment_secret_file": overrides.get("deployment_secret_file"),
-                "extra_env": {SECRET_ENV: server.deployment_secret},
-                "router": router,
-            }
-            if args.mode in ("disagg", "decode")
-            else {}
-        )
-        frontend = OpenAIFrontend(
-            server.grpc_url, model_dir, host=args.host, port=args.openai_port, log_file=log_file, **member
-        )
-        try:
-            frontend.start()
-        except Exception:
-            stop_server(server, None)
-            raise
     return server, frontend
 
 
 def stop_server(server, frontend, drain_timeout_s: float = 5.0) -> None:
-    try:
-        if frontend is not None:
-            frontend.stop()
-        server.stop(drain_timeout_s=drain_timeout_s)
-    finally:
-        if server.etcd is not None:
-            server.etcd.stop()  # last: the instances deregister while they stop
+    from backend.launch.launcher import stop
+
+    stop(server, frontend, drain_timeout_s)
 
 
 def cmd_prepare(args) -> int:

@@ -69,20 +69,12 @@ def main(argv=None) -> int:
 
     def start(mode: str, log_dir: Path, model_dir: Path):
         """The deployment with the OpenAI frontend in front of it."""
-        from backend.launch.openai_frontend import OpenAIFrontend
         from perf.lib import servers
 
-        server = servers.start(mode, log_dir=log_dir)
-        frontend = OpenAIFrontend(server.grpc_url, model_dir, log_file=log_dir / "openai.log")
-        try:
-            frontend.start()
-        except Exception:
-            server.stop()
-            raise
+        server, frontend = servers.start_with_openai(mode, log_dir=log_dir, model=str(model_dir))
 
         def stop():
-            frontend.stop()
-            server.stop()
+            servers.stop(server, frontend)
 
         return frontend.url, stop
 

@@ -21,6 +21,7 @@ import platform
 import time
 
 from backend.client import stream_generate
+from backend.launch.deployment import core_split
 from perf.lib import loadgen, servers
 from perf.lib.metrics import metric_values
 from perf.lib.results import results_dir
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
         "enable_prefix_caching": "false",
     }
     runs = {}
-    pre_cores, _, n_pre, _ = servers.core_split()
+    pre_cores, _, n_pre, _ = core_split()
     same_compute = {"llm": {"cpu_affinity": pre_cores, "num_threads": str(n_pre)}}
     for name, mode, per_model in (
         ("aggregated", "aggregated", {}),

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from backend.launch.deployment import core_split
 from perf.lib import loadgen, results, servers
 from perf.lib.results import results_dir
 from perf.lib.stats import percentile
@@ -95,7 +96,7 @@ def ratio(b: float, a: float) -> float:
 
 def report(stats: dict, low: dict, plots: list[Path], w: loadgen.Workload, args, out: Path) -> str:
     a, b = stats["aggregated"], stats["disagg"]
-    pre, dec, n_pre, n_dec = servers.core_split()
+    pre, dec, n_pre, n_dec = core_split()
     rows = [
         ("per-stream decode tokens/s, p50", "decode_tps_p50", "{:.1f}"),
         ("inter-token latency p50 (ms)", "itl_p50", "{:.1f}"),

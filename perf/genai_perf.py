@@ -73,7 +73,7 @@ def main(argv=None) -> int:
         from perf.lib import servers
 
         server = servers.start(mode, log_dir=log_dir)
-        return server.grpc_url, server.stop
+        return server.grpc_url, lambda: servers.stop(server)
 
     return drive(args, TOOL, start, run_one, ("concurrency", "requests", "isl", "osl"))
 

@@ -93,10 +93,10 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     csv_path = out / f"perf_analyzer_{stamp}.csv"
+    from perf.lib import servers
+
     server = None
     if args.url is None:
-        from perf.lib import servers
-
         server = servers.start(args.mode, log_dir=tmp)
         url = server.grpc_url
     else:
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
         rc = subprocess.run(cmd, env=pa_env()).returncode
     finally:
         if server is not None:
-            server.stop()
+            servers.stop(server)
     if rc == 0 and csv_path.exists():
         rows = [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(csv_path.open())]
         summary = {"mode": None if args.url else args.mode, "url": args.url, "max_tokens": args.max_tokens}

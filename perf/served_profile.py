@@ -29,6 +29,7 @@ import os
 import statistics
 from pathlib import Path
 
+from backend.launch.deployment import core_split
 from backend.planner.profile import EngineProfile
 from perf.lib import loadgen, results, servers
 from perf.lib.stats import median
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
     prof.served_overhead_s = {}
     tok = loadgen.load_tokenizer()
     cores = len(os.sched_getaffinity(0))
-    _, _, n_pre, n_dec = servers.core_split()
+    _, _, n_pre, n_dec = core_split()
     agg = measure("aggregated", tok, args)
     dis = measure("disagg", tok, args)
     prof.served_overhead_s[cores] = overheads(prof, cores, agg["itl"])

@@ -88,27 +88,29 @@ def fabric_env(secret: dict, device: str | None) -> dict:
 
 
 @contextlib.contextmanager
-def deployment_server(tmp_path_factory, name: str, timeout_s: float = 400, **render_kwargs):
-    """Render a deployment (``render_deployment`` arguments) into a fresh temporary folder and
-    run a real tritonserver on it, stopped however the block ends. A disaggregated deployment
-    gets a private etcd for its membership (``server.etcd``), as ``triton-disagg serve`` does."""
-    from backend.launch.deployment import render_deployment
+def deployment_server(tmp_path_factory, name: str, timeout_s: float = 400, **launch_kwargs):
+    """A real tritonserver started by the launcher ``serve`` and the benchmarks use
+    (``backend/launch/launcher.py``; ``Launch`` arguments, ``model_path`` for its
+    ``model_dir``) in a fresh temporary folder, stopped however the block ends. A disaggregated
+    deployment gets a private etcd for its membership (``server.etcd``) and a deployment
+    secret, as ``triton-disagg serve`` does. Its cores are shared (several instances per role on
+    2 cores), not split between the roles as ``serve`` does."""
+    from backend.launch.launcher import Launch, stop
 
     tmp = tmp_path_factory.mktemp(name)
     # every prefill crosses the fabric unless a test asks otherwise (test_conditional_disagg.py):
     # the tests of the disaggregated path must not be answered by a local prefill; float32 weights
     # unless a test names a format (EXACT)
-    render_kwargs["overrides"] = {**REMOTE_PREFILL, **EXACT, **(render_kwargs.get("overrides") or {})}
-    with contextlib.ExitStack() as stack:
-        etcd = None
-        split = render_kwargs.get("mode", "aggregated") != "aggregated"
-        if split and not render_kwargs.get("discovery") and not render_kwargs.get("prefill_endpoints"):
-            etcd = stack.enter_context(private_etcd(tmp))
-            render_kwargs["discovery"] = etcd.url
-        repo = render_deployment(tmp / "repo", **render_kwargs)
-        server = stack.enter_context(running_server(repo, tmp / "tritonserver.log", timeout_s=timeout_s))
-        server.etcd = etcd
+    launch_kwargs["overrides"] = {**REMOTE_PREFILL, **EXACT, **(launch_kwargs.get("overrides") or {})}
+    launch_kwargs["model_dir"] = launch_kwargs.pop("model_path", "")
+    log_file = tmp / "tritonserver.log"
+    launch = Launch(repo_dir=tmp / "repo", log_file=log_file, timeout_s=timeout_s, placement="shared", **launch_kwargs)
+    server, _ = launch.start()
+    try:
         yield server
+    finally:
+        stop(server)
+        print(f"tritonserver log: {log_file}")
 
 
 @pytest.fixture(scope="session")

@@ -14,18 +14,48 @@ With ``with_aggregated`` a disaggregated repository also serves ``llm_aggregated
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from backend.launch.ports import free_port
 from backend.serving.config import MEMBERSHIP_FIELDS
 from build_scripts.render_repository import render
 
-# A disaggregated deployment on one machine splits its cores: one torch thread per instance
-# unless the caller sets num_threads.
-SPLIT_DEFAULTS = {"num_threads": "1"}
+# How a server of a disaggregated deployment gives its cores to the roles (defaults under every
+# parameter the caller sets): "split" (what the launcher, so `serve` and the benchmarks, run,
+# backend/launch/launcher.py): on a disagg server
+# the prefill instances are pinned to the first half of the usable cores and the decode
+# instances to the rest, each with as many torch threads as its half has cores, so the roles
+# never fight over a core; "shared": nothing pinned, one torch thread per instance (the test
+# fixtures: several instances per role on 2 cores). A prefill- or decode-only server shares.
+PLACEMENTS = ("split", "shared")
+SHARED = {"num_threads": "1"}
 
 
-def _prefill_models(n: int, common: dict, host: str, bind: str, per_model: dict) -> tuple[dict, list[str]]:
+def core_split() -> tuple[str, str, int, int]:
+    """(prefill cores, decode cores, their counts): the first half of the usable cores and the rest."""
+    cores = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cores) // 2)
+    pre, dec = cores[:half], cores[half:] or cores[:half]
+    return ",".join(map(str, pre)), ",".join(map(str, dec)), len(pre), len(dec)
+
+
+def placement_defaults(placement: str, mode: str) -> dict[str, dict]:
+    """Role (``prefill``, ``decode``) -> its default parameters under ``placement``."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement {placement!r} is not one of {list(PLACEMENTS)}")
+    if placement == "shared" or mode != "disagg":
+        return {"prefill": SHARED, "decode": SHARED}
+    pre, dec, n_pre, n_dec = core_split()
+    return {
+        "prefill": {"cpu_affinity": pre, "num_threads": str(n_pre)},
+        "decode": {"cpu_affinity": dec, "num_threads": str(n_dec)},
+    }
+
+
+def _prefill_models(
+    n: int, common: dict, host: str, bind: str, per_model: dict, defaults: dict
+) -> tuple[dict, list[str]]:
     advertise = {"messenger_advertise": host} if host != bind else {}
     models, endpoints = {}, []
     for i in range(n):
@@ -35,7 +65,7 @@ def _prefill_models(n: int, common: dict, host: str, bind: str, per_model: dict)
             "source": "prefill",
             "count": 1,
             "params": {
-                **SPLIT_DEFAULTS,
+                **defaults,
                 **common,
                 "messenger_host": bind,
                 "messenger_port": port,
@@ -48,14 +78,14 @@ def _prefill_models(n: int, common: dict, host: str, bind: str, per_model: dict)
     return models, endpoints
 
 
-def _decode_models(n: int, common: dict, endpoints: list[str], per_model: dict) -> dict:
+def _decode_models(n: int, common: dict, endpoints: list[str], per_model: dict, defaults: dict) -> dict:
     found = {} if common.get("discovery") else {"prefill_endpoints": ",".join(endpoints)}
     return {
         f"decode_{j}": {
             "source": "decode",
             "count": 1,
             "params": {
-                **SPLIT_DEFAULTS,
+                **defaults,
                 **common,
                 **found,
                 **per_model.get("decode", {}),
@@ -81,10 +111,12 @@ def render_deployment(
     with_aggregated: bool = False,
     discovery: str = "",
     deployment: str = "",
+    placement: str = "shared",
 ) -> Path:
     """Render ``out_dir`` for ``mode``. ``overrides`` apply to every model; ``per_model`` maps a
     model name or a role (``llm``, ``prefill``, ``decode``, ``front``) to extra parameters.
-    ``discovery``: the deployment's etcd (``etcd://HOST:PORT``), ``deployment`` its name there."""
+    ``discovery``: the deployment's etcd (``etcd://HOST:PORT``), ``deployment`` its name there.
+    ``placement``: the roles' cores (:data:`PLACEMENTS`), under the parameters given."""
     common = {"model_path": model_path, **(overrides or {})}
     if mode != "aggregated":
         common.update({"discovery": discovery} if discovery else {})
@@ -96,9 +128,10 @@ def render_deployment(
     if mode not in ("disagg", "prefill", "decode"):
         raise ValueError(f"unknown mode {mode!r}; expected aggregated, disagg, prefill or decode")
     models: dict = {}
+    defaults = placement_defaults(placement, mode)
     if mode in ("disagg", "prefill"):
         prefills, endpoints = _prefill_models(
-            prefill_instances, common, messenger_host, messenger_bind or messenger_host, per_model
+            prefill_instances, common, messenger_host, messenger_bind or messenger_host, per_model, defaults["prefill"]
         )
         models.update(prefills)
     if mode == "decode":
@@ -106,7 +139,7 @@ def render_deployment(
             raise ValueError("decode mode needs the deployment's discovery URL (or a fixed prefill_endpoints list)")
         endpoints = prefill_endpoints or []
     if mode in ("disagg", "decode"):
-        decodes = _decode_models(decode_instances, common, endpoints, per_model)
+        decodes = _decode_models(decode_instances, common, endpoints, per_model, defaults["decode"])
         models.update(decodes)
         # with a membership the front routes to every decode instance of the deployment (this
         # server's by BLS, the others' over gRPC); without one, to this server's decode models

@@ -1,10 +1,11 @@
 """The servers the benchmarks start: our deployments, on one machine split between roles, and
 llama.cpp's server as a baseline.
 
-Ours (``start``; ``started`` for a ``with`` block): aggregated, ``llm`` gets every core;
-disaggregated (1 prefill + N decode), the prefill instance is pinned to the first half of the
-cores and the decode instances to the rest, each with as many torch threads as cores, so the
-processes don't fight over the same cores.
+Ours (``start``; ``started`` for a ``with`` block): started by the one launcher ``serve`` uses
+(``backend/launch/launcher.py``), so the benchmarks measure what ``serve`` runs: aggregated,
+``llm`` gets every core; disaggregated (1 prefill + N decode), the launcher's core placement
+(the prefill instance pinned to the first half of the cores, the decode instances to the rest),
+a private etcd for the membership, the front routing across it.
 
 llama.cpp's (``start_llama_cpp``): ``llama-cpp-python[server]``, installed on first use into
 ``.venv/tools/llama-cpp`` (it compiles llama.cpp: minutes), serving a GGUF on the OpenAI API.
@@ -12,7 +13,6 @@ llama.cpp's (``start_llama_cpp``): ``llama-cpp-python[server]``, installed on fi
 
 from __future__ import annotations
 
-import os
 import subprocess
 import tempfile
 import time
@@ -32,15 +32,7 @@ LLAMA_CPP = "llama-cpp-python[server]==0.3.36"
 LLAMA_CPP_EOS = "2"  # <|im_end|>, the checkpoint's end of sequence, as a logit-bias key
 
 
-def core_split() -> tuple[str, str, int, int]:
-    """(prefill cores, decode cores, their counts): the first half of the usable cores and the rest."""
-    cores = sorted(os.sched_getaffinity(0))
-    half = max(1, len(cores) // 2)
-    pre, dec = cores[:half], cores[half:] or cores[:half]
-    return ",".join(map(str, pre)), ",".join(map(str, dec)), len(pre), len(dec)
-
-
-def start(
+def _launch(
     mode: str,
     *,
     model: str | None = None,
@@ -49,50 +41,60 @@ def start(
     log_dir: Path | None = None,
     decode_instances: int = 1,
     extra_env: dict | None = None,
-) -> TritonServer:
-    """``mode``: ``aggregated`` or ``disagg`` (1 prefill + ``decode_instances`` decode instances,
-    cores split between the roles). ``extra_env``: added to the server's environment."""
-    from backend.launch.deployment import render_deployment
-    from backend.launch.server import TritonServer
+    openai: bool = False,
+) -> tuple[TritonServer, OpenAIFrontend | None]:
+    from backend.launch.launcher import Launch
     from build_scripts.prepare_model import ensure_model
 
-    model_dir = ensure_model(model)
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="triton-disagg-perf-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    overrides = dict(overrides or {})
-    per_model = dict(per_model or {})
-    if mode == "aggregated":
-        n = len(os.sched_getaffinity(0))
-        per_model.setdefault("llm", {}).setdefault("num_threads", str(n))
-    elif mode == "disagg":
-        pre, dec, n_pre, n_dec = core_split()
-        per_model["prefill"] = {"cpu_affinity": pre, "num_threads": str(n_pre), **per_model.get("prefill", {})}
-        per_model["decode"] = {"cpu_affinity": dec, "num_threads": str(n_dec), **per_model.get("decode", {})}
-    repo = render_deployment(
-        log_dir / f"repo-{mode}",
+    return Launch(
         mode=mode,
-        model_path=str(model_dir),
-        overrides=overrides,
-        per_model=per_model,
+        model_dir=ensure_model(model),
+        overrides=dict(overrides or {}),
+        per_model=dict(per_model or {}),
         decode_instances=decode_instances,
-    )
-    return TritonServer(repo, log_file=log_dir / f"tritonserver-{mode}.log", extra_env=extra_env).start(timeout_s=400)
+        repo_dir=log_dir / f"repo-{mode}",
+        log_file=log_dir / f"tritonserver-{mode}.log",
+        extra_env=dict(extra_env or {}),
+        openai_port=0 if openai else None,
+        openai_log_file=log_dir / "openai.log",
+    ).start()
+
+
+def start(mode: str, **kw) -> TritonServer:
+    """``mode``: ``aggregated`` or ``disagg`` (1 prefill + ``decode_instances`` decode
+    instances), started by the launcher ``serve`` uses (``backend/launch/launcher.py``): its core
+    placement (split between the roles), a private etcd for the membership, a deployment
+    secret. ``model``, ``overrides``, ``per_model``, ``log_dir``, ``decode_instances``,
+    ``extra_env`` (added to the server's environment). Stop it with :func:`stop`."""
+    server, _ = _launch(mode, **kw)
+    return server
+
+
+def start_with_openai(mode: str, **kw) -> tuple[TritonServer, OpenAIFrontend]:
+    """:func:`start` with the OpenAI frontend in front of it, as ``serve --openai-port`` starts
+    it (routing across the membership's decode instances in a disaggregated deployment)."""
+    server, frontend = _launch(mode, openai=True, **kw)
+    assert frontend is not None
+    return server, frontend
+
+
+def stop(server: TritonServer, frontend: OpenAIFrontend | None = None) -> None:
+    """Stop what :func:`start` / :func:`start_with_openai` started (and the private etcd)."""
+    from backend.launch.launcher import stop as stop_all
+
+    stop_all(server, frontend)
 
 
 @contextmanager
 def started_with_openai(mode: str, log_dir: Path, **kw) -> Iterator[tuple[TritonServer, OpenAIFrontend]]:
-    """``start(mode, log_dir=log_dir, **kw)`` with the OpenAI frontend in front of it, for a
-    ``with`` block that stops both as it ends."""
-    from backend.launch.openai_frontend import OpenAIFrontend
-    from build_scripts.prepare_model import ensure_model
-
-    with started(mode, log_dir=log_dir, **kw) as server:
-        frontend = OpenAIFrontend(server.grpc_url, ensure_model(kw.get("model")), log_file=Path(log_dir) / "openai.log")
-        try:
-            frontend.start()
-            yield server, frontend
-        finally:
-            frontend.stop()
+    """:func:`start_with_openai` for a ``with`` block that stops both as it ends."""
+    server, frontend = start_with_openai(mode, log_dir=log_dir, **kw)
+    try:
+        yield server, frontend
+    finally:
+        stop(server, frontend)
 
 
 @contextmanager
@@ -102,7 +104,7 @@ def started(mode: str, **kw) -> Iterator[TritonServer]:
     try:
         yield server
     finally:
-        server.stop()
+        stop(server)
 
 
 class LlamaCppServer:

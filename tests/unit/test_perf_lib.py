@@ -11,6 +11,7 @@ import random
 import numpy as np
 import pytest
 
+from backend.launch.deployment import core_split
 from perf.lib import loadgen, progress, stats, tools
 
 
@@ -126,9 +127,7 @@ def test_the_tools_share_their_options_and_default_folder():
 
 
 def test_the_cores_split_between_prefill_and_decode():
-    from perf.lib import servers
-
-    pre, dec, n_pre, n_dec = servers.core_split()
+    pre, dec, n_pre, n_dec = core_split()
     assert n_pre >= 1 and n_dec >= 1 and len(pre.split(",")) == n_pre and len(dec.split(",")) == n_dec
 
 
