@@ -71,7 +71,9 @@ class DrainRequests:
     deleted, so the key says whether the instance has read it. An etcd outage is retried
     quietly (one log line)."""
 
-    def __init__(self, client: EtcdClient, deployment: str, instance: str, secret: bytes, on_drain: Callable[[], None]):
+    def __init__(
+        self, client: EtcdClient, deployment: str, instance: str, secret: bytes, on_drain: Callable[[], object]
+    ):
         self.client, self.instance, self._secret, self._on_drain = client, instance, secret, on_drain
         self.key = drain_key(deployment, instance)
         self.drained = False
@@ -118,7 +120,7 @@ class DrainRequests:
 
 
 def watch_drain_requests(
-    config: InstanceConfig, instance: str | None, secret: bytes | None, on_drain: Callable[[], None]
+    config: InstanceConfig, instance: str | None, secret: bytes | None, on_drain: Callable[[], object]
 ) -> DrainRequests | None:
     """Watch this instance's drain key (None: it has no membership record to drain)."""
     c = config.membership
