@@ -298,7 +298,7 @@ def cmd_drain(args) -> int:
     try:
         secret = load_secret(args.deployment_secret_file)
         record = find(members(args.discovery, args.deployment, secret), args.instance)
-        drain(record, secret)
+        drain(args.discovery, record, secret)
     except (LookupError, RuntimeError, ConnectionError, AuthError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

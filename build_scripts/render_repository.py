@@ -19,7 +19,7 @@ from pathlib import Path
 
 from backend.disagg.auth import accept_renamed
 from backend.serving.config import check_parameters, parameter_defaults
-from backend.serving.tensors import CONTROL_INPUTS, DRAIN_INPUT, INPUTS, OUTPUTS, STATE_OUTPUT, TensorSpec, pbtxt_list
+from backend.serving.tensors import CONTROL_INPUTS, INPUTS, OUTPUTS, STATE_OUTPUT, TensorSpec, pbtxt_list
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "model_repository"
 TEMPLATE = "config.pbtxt.template"
@@ -31,7 +31,8 @@ TENSOR_LISTS = {
     "client_inputs": pbtxt_list(INPUTS),
     # optional on decode so the front model can send control requests (cancel, health probe)
     "decode_inputs": pbtxt_list(INPUTS + CONTROL_INPUTS, force_optional=True),
-    "prefill_inputs": pbtxt_list((TensorSpec("text_input", "TYPE_STRING"), DRAIN_INPUT)),
+    # a prefill model takes no client requests (it answers one with an error saying so)
+    "prefill_inputs": pbtxt_list((TensorSpec("text_input", "TYPE_STRING"),)),
     "client_outputs": pbtxt_list(OUTPUTS),
     # plus the state a decode model reports to the front's health probe (KV-aware routing)
     "decode_outputs": pbtxt_list(OUTPUTS + (STATE_OUTPUT,)),

@@ -1,18 +1,17 @@
 """``triton-disagg drain INSTANCE``: take one instance of a running deployment out without
 failing a request. The instance is found in the deployment's membership (etcd) by its record
-name or its Triton model name; its model gets a ``drain_request`` signed with the deployment
-secret (``backend/serving/drain.py``) through its server's gRPC API."""
+name or its Triton model name; a drain request signed with the deployment secret goes to its
+drain key in the same etcd (``backend/serving/drain.py``), apart from the models' inputs; the
+drain is confirmed when its record says ``draining`` (or it left)."""
 
 from __future__ import annotations
 
 import logging
-import queue
-
-import numpy as np
+import time
 
 from backend.cluster.etcd import EtcdClient
 from backend.cluster.records import BadRecord, InstanceRecord, decode, prefix_of
-from backend.serving.drain import drain_request
+from backend.serving.drain import drain_key, drain_request
 
 log = logging.getLogger("triton_disagg.drain")
 
@@ -41,23 +40,20 @@ def find(records: list[InstanceRecord], instance: str) -> InstanceRecord:
     raise LookupError(f"{instance!r} names {len(matches)} instances; give one of their names: {known}")
 
 
-def drain(record: InstanceRecord, secret: bytes, timeout_s: float = 30.0) -> None:
-    """Send the drain request to the instance's model; raise RuntimeError with its refusal."""
-    import tritonclient.grpc as grpcclient
-
-    if not record.grpc_url:
-        raise RuntimeError(f"instance {record.name} registered no gRPC address")
-    arr = np.array([drain_request(secret, record.name).encode()], dtype=object)
-    tensor = grpcclient.InferInput("drain_request", [1], "BYTES")
-    tensor.set_data_from_numpy(arr)
-    answers: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(record.grpc_url)
-    try:
-        client.start_stream(callback=lambda result, error: answers.put(error))
-        client.async_stream_infer(record.model, [tensor], enable_empty_final_response=True)
-        error = answers.get(timeout=timeout_s)
-    finally:
-        client.stop_stream()
-        client.close()
-    if error is not None:
-        raise RuntimeError(f"instance {record.name}: {error.message() if hasattr(error, 'message') else error}")
+def drain(discovery: str, record: InstanceRecord, secret: bytes, timeout_s: float = 15.0) -> None:
+    """Write the drain request at the instance's drain key and wait until its record says it
+    drains (or is gone); raise RuntimeError when it does not within ``timeout_s`` (the request
+    was refused, which the instance logs, or the instance does not watch its key)."""
+    client = EtcdClient(discovery)
+    key = drain_key(record.deployment, record.name)
+    client.put(key, drain_request(secret, record.name).encode())
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        now = {r.name: r for r in members(discovery, record.deployment, secret)}
+        if record.name not in now or now[record.name].draining:
+            return
+        time.sleep(0.2)
+    _, left = client.get_prefix(key)
+    client.delete(key)
+    why = "it did not read it (no watcher)" if left else "it refused the request (see its server's log)"
+    raise RuntimeError(f"instance {record.name} did not drain within {timeout_s:g}s: {why}")

@@ -71,10 +71,8 @@ INPUTS = (
 CANCEL_INPUT = TensorSpec("cancel_request_id", "TYPE_STRING")
 # Sent by the front model to a decode model: answer whether you can serve (its health probe).
 PROBE_INPUT = TensorSpec("health_probe", "TYPE_BOOL")
-# Sent by ``triton-disagg drain`` to a decode or prefill model: drain this instance (a JSON
-# object naming it, signed with the deployment secret: ``backend/serving/drain.py``).
-DRAIN_INPUT = TensorSpec("drain_request", "TYPE_STRING")
-CONTROL_INPUTS = (CANCEL_INPUT, PROBE_INPUT, DRAIN_INPUT)
+# (``triton-disagg drain`` reaches an instance apart from its inputs: ``backend/serving/drain.py``.)
+CONTROL_INPUTS = (CANCEL_INPUT, PROBE_INPUT)
 
 OUTPUTS = (
     TensorSpec("text_output", "TYPE_STRING", optional=False),

@@ -8,10 +8,11 @@ Control requests of the front model: ``cancel_request_id`` cancels the request w
 Triton request id; ``health_probe`` is answered with an empty final response while the worker
 can serve (carrying its cache summary in ``instance_state`` when the probe asks for it: the
 front routes by it), else with an out-of-service error saying why (kind ``draining`` while the
-instance drains: routers send it nothing new but let its requests finish). ``drain_request``
-(``triton-disagg drain``, checked by ``backend/serving/drain.py``) drains this instance. When the
-deployment stops (``backend/triton/lifecycle.py``) the instance drains the same way, and at
-unload whatever is still in flight ends.
+instance drains: routers send it nothing new but let its requests finish). ``triton-disagg
+drain`` reaches a decode instance apart from its inputs, through its drain key in etcd
+(``backend/serving/drain.py``), and drains it. When the deployment stops
+(``backend/triton/lifecycle.py``) the instance drains the same way, and at unload whatever is
+still in flight ends.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from backend.disagg import auth
 from backend.engine.outputs import ErrorKind
 from backend.serving.admission import Admission
 from backend.serving.config import InstanceConfig
-from backend.serving.drain import check_drain_request
+from backend.serving.drain import watch_drain_requests
 from backend.serving.roles import make_worker
 from backend.serving.session import GenerationSession
 from backend.serving.stats import InstanceStats
@@ -55,11 +56,20 @@ class TritonPythonModel:
             observations=self.worker.observations,
         )
         self.drain_timeout_s = config.serving.drain_timeout_s
-        self.secret = auth.load_secret(config.membership.deployment_secret_file) if config.role == "decode" else None
+        secret = auth.load_secret(config.membership.deployment_secret_file) if config.role == "decode" else None
         self.drain = DrainWatch(
             args["model_repository"],
             lambda: self.admission.drain_gracefully(DRAIN_MESSAGE, self.drain_timeout_s),
             on_drain_now=lambda: self.admission.drain(DRAIN_MESSAGE),
+        )
+        name = self.worker.member_name()
+        self.drain_requests = watch_drain_requests(
+            config,
+            name,
+            secret,
+            lambda: self.admission.drain_gracefully(
+                f"instance {name} drains (triton-disagg drain)", self.drain_timeout_s
+            ),
         )
         log.info(
             "instance %s ready: role %s, model %s, %s",
@@ -91,10 +101,6 @@ class TritonPythonModel:
             if get("health_probe") is not None:  # a control request: can this instance serve?
                 sink.sender.send(self._probe_answer(request), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            drain = get("drain_request")
-            if drain is not None:  # a control request: triton-disagg drain
-                sink.sender.send(self._drain_answer(drain), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-                continue
             self.admission.admit(get, sink, request.request_id())
         return None
 
@@ -113,23 +119,6 @@ class TritonPythonModel:
         state = json.dumps(self.worker.cache_summary().to_json()).encode()
         return pb.InferenceResponse(output_tensors=[pb.Tensor(STATE_OUTPUT.name, np.array([state], dtype=object))])
 
-    def _drain_answer(self, raw):
-        """Drain this instance if the request names it and proves the deployment secret."""
-        pb = self.pb
-        name = self.worker.member_name()
-        try:
-            if self.secret is None or name is None:
-                raise ValueError(
-                    "this instance has no membership record to drain (an aggregated instance, or no discovery)"
-                )
-            check_drain_request(raw.reshape(-1)[0].decode(), self.secret, name)
-        except (ValueError, UnicodeDecodeError) as e:
-            log.warning("instance %s: drain request refused: %s", self.instance, e)
-            return pb.InferenceResponse(error=triton_error(pb, ErrorKind.BAD_REQUEST, f"drain refused: {e}"))
-        reason = f"instance {name} drains (triton-disagg drain)"
-        self.admission.drain_gracefully(reason, self.drain_timeout_s)
-        return None
-
     def _on_done(self, session: GenerationSession, reason: str) -> None:
         self.metrics.add("requests_total", 1)
         self.metrics.add("output_tokens_total", session.n_output)
@@ -146,6 +135,8 @@ class TritonPythonModel:
     def finalize(self):
         log.info("instance %s shutting down", self.instance)
         self.drain.close()
+        if self.drain_requests is not None:
+            self.drain_requests.close()
         self.admission.drain(DRAIN_MESSAGE)
         self.admission.close()
         self.worker.shutdown()

@@ -2,9 +2,10 @@
 
 The instance hosts a :class:`PrefillWorker` (engine + KV sender + messenger server) in its own
 process. Its work arrives from decode instances over the messenger, not through Triton
-inference requests; ``execute`` answers any direct request with a clear error, except a
-``drain_request`` (``triton-disagg drain``; ``backend/serving/drain.py``). When its server stops
-it drains too: it leaves the membership first.
+inference requests; ``execute`` answers any direct request with a clear error.
+``triton-disagg drain`` reaches it apart from its inputs, through its drain key in etcd
+(``backend/serving/drain.py``). When its server stops it drains too: it leaves the membership
+first.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 from backend.disagg import auth
 from backend.engine.outputs import ErrorKind
 from backend.serving.config import InstanceConfig
-from backend.serving.drain import check_drain_request
+from backend.serving.drain import watch_drain_requests
 from backend.serving.prefill_worker import PrefillWorker
 from backend.triton.lifecycle import DrainWatch
 from backend.triton.metrics import InstanceMetrics
@@ -33,20 +34,17 @@ class TritonPythonModel:
             raise ValueError(f"the prefill model needs role 'prefill', got {config.role!r}")
         self.worker = PrefillWorker(config, self.instance, cfg["name"])
         self.metrics = InstanceMetrics(pb_utils, {"model": cfg["name"], "instance": self.instance}, self.worker.stats)
-        self.secret = auth.load_secret(config.membership.deployment_secret_file)
+        secret = auth.load_secret(config.membership.deployment_secret_file)
         self.drain_timeout_s = config.serving.drain_timeout_s
         self.drain = DrainWatch(args["model_repository"], lambda: self.worker.drain(self.drain_timeout_s))
+        self.drain_requests = watch_drain_requests(
+            config, self.worker.member_name(), secret, lambda: self.worker.drain(self.drain_timeout_s)
+        )
         log.info("instance %s ready: %s", self.instance, self.worker.describe())
 
     def execute(self, requests):
         pb = self.pb
         for request in requests:
-            drain = pb.get_input_tensor_by_name(request, "drain_request")
-            if drain is not None:
-                request.get_response_sender().send(
-                    self._drain_answer(drain.as_numpy()), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-                )
-                continue
             request.get_response_sender().send(
                 pb.InferenceResponse(
                     error=triton_error(
@@ -60,21 +58,10 @@ class TritonPythonModel:
             )
         return None
 
-    def _drain_answer(self, raw):
-        pb = self.pb
-        name = self.worker.member_name()
-        try:
-            if name is None:
-                raise ValueError("this instance has no membership record to drain (no discovery)")
-            check_drain_request(raw.reshape(-1)[0].decode(), self.secret, name)
-        except (ValueError, UnicodeDecodeError) as e:
-            log.warning("instance %s: drain request refused: %s", self.instance, e)
-            return pb.InferenceResponse(error=triton_error(pb, ErrorKind.BAD_REQUEST, f"drain refused: {e}"))
-        self.worker.drain(self.drain_timeout_s)
-        return None
-
     def finalize(self):
         log.info("instance %s shutting down", self.instance)
         self.drain.close()
+        if self.drain_requests is not None:
+            self.drain_requests.close()
         self.worker.shutdown()
         self.metrics.close()

@@ -131,7 +131,7 @@ def test_a_decode_server_joins_under_load_drains_and_stops_without_failing_a_req
                 victim = next(
                     r for r in records if r.role == "decode" and r.grpc_url == b.grpc_url and r.model == "decode_1"
                 )
-                drain(find(records, victim.name), secret)
+                drain(deployment["etcd"].url, find(records, victim.name), secret)
                 deadline = time.monotonic() + 60
                 while any(r.name == victim.name for r in members(deployment["etcd"].url, "default", secret)):
                     assert time.monotonic() < deadline, "the drained instance never left the membership"

@@ -350,3 +350,47 @@ def test_etcd_back_without_its_store_members_register_again_within_the_grace(tmp
         if fresh is not None:
             fresh.stop()
         print(f"etcd logs: {server.log_file}, {tmp_path / 'etcd2.log'}")
+
+
+def test_a_drain_request_travels_through_etcd_apart_from_the_models_inputs(client, caplog):
+    """``triton-disagg drain``'s path (``backend/launch/drain.py`` -> the instance's drain key ->
+    ``backend/serving/drain.py`` ``DrainRequests``): a forged or stale request is refused and
+    logged, a valid one drains once and the CLI sees the record say so; an instance that refuses
+    makes the CLI fail with why."""
+    from backend.launch.drain import drain
+    from backend.serving.drain import DrainRequests, drain_key, drain_request
+
+    record = make_record("drains", "host-decode_1-42", "decode")
+    drained: list[str] = []
+    with Registration(client, record, SECRET, ttl_s=TTL) as reg:
+
+        def on_drain() -> None:
+            drained.append(record.name)
+            reg.update(draining=True)
+
+        watch = DrainRequests(client, "drains", record.name, SECRET.encode(), on_drain)
+        key = drain_key("drains", record.name)
+        try:
+            with caplog.at_level(logging.WARNING, logger="triton_disagg.drain"):
+                client.put(key, drain_request(b"not-the-deployment-secret", record.name).encode())
+                client.put(key, drain_request(SECRET.encode(), record.name, now=time.time() - 3600).encode())
+                deadline = time.monotonic() + 5
+                while client.get_prefix(key)[1] or caplog.text.count("drain request refused") < 2:
+                    assert time.monotonic() < deadline, (client.get_prefix(key), caplog.text)
+                    time.sleep(0.05)
+            assert drained == [] and "does not prove the deployment secret" in caplog.text and "old" in caplog.text
+            drain(client.url, record, SECRET.encode(), timeout_s=5)  # returns once the record says draining
+            assert drained == [record.name] and not client.get_prefix(key)[1]
+            client.put(key, drain_request(SECRET.encode(), record.name).encode())  # again: acknowledged, once
+            time.sleep(0.5)
+            assert drained == [record.name] and not client.get_prefix(key)[1]
+        finally:
+            watch.close()
+    other = make_record("drains", "host-decode_2-43", "decode")
+    with Registration(client, other, SECRET, ttl_s=TTL):
+        refusing = DrainRequests(client, "drains", other.name, b"another-secret-0123456789abcdef", lambda: None)
+        try:
+            with pytest.raises(RuntimeError, match="did not drain within 1s: it refused the request"):
+                drain(client.url, other, SECRET.encode(), timeout_s=1)
+        finally:
+            refusing.close()
