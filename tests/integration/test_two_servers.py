@@ -192,6 +192,16 @@ def active(server: TritonServer) -> float:
     return sum(metric_values(server.metrics_url, "triton_disagg_requests_active", model="decode_0"))
 
 
+def served_since(cluster: Cluster, before: tuple[float, float]) -> tuple[float, float]:
+    """Decode requests each server finished since ``before`` (waits for its metrics' refresh)."""
+    deadline = time.monotonic() + 5
+    while True:
+        served = requests_total(cluster.a) - before[0], requests_total(cluster.b) - before[1]
+        if min(served) > 0 or time.monotonic() > deadline:
+            return served
+        time.sleep(0.2)
+
+
 def test_completions_spread_over_both_servers(cluster, tokenizer, hf_model):
     client = cluster.client()
     before = requests_total(cluster.a), requests_total(cluster.b)
@@ -209,12 +219,7 @@ def test_completions_spread_over_both_servers(cluster, tokenizer, hf_model):
     for prompt, text in zip(prompts, texts):
         want = hf_greedy(hf_model, prompt_token_ids(tokenizer, prompt, False), 16)
         assert text == tokenizer.decode(want, skip_special_tokens=True), prompt
-    deadline = time.monotonic() + 5  # the servers' metrics refresh
-    while True:
-        served = requests_total(cluster.a) - before[0], requests_total(cluster.b) - before[1]
-        if min(served) > 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    served = served_since(cluster, before)
     print(f"decode requests: server A {served[0]:.0f}, server B {served[1]:.0f}")
     assert min(served) > 0 and sum(served) == len(prompts), served
     assert [m.id for m in client.models.list().data] == [MODEL]
@@ -354,12 +359,7 @@ def test_the_triton_api_reaches_both_servers(cluster, tokenizer, hf_model):
     assert [r.error for r in results] == [None] * len(prompts)
     for prompt, r in zip(prompts, results):
         assert r.token_ids == hf_greedy(hf_model, prompt_token_ids(tokenizer, prompt, False), 16), prompt
-    deadline = time.monotonic() + 5  # the servers' metrics refresh
-    while True:
-        served = requests_total(cluster.a) - before[0], requests_total(cluster.b) - before[1]
-        if min(served) > 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    served = served_since(cluster, before)
     print(f"decode requests through A's Triton API: server A {served[0]:.0f}, server B {served[1]:.0f}")
     assert min(served) > 0 and sum(served) == len(prompts), served
 
