@@ -18,7 +18,7 @@ import logging
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from backend.disagg.auth import SECRET_ENV, env_secret, new_secret
 from backend.launch.deployment import render_deployment
@@ -167,27 +167,24 @@ class Launch:
     def _frontend(self, server: TritonServer, discovery: str, secret_file: str) -> OpenAIFrontend:
         from backend.launch.openai_frontend import OpenAIFrontend
 
-        # in a disaggregated deployment it routes across every decode instance of the membership
-        # (any server) and moves requests between them; aggregated: the one llm model
+        # with the membership it routes across every decode instance (any server) and moves
+        # requests between them; aggregated: the one llm model
+        member: dict[str, Any] = {}
         if self.mode in ("disagg", "decode") and discovery:
-            return OpenAIFrontend(
-                server.grpc_url,
-                self.model_dir,
-                host=self.host,
-                port=self.openai_port or None,
-                log_file=self.openai_log_file,
-                discovery=discovery,
-                deployment=self.deployment or "default",
-                deployment_secret_file=secret_file or None,
-                extra_env={SECRET_ENV: server.deployment_secret},
-                router=self.router,
-            )
+            member = {
+                "discovery": discovery,
+                "deployment": self.deployment or "default",
+                "deployment_secret_file": secret_file or None,
+                "extra_env": {SECRET_ENV: server.deployment_secret},
+                "router": self.router,
+            }
         return OpenAIFrontend(
             server.grpc_url,
             self.model_dir,
             host=self.host,
             port=self.openai_port or None,
             log_file=self.openai_log_file,
+            **member,
         )
 
 

@@ -28,6 +28,7 @@ from typing import Protocol
 
 import numpy as np
 
+from backend.serving.errors import parse_error
 from backend.serving.routing import Target
 from backend.serving.tensors import PROBE_INPUT, STATE_OUTPUT
 
@@ -134,17 +135,28 @@ _END = object()
 
 
 class GrpcLink:
-    """A decode model of another Triton server (gRPC); ``timeout_s`` bounds a probe."""
+    """A decode model of another Triton server (gRPC); ``timeout_s`` bounds a probe. Probes,
+    one at a time, share one client (one channel, kept while the server answers); each attempt
+    has its own."""
 
     def __init__(self, target: Target, timeout_s: float):
         self.target, self.timeout_s = target, timeout_s
+        self._probe_client = None
 
     def open(self, request_id: str, inputs: dict[str, np.ndarray]) -> Attempt:
         return _GrpcAttempt(self.target, request_id, inputs)
 
     def probe(self) -> list[Reply]:
+        import tritonclient.grpc as grpcclient
+
+        if self._probe_client is None:
+            self._probe_client = grpcclient.InferenceServerClient(self.target.grpc_url)
         attempt = _GrpcAttempt(
-            self.target, f"probe-{uuid.uuid4().hex}", {PROBE_INPUT.name: np.array([True], dtype=bool)}
+            self.target,
+            f"probe-{uuid.uuid4().hex}",
+            {PROBE_INPUT.name: np.array([True], dtype=bool)},
+            outputs=[STATE_OUTPUT.name],
+            client=self._probe_client,
         )
         out: list[Reply] = []
         try:
@@ -152,23 +164,41 @@ class GrpcLink:
                 out.append(reply)
         finally:
             attempt.finish()
+        if any(r.error is not None for r in out) and attempt.broken:
+            self.close()  # a fresh channel next time
         return out
 
     def close(self) -> None:
-        pass
+        client, self._probe_client = self._probe_client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception as e:
+                log.debug("closing the probe channel to %s: %s", self.target.grpc_url, e)
 
 
 class _GrpcAttempt:
-    """One gRPC stream (its own client: tritonclient's synchronous client has one stream)."""
+    """One gRPC stream: on its own client (tritonclient's synchronous client has one stream at a
+    time), or on ``client`` (kept open after it; a probe's)."""
 
     local = False
 
-    def __init__(self, target: Target, request_id: str, inputs: dict[str, np.ndarray]):
-        self.target, self.request_id, self.inputs = target, request_id, inputs
+    def __init__(
+        self,
+        target: Target,
+        request_id: str,
+        inputs: dict[str, np.ndarray],
+        outputs: list[str] | None = None,
+        client=None,
+    ):
+        self.target, self.request_id, self.inputs, self.outputs = target, request_id, inputs, outputs
         self._queue: queue.Queue = queue.Queue()
-        self._client = None
+        self._client = client
+        self._own = client is None
+        self._started = False
         self._lock = threading.Lock()
         self._closed = False
+        self.broken = False  # the call failed (not an answer of the model)
 
     def replies(self, timeout_s: float | None = None) -> Iterator[Reply]:
         import tritonclient.grpc as grpcclient
@@ -178,38 +208,50 @@ class _GrpcAttempt:
             with self._lock:
                 if self._closed:
                     return
-                self._client = client = grpcclient.InferenceServerClient(self.target.grpc_url)
+                if self._client is None:
+                    self._client = grpcclient.InferenceServerClient(self.target.grpc_url)
+                client = self._client
             client.start_stream(callback=lambda result, error: self._queue.put((result, error)))
+            self._started = True
             tensors = []
             for name, arr in self.inputs.items():
                 t = grpcclient.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
                 t.set_data_from_numpy(arr)
                 tensors.append(t)
+            outputs = [grpcclient.InferRequestedOutput(n) for n in self.outputs] if self.outputs else None
             client.async_stream_infer(
-                self.target.model, tensors, request_id=self.request_id, enable_empty_final_response=True
+                self.target.model,
+                tensors,
+                outputs=outputs,
+                request_id=self.request_id,
+                enable_empty_final_response=True,
             )
         except InferenceServerException as e:
+            self.broken = True
             yield Reply(error=f"Triton at {self.target.grpc_url}: {e.message()}")
             return
         while True:
             try:
                 item = self._queue.get(timeout=timeout_s)
             except queue.Empty:
+                self.broken = True
                 yield Reply(error=f"Triton at {self.target.grpc_url} did not answer within {timeout_s:g}s")
                 return
             if item is _END:
                 return
             result, error = item
             if error is not None:
-                yield Reply(error=str(error.message()) if hasattr(error, "message") else str(error))
+                message = str(error.message()) if hasattr(error, "message") else str(error)
+                self.broken = parse_error(message)[0] is None  # not an answer of our model's
+                yield Reply(error=message)
                 return
             response = result.get_response()
-            outputs = {}
+            outputs_now = {}
             for out in response.outputs:
                 arr = result.as_numpy(out.name)
                 if arr is not None:
-                    outputs[out.name] = arr
-            yield Reply(outputs=outputs)
+                    outputs_now[out.name] = arr
+            yield Reply(outputs=outputs_now)
             final = response.parameters.get("triton_final_response")
             if final is not None and final.bool_param:
                 return
@@ -228,14 +270,20 @@ class _GrpcAttempt:
             self._closed = True
             client = self._client
         self._queue.put(_END)
-        if client is None:
+        if client is None or not self._started:
             return
+        own = self._own
+        cancel = cancel or self.broken  # a call that failed or hangs: never wait for it to end
 
         def stop() -> None:
             try:
                 client.stop_stream(cancel_requests=cancel)
-                client.close()
+                if own:
+                    client.close()
             except Exception as e:  # a dead server: nothing to close there
                 log.debug("closing the stream to %s: %s", self.target.grpc_url, e)
 
-        threading.Thread(target=stop, name="front-grpc-close", daemon=True).start()
+        if own:
+            threading.Thread(target=stop, name="front-grpc-close", daemon=True).start()
+        else:
+            stop()  # a probe's: the next one starts a stream on the same client
