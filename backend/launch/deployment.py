@@ -4,7 +4,8 @@ Modes:
 - ``aggregated``: the ``llm`` model alone.
 - ``disagg``: front model ``llm`` -> decode models ``decode_<j>`` -> prefill models
   ``prefill_<i>`` (each prefill model one instance with its own messenger port). With a
-  membership the front routes to every decode instance of the deployment, on every server.
+  membership the front routes to every decode instance of the deployment, on every server
+  (a ``decode`` server's front: to its own decode models).
 - ``prefill`` / ``decode``: one side of a split deployment across servers or hosts.
 Decode instances find prefill instances in the deployment's membership (``discovery``: the
 etcd every instance registers in, ``backend/cluster/``); ``prefill_endpoints`` (a fixed list)
@@ -141,10 +142,12 @@ def render_deployment(
     if mode in ("disagg", "decode"):
         decodes = _decode_models(decode_instances, common, endpoints, per_model, defaults["decode"])
         models.update(decodes)
-        # with a membership the front routes to every decode instance of the deployment (this
-        # server's by BLS, the others' over gRPC); without one, to this server's decode models
+        # a disagg server's front routes to every decode instance of the deployment's membership
+        # (this server's by BLS, the others' over gRPC); a decode-only server's front (and any
+        # front without a membership) to this server's decode models: every front that spans
+        # the deployment probes every decode instance, and a decode-only server is one of many
         membership = {k: v for k, v in common.items() if k in MEMBERSHIP_FIELDS}
-        targets = membership if discovery else {"decode_models": ",".join(decodes)}
+        targets = membership if discovery and mode == "disagg" else {"decode_models": ",".join(decodes)}
         models["llm"] = {
             "source": "front",
             "count": 1,

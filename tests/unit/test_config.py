@@ -91,6 +91,9 @@ def test_a_front_with_a_membership_is_rendered_without_a_fixed_list(tmp_path):
     params = read_parameters((repo / "llm" / "config.pbtxt").read_text())
     assert params["decode_models"] == "" and params["discovery"] == "etcd://127.0.0.1:2379"
     assert FrontConfig.from_parameters(params).membership.discovery == "etcd://127.0.0.1:2379"
+    # a decode-only server's front routes to its own decode models
+    repo = render_deployment(tmp_path / "dec", mode="decode", model_path="/m", discovery="etcd://127.0.0.1:2379")
+    assert read_parameters((repo / "llm" / "config.pbtxt").read_text())["decode_models"] == "decode_0"
 
 
 def test_rendered_repository_lists_tensors_and_every_parameter(tmp_path):
