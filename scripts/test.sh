@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set everything up (idempotent) and run the whole test suite (or the pytest arguments given);
-# the 15 slowest tests are listed at the end. For the whole suite, the benchmarks' external
+# the 40 slowest tests are listed at the end. For the whole suite, the benchmarks' external
 # tools (llama.cpp's server compiles for minutes) install meanwhile in the background at the
 # lowest CPU priority (perf/install_tools.py), in the CPU time the tests leave idle; a test that
 # needs one first waits for its install.
@@ -18,7 +18,7 @@ if [ "$#" -eq 0 ]; then
   installer=$!
 fi
 rc=0
-.venv/bin/python -m pytest -q --durations=15 "$@" || rc=$?
+.venv/bin/python -m pytest -q --durations=40 "$@" || rc=$?
 if [ -n "$installer" ]; then
   kill -- "-$installer" 2>/dev/null || true
   sed 's/^/[install-tools] /' .venv/tools/install.log | tail -8

@@ -106,6 +106,10 @@ class TritonServer:
             "false",
             "--exit-timeout-secs",
             str(self.exit_timeout_s),
+            # our configs are complete and no model.py has ``auto_complete_config``: without this
+            # flag the Python backend starts one more stub per model that only imports model.py
+            # (torch and all) and exits: a disagg server started in 17.7 s with it, 10.9 s without
+            "--disable-auto-complete-config",
             "--model-control-mode=explicit",
             "--load-model=*",
             f"--log-verbose={self.log_verbose}",

@@ -77,13 +77,15 @@ def test_the_deployment_grows_under_load_and_shrinks_after_without_losing_a_requ
         still = complete(d.frontend.url, trace[0], 0, seed=2)
         log = (d.tmp / "autoscale.log").read_text()
 
-    failed = [r for r in results if r.error is not None]
-    assert not failed, f"{len(failed)} of {len(results)} requests failed: {[r.error for r in failed[:5]]}"
-    assert len(results) == len(trace)
     changes = [(x["t"] - t_start, dd) for x in decisions for dd in x["decisions"] if dd["current"] != dd["desired"]]
     print("decisions:")
     for t, dd in changes:
         print(f"  {t:7.1f} s {dd['role']} {dd['current']} -> {dd['desired']}: {dd['reason']}")
+    failed = [r for r in results if r.error is not None]
+    for r in failed:
+        print(f"  failed: #{r.index} at {r.arrival_s:.1f} s, {r.prompt_tokens} prompt tokens: {r.error[:120]}")
+    assert not failed, f"{len(failed)} of {len(results)} requests failed: {[r.error for r in failed[:5]]}"
+    assert len(results) == len(trace)
     high_start, high_end = PHASES[0].duration_s, PHASES[0].duration_s + PHASES[1].duration_s
     ups = [(t, dd) for t, dd in changes if dd["desired"] > dd["current"] and dd["current"] >= 1]
     downs = [(t, dd) for t, dd in changes if dd["desired"] < dd["current"]]
