@@ -25,7 +25,7 @@ from backend.cluster.membership import Membership, Registration
 from backend.cluster.records import InstanceRecord, routable
 from backend.engine.cache_summary import CacheSummary
 from backend.openai.router import Router, Target
-from backend.openai.triton_stream import Delta, GenerationError, GenerationParams, TritonStream
+from backend.openai.triton_stream import Delta, GenerationError, GenerationParams, StreamLost, TritonStream
 
 log = logging.getLogger("triton_disagg.openai")
 
@@ -86,7 +86,7 @@ class DecodeFleet:
                 self._probing[target.name] = asyncio.create_task(self._probe(target))
 
     async def _probe(self, target: Target) -> None:
-        summary, error = None, None
+        summary, error, unanswered = None, None, False
         try:
             state = await self._client(target.grpc_url).instance_state(
                 target.model, self.router.settings.health_probe_timeout_s
@@ -94,12 +94,12 @@ class DecodeFleet:
             if state:
                 summary = CacheSummary.from_json(json.loads(state))
         except GenerationError as e:
-            error = e.message
+            error, unanswered = e.message, isinstance(e, StreamLost)
         except ValueError as e:  # it answered, so it serves; routed by load there
             log.warning("decode instance %s: unreadable instance_state (%s)", target.name, e)
         finally:
             self._probing.pop(target.name, None)
-        self.router.probed(target.name, summary, error)
+        self.router.probed(target.name, summary, error, unanswered)
 
     def _client(self, url: str) -> TritonStream:
         if url not in self._clients:

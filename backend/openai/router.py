@@ -86,10 +86,10 @@ class Router:
         for _, why, lost in self.table.update(joined, left):
             _lose(lost, why)
 
-    def probed(self, name: str, summary: CacheSummary | None, error: str | None) -> None:
+    def probed(self, name: str, summary: CacheSummary | None, error: str | None, unanswered: bool = False) -> None:
         """The outcome of a health probe of ``name``: its cache summary (None: it sent none) or
-        why it failed."""
-        _lose(self.table.probed(name, summary, error), f"its health probes failed ({error})")
+        why it failed (``unanswered``: no answer came)."""
+        _lose(self.table.probed(name, summary, error, unanswered=unanswered), f"its health probes failed ({error})")
 
     def targets(self) -> list[Target]:
         return [t for t in map(self.table.target, self.table.names()) if t is not None]
@@ -183,6 +183,7 @@ class Router:
                     if exc.kind in MOVABLE:
                         raise _Moved("stream_error", exc.message) from None
                     raise
+                self.table.heard(target.name)
                 yield delta
                 if delta.finish_reason is not None:
                     return

@@ -52,6 +52,9 @@ class AggregatedWorker:
     def cache_summary(self) -> CacheSummary:
         return self.engine.cache_summary()
 
+    def in_flight(self) -> int:
+        return self.engine.cache_summary().running
+
     def leave(self, final: bool) -> None:
         """An aggregated instance has no membership record."""
 

@@ -641,6 +641,9 @@ class DecodeWorker:
     def observations(self) -> dict[str, list[float]]:
         return self.receiver.observations()
 
+    def in_flight(self) -> int:
+        return len(self.requests)
+
     def leave(self, final: bool) -> None:
         if self.registration is None:
             return

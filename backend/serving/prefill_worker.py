@@ -32,6 +32,7 @@ from backend.disagg.connector import SendRequest
 from backend.disagg.messenger import Connection, MessengerServer
 from backend.disagg.nixl_connector import NixlKVSender
 from backend.disagg.protocol import CacheReport, Cancel, Message, PrefillFailed, PrefillRequest, PrefillStarted
+from backend.engine.cache_summary import CacheSummary
 from backend.engine.engine_loop import EngineLoop
 from backend.engine.outputs import EngineOutput, ErrorKind, FinishReason
 from backend.engine.sampling_params import SamplingParams
@@ -301,7 +302,7 @@ class PrefillWorker:
     # ------------------------------------------------------------ cache reports (the loop)
     def _report(self) -> None:
         conns = self.server.connections()
-        summary = dataclasses.replace(self.engine.cache_summary(), waiting=len(self.requests))
+        summary = self.cache_summary()
         if len(summary.keys) > MAX_REPORT_KEYS:
             summary = dataclasses.replace(summary, keys=frozenset(itertools.islice(summary.keys, MAX_REPORT_KEYS)))
         now = time.monotonic()
@@ -321,29 +322,28 @@ class PrefillWorker:
         s.update(self.sender.stats())
         return s
 
+    def health(self) -> str | None:
+        down = self.engine.health()
+        return f"prefill instance {self.name}: {down}" if down else None
+
+    def cache_summary(self) -> CacheSummary:
+        return dataclasses.replace(self.engine.cache_summary(), waiting=len(self.requests))
+
+    def in_flight(self) -> int:
+        return len(self.requests)
+
+    def leave(self, final: bool) -> None:
+        """``final`` False: mark this instance draining in the membership (decode instances send
+        it nothing new); True: leave it."""
+        if self.registration is None:
+            return
+        if final:
+            self.registration.close()
+        elif not self.registration.record.draining:
+            self.registration.update(draining=True)
+
     def member_name(self) -> str | None:
         return self.registration.record.name if self.registration is not None else None
-
-    def drain(self, timeout_s: float) -> threading.Thread | None:
-        """Mark this instance draining in the membership (decode instances send it nothing new),
-        let its prefills finish for up to ``timeout_s``, then leave the membership. Returns the
-        thread that waits (None: not registered)."""
-        registration = self.registration
-        if registration is None or registration.record.draining:
-            return None
-        registration.update(draining=True)
-        log.warning("prefill %s: draining: no new requests; %d in flight may finish", self.name, len(self.requests))
-
-        def finish() -> None:
-            deadline = time.monotonic() + timeout_s
-            while self.requests and time.monotonic() < deadline:
-                time.sleep(0.1)
-            registration.close()
-            log.warning("prefill %s: drained (%d request(s) left); left the membership", self.name, len(self.requests))
-
-        thread = threading.Thread(target=finish, name=f"{self.name}-drain", daemon=True)
-        thread.start()
-        return thread
 
     def shutdown(self) -> None:
         if self.registration is not None:

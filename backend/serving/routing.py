@@ -7,7 +7,8 @@ Targets (decode instances) and their health: a target joins (from the membership
 model's ``decode_models``) and is routable after its first passing health probe; it takes no
 new request while it drains (its record says so, or its probe answers "draining"), while
 ``health_probe_failures`` probes in a row failed (a stream that a target ends in a way that is
-not the request's fault, e.g. a dead stub, counts as a failed probe too), or once it left. When a
+not the request's fault, e.g. a dead stub, counts as a failed probe too; a probe that got no
+answer does not count while the target's streams still deliver responses), or once it left. When a
 target goes down or leaves, the requests in flight on it are returned to the adapter, which
 moves them (a dead instance never answers them). One passing probe brings it back.
 
@@ -27,7 +28,9 @@ Moves are counted by reason (``REASONS``).
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -110,6 +113,7 @@ class TargetState:
     passed: bool = False  # a probe of it passed once
     failures: int = 0  # failed probes in a row
     reason: str = NEVER_PROBED
+    heard: float = -math.inf  # when a stream of it last delivered a response (monotonic)
     routed: int = 0  # attempts sent to it
     in_flight: set[Journey] = field(default_factory=set)
 
@@ -197,12 +201,32 @@ class RoutingTable:
             return list(self._targets)
 
     # ------------------------------------------------------------ health
+    def heard(self, name: str) -> None:
+        """A stream of ``name`` delivered a response: it is alive (adapters call this per
+        response relayed)."""
+        with self._lock:
+            state = self._targets.get(name)
+            if state is not None:
+                state.heard = time.monotonic()
+
     def probed(
-        self, name: str, summary: CacheSummary | None = None, error: str | None = None, draining: bool = False
+        self,
+        name: str,
+        summary: CacheSummary | None = None,
+        error: str | None = None,
+        draining: bool = False,
+        unanswered: bool = False,
     ) -> list[Journey]:
         """A probe of ``name`` passed (``summary``: its cache summary, None: it sent none), answered
-        ``draining``, or failed with ``error``. Returns the requests in flight there when this
-        took it down (to move)."""
+        ``draining``, or failed with ``error``; ``unanswered``: it got no answer (none within
+        ``health_probe_timeout_s``, or the call broke). An unanswered probe of a target whose
+        streams delivered a response within the last ``health_probe_timeout_s`` does not count:
+        it is alive, only slow to answer (a loaded instance on a busy machine answers its streams
+        before its probes). Returns the requests in flight there when this took it down (to
+        move)."""
+        if error is not None and unanswered and self._heard_within(name, self.settings.health_probe_timeout_s):
+            self.log.debug("%s %s: probe unanswered (%s) but its streams deliver; not counted", self.noun, name, error)
+            return []
         if error is not None and not draining:
             return self.failed(name, error)
         with self._lock:
@@ -220,6 +244,11 @@ class RoutingTable:
         elif back:
             self.log.warning("%s %s serves; routing to it", self.noun, name)
         return []
+
+    def _heard_within(self, name: str, seconds: float) -> bool:
+        with self._lock:
+            state = self._targets.get(name)
+            return state is not None and time.monotonic() - state.heard <= seconds
 
     def failed(self, name: str, why: str) -> list[Journey]:
         """A failed probe of ``name``, or a stream it ended in a way that is not the request's

@@ -1,9 +1,13 @@
-"""The worker behind a model instance, as the Triton layer sees it (:class:`Worker`), and what
+"""The worker behind a model instance, as the Triton layer sees it (:class:`Instance`, every role;
+:class:`Worker`, the client-facing ones), and what
 every worker shares (building the engine, turning a client request into sampling parameters,
 handing engine outputs to the session, the KV-pool gauges)."""
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -17,24 +21,21 @@ from backend.serving.session import GenerationSession
 from backend.serving.stats import InstanceStats
 
 
-class Worker(Protocol):
-    """``submit`` a session (answered through the session), ``cancel`` one; ``stats`` feeds the
-    metrics; ``observations`` hands over (and forgets) the latencies measured since the last
-    call, by histogram name; ``health`` says why the worker cannot serve now (None: it can);
-    ``cache_summary`` what it caches and how loaded it is."""
-
-    max_model_len: int
-    vocab_size: int
+class Instance(Protocol):
+    """What every role's worker is to the Triton layer (prefill, decode, aggregated): ``stats``
+    feeds the metrics; ``observations`` hands over (and forgets) the latencies measured since the
+    last call, by histogram name; ``health`` says why the instance cannot serve now (None: it
+    can); ``cache_summary`` what it caches and how loaded it is; ``in_flight`` how many requests
+    it holds; ``leave`` takes it out of the membership (first draining, then for good)."""
 
     def describe(self) -> str: ...
-    def submit(self, session: GenerationSession) -> None: ...
-    def cancel(self, req_id: str) -> None: ...
     def stats(self) -> InstanceStats: ...
     def observations(self) -> dict[str, list[float]]: ...
     def health(self) -> str | None: ...
     def cache_summary(self) -> CacheSummary:
-        """Its prefix cache and load, for the front's KV-aware routing."""
+        """Its prefix cache and load, for KV-aware routing."""
 
+    def in_flight(self) -> int: ...
     def leave(self, final: bool) -> None:
         """Draining: tell the membership this instance takes nothing new (``final``: leave it)."""
 
@@ -42,6 +43,51 @@ class Worker(Protocol):
         """This instance's name in the deployment's membership (None: it is not registered)."""
 
     def shutdown(self) -> None: ...
+
+
+class Worker(Instance, Protocol):
+    """A client-facing instance (decode, aggregated): it also takes requests from Triton:
+    ``submit`` a session (answered through the session), ``cancel`` one. (A prefill instance's
+    requests come from decode instances over the messenger, not from Triton.)"""
+
+    max_model_len: int
+    vocab_size: int
+
+    def submit(self, session: GenerationSession) -> None: ...
+    def cancel(self, req_id: str) -> None: ...
+
+
+log = logging.getLogger("triton_disagg.worker")
+
+
+class Drain:
+    """The drain of an instance that Triton sends no requests (a prefill instance; the
+    client-facing ones drain through :class:`~backend.serving.admission.Admission`, which also
+    refuses new requests): ``start`` marks it draining in the membership (its peers send it
+    nothing new), lets what it holds finish for up to ``timeout_s`` on a thread of its own, then
+    takes it out of the membership. Once only: a second ``start`` returns None."""
+
+    def __init__(self, instance: Instance, name: str, timeout_s: float):
+        self.instance, self.name, self.timeout_s = instance, name, timeout_s
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> threading.Thread | None:
+        with self._lock:
+            if self._thread is not None or self.instance.member_name() is None:
+                return None
+            self._thread = threading.Thread(target=self._run, name=f"{self.name}-drain", daemon=True)
+        self.instance.leave(final=False)
+        log.warning("%s: draining: no new requests; %d in flight may finish", self.name, self.instance.in_flight())
+        self._thread.start()
+        return self._thread
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while self.instance.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.instance.leave(final=True)
+        log.warning("%s: drained (%d request(s) left); left the membership", self.name, self.instance.in_flight())
 
 
 def start_engine(config: InstanceConfig) -> Engine:

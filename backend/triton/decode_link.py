@@ -37,10 +37,12 @@ log = logging.getLogger("triton_disagg.front")
 
 @dataclass
 class Reply:
-    """One response of a decode model: ``error`` (its message) or ``outputs`` (name -> array)."""
+    """One response of a decode model: ``error`` (its message) or ``outputs`` (name -> array);
+    ``unanswered``: the error says no answer came (the call could not start, or timed out)."""
 
     error: str | None = None
     outputs: dict[str, np.ndarray] = field(default_factory=dict)
+    unanswered: bool = False
 
 
 class Attempt(Protocol):
@@ -228,14 +230,16 @@ class _GrpcAttempt:
             )
         except InferenceServerException as e:
             self.broken = True
-            yield Reply(error=f"Triton at {self.target.grpc_url}: {e.message()}")
+            yield Reply(error=f"Triton at {self.target.grpc_url}: {e.message()}", unanswered=True)
             return
         while True:
             try:
                 item = self._queue.get(timeout=timeout_s)
             except queue.Empty:
                 self.broken = True
-                yield Reply(error=f"Triton at {self.target.grpc_url} did not answer within {timeout_s:g}s")
+                yield Reply(
+                    error=f"Triton at {self.target.grpc_url} did not answer within {timeout_s:g}s", unanswered=True
+                )
                 return
             if item is _END:
                 return

@@ -14,7 +14,8 @@ gets a control request (``health_probe``) on its own thread; it answers with an 
 response, carrying its cache summary (``instance_state``), while it can serve. A probe that errs
 (a dead stub answers "not healthy", a dead server does not answer, a decode instance without a
 prefill connection or a lost tensor-parallel rank answers "out of service") or stays unanswered
-for ``health_probe_timeout_s`` is a failure; a draining one answers "draining": it gets no new
+for ``health_probe_timeout_s`` is a failure (an unanswered one not while the target's streams
+deliver: :meth:`heard`, called per response relayed); a draining one answers "draining": it gets no new
 requests, and its requests in flight go on. The core decides when a target is up or down; the
 requests in flight on one that goes down or leaves go to ``on_lost``, which moves them.
 """
@@ -115,6 +116,10 @@ class DecodeTargets:
             return BlsLink(self.pb, target, self._outputs)
         return GrpcLink(target, self.config.health_probe_timeout_s)
 
+    def heard(self, name: str) -> None:
+        """A stream of ``name`` delivered a response (it is alive)."""
+        self.table.heard(name)
+
     def failed(self, name: str, why: str) -> None:
         """A failed probe of ``name``, or a stream it ended that was not the request's fault."""
         lost = self.table.failed(name, why)
@@ -134,24 +139,31 @@ class DecodeTargets:
                 if since == now:
                     threading.Thread(target=self._probe, args=(name,), daemon=True).start()
                 elif now - since > timeout:  # still unanswered: a failure per round until it returns
-                    self.failed(name, f"health probe unanswered for {now - since:.0f}s")
+                    self._unanswered(name, f"health probe unanswered for {now - since:.0f}s")
             if self._stop.wait(self.table.probe_interval()):
                 return
 
+    def _unanswered(self, name: str, why: str) -> None:
+        lost = self.table.probed(name, error=why, unanswered=True)
+        if lost:
+            self._on_lost(name, why, lost)
+
     def _probe(self, name: str) -> None:
-        error, summary = None, None
+        error, summary, unanswered = None, None, False
         try:
             link = self.link(name)
             for reply in link.probe() if link is not None else []:
                 if reply.error is not None:
-                    error = reply.error
+                    error, unanswered = reply.error, reply.unanswered
                 else:
                     summary = _read_state(name, reply.outputs.get(STATE_OUTPUT.name)) or summary
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
         with self._lock:
             self._probing.pop(name, None)
-        if error is not None and parse_error(error)[0] is not ErrorKind.DRAINING:
+        if error is not None and unanswered:
+            self._unanswered(name, error)
+        elif error is not None and parse_error(error)[0] is not ErrorKind.DRAINING:
             self.failed(name, error)
         else:
             self.table.probed(name, summary, error, draining=error is not None)

@@ -208,7 +208,7 @@ class TritonPythonModel:
         # the first response may take long (a prefill): the watcher must run already
         threading.Thread(target=self._watch, args=(fwd, attempt, target, call, stop), daemon=True).start()
         try:
-            return self._relay(fwd, attempt, call.replies())
+            return self._relay(fwd, attempt, target, call.replies())
         except Exception as e:
             log.warning("forwarding to %s failed: %s", target, e)
             return f"{type(e).__name__}: {e}"
@@ -216,7 +216,7 @@ class TritonPythonModel:
             stop.set()
             call.finish()
 
-    def _relay(self, fwd: "Forwarding", attempt: int, replies):
+    def _relay(self, fwd: "Forwarding", attempt: int, target: str, replies):
         pb = self.pb
         final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         sender = fwd.sender
@@ -232,6 +232,7 @@ class TritonPythonModel:
                         return message  # Triton's answer for a dead stub or server, or ours: moved elsewhere
                     _send_error(pb, sender, kind, message)
                     return None
+                self.targets.heard(target)
                 if not reply.outputs:
                     continue
                 reason = reply.outputs.get("finish_reason")

@@ -17,6 +17,7 @@ from backend.engine.outputs import ErrorKind
 from backend.serving.config import InstanceConfig
 from backend.serving.drain import watch_drain_requests
 from backend.serving.prefill_worker import PrefillWorker
+from backend.serving.worker import Drain, Instance
 from backend.triton.lifecycle import DrainWatch
 from backend.triton.metrics import InstanceMetrics
 from backend.triton.model_args import init_model
@@ -32,14 +33,12 @@ class TritonPythonModel:
         config = InstanceConfig.from_parameters(params)
         if config.role != "prefill":
             raise ValueError(f"the prefill model needs role 'prefill', got {config.role!r}")
-        self.worker = PrefillWorker(config, self.instance, cfg["name"])
+        self.worker: Instance = PrefillWorker(config, self.instance, cfg["name"])
         self.metrics = InstanceMetrics(pb_utils, {"model": cfg["name"], "instance": self.instance}, self.worker.stats)
         secret = auth.load_secret(config.membership.deployment_secret_file)
-        self.drain_timeout_s = config.serving.drain_timeout_s
-        self.drain = DrainWatch(args["model_repository"], lambda: self.worker.drain(self.drain_timeout_s))
-        self.drain_requests = watch_drain_requests(
-            config, self.worker.member_name(), secret, lambda: self.worker.drain(self.drain_timeout_s)
-        )
+        drain = Drain(self.worker, f"prefill {self.instance}", config.serving.drain_timeout_s)
+        self.drain = DrainWatch(args["model_repository"], drain.start)
+        self.drain_requests = watch_drain_requests(config, self.worker.member_name(), secret, drain.start)
         log.info("instance %s ready: %s", self.instance, self.worker.describe())
 
     def execute(self, requests):

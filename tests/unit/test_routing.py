@@ -78,6 +78,32 @@ def test_failures_in_a_row_take_a_target_down_with_its_requests_and_one_pass_bri
     assert t.probed("gone", summary()) == [] and t.failed("gone", "x") == []  # left meanwhile
 
 
+def test_an_unanswered_probe_does_not_count_while_the_targets_streams_deliver(monkeypatch):
+    """A loaded instance on a busy machine answers its streams before its probes: a probe that
+    got no answer counts only when the target's streams delivered nothing for
+    ``health_probe_timeout_s``; an answered failure always counts."""
+    import backend.serving.routing as routing
+
+    now = [1000.0]
+    monkeypatch.setattr(routing.time, "monotonic", lambda: now[0])
+    t = table("a", "b", health_probe_failures=2, health_probe_timeout_s=5.0)
+    on_a = journey()
+    assert t.pick(on_a, exclude=["b"]) == "a"
+    t.heard("a")  # a response of a's stream was relayed
+    now[0] += 4.0
+    for _ in range(3):  # within 5 s of it: not counted
+        assert t.probed("a", None, "no answer within 5s", unanswered=True) == []
+    assert sorted(t.serving()) == ["a", "b"]
+    assert t.probed("a", None, "[out_of_service] no prefill instance connected") == []  # answered: counts
+    now[0] += 1.5  # 5.5 s since a's stream last delivered: unanswered probes count again
+    assert t.probed("a", None, "no answer within 5s", unanswered=True) == [on_a]
+    assert t.serving() == ["b"]
+    # a target never heard from (b): its unanswered probes count
+    assert t.probed("b", None, "no answer within 5s", unanswered=True) == []
+    assert t.probed("b", None, "no answer within 5s", unanswered=True) == [] and t.serving() == []
+    t.heard("gone")  # left meanwhile: nothing
+
+
 def test_a_target_that_leaves_returns_its_requests_and_is_forgotten():
     t = table("a", "b")
     j = journey()
