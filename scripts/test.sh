@@ -14,13 +14,14 @@ installer=""
 if [ "$#" -eq 0 ]; then
   mkdir -p .venv/tools
   # SCHED_IDLE (chrt -i): any test process preempts it at once on waking, which plain nice does not
-  setsid chrt -i 0 nice -n 19 .venv/bin/python -m perf.install_tools >.venv/tools/install.log 2>&1 &
-  installer=$!
   # setsid makes a new session, and with autogroup scheduling (sched_autogroup_enabled, on here)
   # each session is a group that gets an equal share of the CPU whatever its tasks' priority: the
   # build took half of the 2 cores from the tests (a test of 78 s alone ran past 10 min beside 2
-  # SCHED_IDLE busy loops in their own sessions). Nice 19 for the whole group gives it what is idle.
-  echo 19 >"/proc/$installer/autogroup" 2>/dev/null || true
+  # SCHED_IDLE busy loops in their own sessions). So the new session first sets its own group's
+  # nice to 19 (from inside: no race with setsid), then gives what is idle to the build.
+  setsid sh -c 'echo 19 >/proc/self/autogroup 2>/dev/null; exec chrt -i 0 nice -n 19 "$0" -m perf.install_tools' \
+    .venv/bin/python >.venv/tools/install.log 2>&1 &
+  installer=$!
 fi
 rc=0
 .venv/bin/python -m pytest -q --durations=40 "$@" || rc=$?
