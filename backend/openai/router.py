@@ -18,10 +18,11 @@ the tokens they belong to; the prompt's (asked for with ``echo``) come once, in 
 response relayed: an attempt after that is not asked for them (:meth:`DecodeFleet.generate`
 asks only while no output token was sent) and any it sends anyway are dropped here. At most
 ``migration_limit`` moves; then, as when no other instance serves, the stream ends with an
-``out_of_service`` error saying why. Any other error (bad request, overloaded, ...) is the
-request's answer and ends it as is. A new request while no instance serves fails at once, unless
-one has not passed a probe yet (a server starting): it waits for that at most
-``health_probe_timeout_s``.
+``out_of_service`` error saying why. An ``overloaded`` refusal (no KV pages for it in time)
+before any output moves it too, to an instance with room; with none, the refusal is its
+answer. Any other error (bad request, ...) is the request's answer and ends it as is. A new
+request while no instance serves fails at once, unless one has not passed a probe yet (a server
+starting): it waits for that at most ``health_probe_timeout_s``.
 
 Everything here runs on the frontend's event loop (membership changes are handed to it); opening
 a stream is the caller's (``OpenStream``), so the logic runs in unit tests with fake targets.
@@ -40,7 +41,15 @@ from backend.engine.cache_summary import CacheSummary
 from backend.engine.outputs import ErrorKind
 from backend.openai.triton_stream import Delta, GenerationError, StreamLost
 from backend.serving.config import RouterSettings
-from backend.serving.routing import FIRST_PICK_POLL_S, MOVABLE, Journey, NotMoved, RoutingTable, Target, TargetStatus
+from backend.serving.routing import (
+    FIRST_PICK_POLL_S,
+    Journey,
+    NotMoved,
+    RoutingTable,
+    Target,
+    TargetStatus,
+    move_reason,
+)
 
 __all__ = ["Router", "Target"]
 
@@ -137,7 +146,7 @@ class Router:
                 try:
                     retry = self.table.target(self.table.move(journey, target.name, moved.why, moved.reason))
                 except NotMoved as e:
-                    raise GenerationError(ErrorKind.OUT_OF_SERVICE, e.message) from None
+                    raise GenerationError(e.kind, e.message) from None
                 if retry is None:  # it left in this very moment
                     raise GenerationError(
                         ErrorKind.OUT_OF_SERVICE, f"{target.name}: {moved.why}; its successor left"
@@ -180,8 +189,9 @@ class Router:
                 except StreamLost as exc:
                     raise _Moved("stream_error", exc.message) from None
                 except GenerationError as exc:
-                    if exc.kind in MOVABLE:
-                        raise _Moved("stream_error", exc.message) from None
+                    reason = move_reason(exc.kind, journey)
+                    if reason is not None:
+                        raise _Moved(reason, exc.message) from None
                     raise
                 self.table.heard(target.name)
                 yield delta

@@ -41,12 +41,28 @@ from backend.engine.outputs import ErrorKind
 from backend.serving.config import RouterSettings
 from backend.serving.kv_router import KVRouter
 
-# why a request moved (the migrations counter's label): its target went down or left, or its
-# stream failed or ended early in a way that is not the request's fault
-REASONS = ("instance_down", "stream_error")
+# why a request moved (the migrations counter's label): its target went down or left, its
+# stream failed or ended early in a way that is not the request's fault, or its target had no
+# KV pages for it in time (overloaded) before it sent any output
+REASONS = ("instance_down", "stream_error", "overloaded")
 # error kinds that say the target, not the request, failed (or takes nothing new: draining): the
 # request moves (an error without a kind is Triton's own, e.g. a dead stub's)
 MOVABLE = (None, ErrorKind.OUT_OF_SERVICE, ErrorKind.DRAINING)
+
+
+def move_reason(kind: ErrorKind | None, journey: Journey) -> str | None:
+    """Why an attempt that ended with an error of ``kind`` moves (a :data:`REASONS` label), or
+    None when the error is the client's answer. An ``overloaded`` refusal (the target had no KV
+    pages for it within its wait) moves only while no output reached the client: another target
+    may have room (one the autoscaler just added, say); when none serves, the client gets the
+    refusal itself."""
+    if kind in MOVABLE:
+        return "stream_error"
+    if kind is ErrorKind.OVERLOADED and not journey.sent:
+        return "overloaded"
+    return None
+
+
 NEVER_PROBED = "no health probe passed yet"
 FIRST_PROBE_INTERVAL_S = 0.1
 FIRST_PICK_POLL_S = 0.02  # how often a request that waits for a first passing probe looks again
@@ -97,11 +113,12 @@ class Journey:
 
 
 class NotMoved(Exception):
-    """The request cannot move on: ``message`` is its error for the client (out of service)."""
+    """The request cannot move on: ``message`` is its error for the client, of ``kind`` (out of
+    service; overloaded when an overloaded refusal found no other target)."""
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, kind: ErrorKind = ErrorKind.OUT_OF_SERVICE):
         super().__init__(message)
-        self.message = message
+        self.message, self.kind = message, kind
 
 
 @dataclass(eq=False)
@@ -317,16 +334,21 @@ class RoutingTable:
 
     def move(self, journey: Journey, name: str, why: str, reason: str) -> str:
         """``journey``'s attempt on ``name`` ended, ``why``, without finishing it: the target it
-        continues on (never one that failed it before), or :class:`NotMoved`."""
+        continues on (never one that failed it before), or :class:`NotMoved` (for an
+        ``overloaded`` one, with the refusal itself when it cannot move)."""
         journey.failed.append(name)
         limit = self.settings.migration_limit
         where = f"{self.noun} {name}: {why}"
+        if journey.moves > limit and reason == "overloaded":
+            raise NotMoved(why, ErrorKind.OVERLOADED)  # not moved: the refusal is the answer
         if journey.moves > limit:
             raise NotMoved(
                 f"{where}; migration limit reached: the request was moved {limit} time(s) already "
                 f"(migration_limit {limit}), so it is not moved again"
             )
         retry = self.pick(journey, exclude=journey.failed)
+        if retry is None and reason == "overloaded":
+            raise NotMoved(why, ErrorKind.OVERLOADED)  # nowhere else: the refusal is the answer
         if retry is None:
             raise NotMoved(f"{where}; no other {self.noun} is serving ({self.down_reasons()})")
         journey.cum_before = journey.cum  # the next attempt sums only the output it makes

@@ -21,8 +21,10 @@ failed it before, with the output its client already has (``resume_token_ids``);
 computes or fetches the KV of prompt plus output (its prefix cache, a prefill instance, or
 itself) and continues the stream where it stopped: the client sees one stream, no token
 repeated or lost (greedy output equals an uninterrupted run; a guided request's grammar replays
-the sent tokens; a sampled one goes on with its parameters). At most ``migration_limit`` moves
-per request. When the deployment stops (``backend/triton/lifecycle.py``), every request fails
+the sent tokens; a sampled one goes on with its parameters). A request that a target refuses as
+overloaded (no KV pages for it in time) before any output moves too, to a target with room (one
+just added, say); with none, the refusal is its answer. At most ``migration_limit`` moves per
+request. When the deployment stops (``backend/triton/lifecycle.py``), every request fails
 with the drain message.
 """
 
@@ -40,7 +42,7 @@ from backend.engine.outputs import ErrorKind
 from backend.serving.config import FrontConfig
 from backend.serving.errors import parse_error
 from backend.serving.request import parse_request, prompt_token_ids
-from backend.serving.routing import FIRST_PICK_POLL_S, MOVABLE, REASONS, Journey, NotMoved
+from backend.serving.routing import FIRST_PICK_POLL_S, REASONS, Journey, NotMoved, move_reason
 from backend.triton.decode_targets import DecodeTargets
 from backend.triton.lifecycle import DRAIN_MESSAGE, DrainWatch
 from backend.triton.model_args import init_model
@@ -169,7 +171,7 @@ class TritonPythonModel:
                 retry = self.table.move(fwd, target, why, reason)
             except NotMoved as e:
                 fwd.attempt += 1  # no relay of the old attempt may follow the error
-                _send_error(self.pb, fwd.sender, ErrorKind.OUT_OF_SERVICE, e.message)
+                _send_error(self.pb, fwd.sender, e.kind, e.message)
                 return
             self._start(fwd, retry)
 
@@ -192,17 +194,20 @@ class TritonPythonModel:
         ended = self._forward_once(fwd, target, attempt, inputs)
         self.table.done(target, fwd)
         if ended is not None:
-            self.targets.failed(target, ended)  # counts as a failed probe of it
-            self._move(fwd, attempt, target, ended, "stream_error")
+            why, reason = ended
+            if reason == "stream_error":
+                self.targets.failed(target, why)  # counts as a failed probe of it
+            self._move(fwd, attempt, target, why, reason)
 
     def _forward_once(self, fwd: "Forwarding", target: str, attempt: int, inputs: dict):
         """Relay one attempt. Returns why the target stopped serving the request before its end
         (its out-of-service error, an error that is not ours, e.g. Triton's for a dead stub or
-        a broken call to a dead server, or a stream that ended without a final response; the
-        caller moves it elsewhere), or None when it is answered or failed for good."""
+        a broken call to a dead server, a stream that ended without a final response, or an
+        overloaded refusal before any output) and the move's reason; the caller moves it
+        elsewhere. None when it is answered or failed for good."""
         link = self.targets.link(target)
         if link is None:
-            return "it left the membership"
+            return "it left the membership", "stream_error"
         call = link.open(f"{fwd.request_id}-{attempt}", inputs)
         stop = threading.Event()
         # the first response may take long (a prefill): the watcher must run already
@@ -211,7 +216,7 @@ class TritonPythonModel:
             return self._relay(fwd, attempt, target, call.replies())
         except Exception as e:
             log.warning("forwarding to %s failed: %s", target, e)
-            return f"{type(e).__name__}: {e}"
+            return f"{type(e).__name__}: {e}", "stream_error"
         finally:
             stop.set()
             call.finish()
@@ -228,8 +233,9 @@ class TritonPythonModel:
                     return None
                 if reply.error is not None:
                     kind, message = parse_error(reply.error)
-                    if kind in MOVABLE:
-                        return message  # Triton's answer for a dead stub or server, or ours: moved elsewhere
+                    moves = move_reason(kind, fwd)
+                    if moves is not None:  # a dead stub or server, or ours (draining, overloaded...)
+                        return message, moves
                     _send_error(pb, sender, kind, message)
                     return None
                 self.targets.heard(target)
@@ -248,7 +254,7 @@ class TritonPythonModel:
         with fwd.lock:
             if fwd.attempt != attempt or sender.closed or sender.is_cancelled():
                 return None
-        return "its stream ended before the request finished"
+        return "its stream ended before the request finished", "stream_error"
 
     def _watch(self, fwd: "Forwarding", attempt: int, target: str, call, stop: threading.Event) -> None:
         """When the client cancels, cancel this attempt there at once, even before any token

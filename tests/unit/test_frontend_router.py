@@ -205,6 +205,38 @@ def test_past_the_migration_limit_the_request_fails_saying_so():
     assert r.migrations == {"stream_error": 2}
 
 
+def test_an_overloaded_refusal_before_any_output_moves_to_a_member_with_room():
+    """No KV pages for it in time on a (a full pool): the request goes to b (the one the
+    autoscaler just added, say); a is not counted as failed. With no other member, or after
+    output was sent, the refusal is the client's answer."""
+    full = GenerationError(ErrorKind.OVERLOADED, "no KV pages free on the decode instance within 10s")
+    prompt = list(range(40))
+    r = router("a", "b", health_probe_failures=1)
+    r.probed("a", summary(prompt), None)  # a holds the prompt: it is picked first
+    fake = FakeDecode(6, {"a": [(0, full)], "b": [(0, "ok")]})
+    out = asyncio.run(collect(r, fake, prompt))
+    assert whole(out) == [token(i) for i in range(6)] and [n for n, _ in fake.calls] == ["a", "b"]
+    assert r.migrations == {"overloaded": 1}
+    assert sorted(t.name for t in r.serving()) == ["a", "b"]  # a full pool is not a failure
+    alone = router("a")
+    fake = FakeDecode(6, {"a": [(0, full)]})
+    with pytest.raises(GenerationError) as e:
+        asyncio.run(collect(alone, fake))
+    assert e.value.kind is ErrorKind.OVERLOADED and e.value.message == full.message
+    assert alone.migrations == {}
+    r = router("a", "b")
+    r.probed("a", summary(prompt), None)
+    fake = FakeDecode(6, {"a": [(2, full)], "b": [(0, "ok")]})  # after output: not moved
+    with pytest.raises(GenerationError) as e:
+        asyncio.run(collect(r, fake, prompt))
+    assert e.value is full and len(fake.calls) == 1
+    never = router("a", "b", migration_limit=0)
+    fake = FakeDecode(6, {"a": [(0, full)], "b": [(0, "ok")]})
+    with pytest.raises(GenerationError) as e:
+        asyncio.run(collect(never, fake))
+    assert e.value.kind is ErrorKind.OVERLOADED and len(fake.calls) == 1
+
+
 def test_with_no_other_member_the_request_fails_and_a_bad_request_never_moves():
     r = router("a")
     fake = FakeDecode(5, {"a": [(2, GenerationError(None, "Stub process is not healthy"))]})
@@ -277,4 +309,5 @@ def test_metrics_exposition():
     assert 'triton_disagg_decode_target_up{target="b",grpc_url="b:8001",model="decode_0"} 0' in text
     assert 'triton_disagg_requests_routed_total{target="a",grpc_url="a:8001",model="decode_0"} 1' in text
     assert "# TYPE triton_disagg_migrations_total counter" in text
-    assert exposition(None).count("triton_disagg_migrations_total{") == 2
+    assert exposition(None).count("triton_disagg_migrations_total{") == 3  # one per reason, moved or not
+    assert 'triton_disagg_migrations_total{reason="overloaded"} 0' in text

@@ -104,6 +104,32 @@ def test_an_unanswered_probe_does_not_count_while_the_targets_streams_deliver(mo
     t.heard("gone")  # left meanwhile: nothing
 
 
+def test_which_errors_move_a_request():
+    from backend.engine.outputs import ErrorKind
+    from backend.serving.routing import move_reason
+
+    fresh, started = journey(), journey()
+    started.sent = [7]
+    for kind in (None, ErrorKind.OUT_OF_SERVICE, ErrorKind.DRAINING):
+        assert move_reason(kind, fresh) == move_reason(kind, started) == "stream_error"
+    assert move_reason(ErrorKind.OVERLOADED, fresh) == "overloaded"
+    assert move_reason(ErrorKind.OVERLOADED, started) is None  # the client has output: its answer
+    for kind in (ErrorKind.BAD_REQUEST, ErrorKind.ENGINE, ErrorKind.PREFILL_UNAVAILABLE):
+        assert move_reason(kind, fresh) is None
+
+
+def test_an_overloaded_request_with_nowhere_to_go_gets_the_refusal():
+    from backend.engine.outputs import ErrorKind
+
+    t = table("a")
+    j = journey()
+    assert t.pick(j) == "a"
+    with pytest.raises(NotMoved) as e:
+        t.move(j, "a", "no KV pages free within 10s", "overloaded")
+    assert e.value.kind is ErrorKind.OVERLOADED and e.value.message == "no KV pages free within 10s"
+    assert t.serving() == ["a"] and t.migrations == {}
+
+
 def test_a_target_that_leaves_returns_its_requests_and_is_forgotten():
     t = table("a", "b")
     j = journey()
