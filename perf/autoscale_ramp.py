@@ -53,12 +53,16 @@ from perf.lib.stats import percentile
 
 # float32 instances: the ramp's load phases and SLOs are sized to float32's step (with the faster
 # fp16w default, 1.0 req/s left the SLO slack enough that a prefill instance was drained during
-# the high phase)
+# the high phase). Requests queue for KV pages up to 60 s (page_wait_timeout_s, 10 s by default):
+# longer than a scale-out takes, so a burst waits for the instance the autoscaler adds (it served
+# 22-70 s after its start here under the high load; with 10 s, 7-20 of 247 requests were refused
+# while it started). Leases at the default TTL (5 s; it was 3 s: a decode instance starved of CPU
+# under the high load missed its renewal, and routers moved its 20 streams away).
 INSTANCE_SETS = (
     "num_threads=1",
     "kv_cache_tokens=8192",
     "max_num_batched_tokens=256",
-    "membership_ttl_s=3",
+    "page_wait_timeout_s=60",
     "weights_dtype=float32",
 )
 
