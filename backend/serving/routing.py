@@ -48,6 +48,9 @@ REASONS = ("instance_down", "stream_error", "overloaded")
 # error kinds that say the target, not the request, failed (or takes nothing new: draining): the
 # request moves (an error without a kind is Triton's own, e.g. a dead stub's)
 MOVABLE = (None, ErrorKind.OUT_OF_SERVICE, ErrorKind.DRAINING)
+NEVER_PROBED = "no health probe passed yet"
+FIRST_PROBE_INTERVAL_S = 0.1
+FIRST_PICK_POLL_S = 0.02  # how often a request that waits for a first passing probe looks again
 
 
 def move_reason(kind: ErrorKind | None, journey: Journey) -> str | None:
@@ -61,11 +64,6 @@ def move_reason(kind: ErrorKind | None, journey: Journey) -> str | None:
     if kind is ErrorKind.OVERLOADED and not journey.sent:
         return "overloaded"
     return None
-
-
-NEVER_PROBED = "no health probe passed yet"
-FIRST_PROBE_INTERVAL_S = 0.1
-FIRST_PICK_POLL_S = 0.02  # how often a request that waits for a first passing probe looks again
 
 
 @dataclass(frozen=True)
@@ -339,16 +337,14 @@ class RoutingTable:
         journey.failed.append(name)
         limit = self.settings.migration_limit
         where = f"{self.noun} {name}: {why}"
-        if journey.moves > limit and reason == "overloaded":
+        retry = self.pick(journey, exclude=journey.failed) if journey.moves <= limit else None
+        if retry is None and reason == "overloaded":
             raise NotMoved(why, ErrorKind.OVERLOADED)  # not moved: the refusal is the answer
         if journey.moves > limit:
             raise NotMoved(
                 f"{where}; migration limit reached: the request was moved {limit} time(s) already "
                 f"(migration_limit {limit}), so it is not moved again"
             )
-        retry = self.pick(journey, exclude=journey.failed)
-        if retry is None and reason == "overloaded":
-            raise NotMoved(why, ErrorKind.OVERLOADED)  # nowhere else: the refusal is the answer
         if retry is None:
             raise NotMoved(f"{where}; no other {self.noun} is serving ({self.down_reasons()})")
         journey.cum_before = journey.cum  # the next attempt sums only the output it makes

@@ -234,8 +234,9 @@ class TritonPythonModel:
                 if reply.error is not None:
                     kind, message = parse_error(reply.error)
                     moves = move_reason(kind, fwd)
-                    if moves is not None or kind is None:  # a dead stub or server, or ours (draining, ...)
-                        return message, moves or "stream_error"
+                    if moves is not None:  # a dead stub or server, or ours (draining, overloaded, ...)
+                        return message, moves
+                    assert kind is not None  # an error without a kind moves
                     _send_error(pb, sender, kind, message)
                     return None
                 self.targets.heard(target)
