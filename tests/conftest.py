@@ -218,6 +218,54 @@ def pytest_report_header(config):
     ]
 
 
+STUB = "triton_python_backend_stub"
+_reaped: list[str] = []
+
+
+def orphaned_stubs() -> list:
+    """Python-backend stubs whose tritonserver is gone (a test killed it, or it aborted): they
+    are reparented, not ended, and a stub blocked in Triton's C++ keeps the GIL and can spin, so
+    later tests would share the CPU with it. ``serve`` kills them with the dead server's process
+    group when it restarts it; a test's server has no such supervisor."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["name", "ppid"]):
+        try:
+            if STUB not in (p.info["name"] or "") and not any(STUB in a for a in p.cmdline()[:1]):
+                continue
+            parent = psutil.Process(p.info["ppid"]) if p.info["ppid"] else None
+            if parent is None or "tritonserver" not in parent.name():
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _reap_orphaned_stubs(request):
+    """After each integration test, SIGKILL the stubs its dead servers left (named at the end of
+    the run, with the test that left them)."""
+    yield
+    if "integration" not in request.node.path.parts:
+        return
+    import psutil
+
+    orphans = orphaned_stubs()
+    for p in orphans:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    if orphans:
+        _reaped.append(f"{request.node.nodeid}: {len(orphans)} (pids {', '.join(str(p.pid) for p in orphans)})")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _reaped:
+        terminalreporter.section("orphaned python-backend stubs reaped after")
+        for line in _reaped:
+            terminalreporter.write_line(line)
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark each test by its folder: ``unit`` (no server, no peer process) or ``integration``."""
     for item in items:

@@ -377,6 +377,9 @@ def kill_server_b_under(cluster: Cluster, received: list[int], migrations) -> tu
     on_b, before = active(cluster.b), migrations()
     assert cluster.b.proc is not None
     os.kill(cluster.b.proc.pid, signal.SIGKILL)
+    # its stubs outlive it, reparented (and can spin, sharing the 2 CPUs with the migration under
+    # test); serve's supervisor kills a dead server's process group when it notices: so do we
+    os.killpg(cluster.b.proc.pid, signal.SIGKILL)
     return on_b, before
 
 
