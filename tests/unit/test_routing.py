@@ -249,3 +249,53 @@ def test_membership_records_become_targets_and_a_moved_or_departed_one_hands_bac
     assert t.update([], [record("y")]) == []  # gone already
     t.join("decode_3")  # a fixed decode model: on the router's own server
     assert t.target("decode_3") == Target("decode_3", "", "decode_3")
+
+
+def test_a_target_whose_record_goes_while_its_streams_deliver_keeps_them(monkeypatch):
+    """A lease that lapsed while its instance lives (starved of CPU, it renewed late): its record
+    goes, but its streams delivered within ``health_probe_timeout_s``, so they stay; it takes no
+    new request, is still probed, and is forgotten once they end or back when its record is. If
+    it hangs after all, its silence makes unanswered probes count and its requests move. A
+    target silent for longer hands its requests back at once, as before."""
+    import backend.serving.routing as routing
+
+    now = [1000.0]
+    monkeypatch.setattr(routing.time, "monotonic", lambda: now[0])
+    t = RoutingTable(RouterSettings(health_probe_timeout_s=5.0, health_probe_failures=2), log)
+    t.update([record("x"), record("y", url="b:8001")], [])
+    for n in ("x", "y"):
+        t.probed(n, summary())
+    a, b = journey(), journey()
+    assert t.pick(a, exclude=["x"]) == "y" and t.pick(b, exclude=["x"]) == "y"
+    t.heard("y")
+    now[0] += 4.0
+    assert t.update([], [record("y", url="b:8001")]) == []  # delivered 4 s ago: they stay
+    assert t.serving() == ["x"] and sorted(t.names()) == ["x", "y"]  # still probed
+    t.probed("y", summary())
+    assert t.serving() == ["x"]  # a passing probe does not bring it back: its record must
+    t.update([record("y", url="b:8001")], [])
+    assert sorted(t.serving()) == ["x", "y"]
+    # it leaves again while its streams deliver, then hangs: silent past the timeout, its
+    # unanswered probes count and its requests move; it is forgotten
+    t.heard("y")
+    assert t.update([], [record("y", url="b:8001")]) == []
+    assert t.probed("y", None, "no answer within 5s", unanswered=True) == []  # heard just now
+    now[0] += 6.0
+    assert t.probed("y", None, "no answer within 5s", unanswered=True) == []  # failure 1 of 2
+    assert set(t.probed("y", None, "no answer within 5s", unanswered=True)) == {a, b}
+    assert t.names() == ["x"] and t.target("y") is None
+    # one that left while delivering is forgotten when its last request ends
+    t.update([record("z", url="c:8001")], [])
+    t.probed("z", summary())
+    c = journey()
+    assert t.pick(c, exclude=["x"]) == "z"
+    t.heard("z")
+    assert t.update([], [record("z", url="c:8001")]) == [] and "z" in t.names()
+    t.done("z", c)
+    assert "z" not in t.names() and t.target("z") is None
+    # a target silent for longer than the timeout: its requests move at once
+    on_x = journey()
+    assert t.pick(on_x) == "x"
+    t.heard("x")
+    now[0] += 5.5
+    assert t.update([], [record("x")]) == [("x", "it left the membership", [on_x])]
