@@ -9,12 +9,24 @@ import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from backend.engine.cpu_kernels import FORMAT_FLAGS, missing_flags
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+
+# torch's float dtypes by name (torch is imported where a dtype is needed: a front or router that
+# only parses settings never loads it)
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
 # int8: int8 linear layers (weights per output channel, activations per row, fbgemm, CPU) over a
 # rotated residual stream (backend/engine/int8_linear.py), everything else in float32; fp16w: the
 # linear layers' weights in float16 through fbgemm's fp16-weight GEMM, float32 activations and sums
@@ -120,7 +132,7 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.num_threads must be >= 0 (0 = leave torch's default), got {self.num_threads!r}"
             )
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
+        if self.device.startswith("cuda") and not _torch().cuda.is_available():
             raise ValueError("EngineConfig.device is 'cuda' but torch sees no GPU")
         if self.weights_format in CPU_FORMATS and self.torch_device.type != "cpu":
             raise ValueError(
@@ -141,6 +153,7 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
+        torch = _torch()
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
@@ -156,11 +169,11 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The activations' dtype (and the float weights'): float32 under int8 and fp16w weights."""
-        return DTYPES.get(self.weights_format, torch.float32)
+        return getattr(_torch(), self.weights_format if self.weights_format in DTYPES else "float32")
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.kv_format]
+        return getattr(_torch(), self.kv_format)
 
     def resolve_max_model_len(self) -> int:
         """min(configured cap, the checkpoint's max_position_embeddings)."""
@@ -285,6 +298,6 @@ def parse_section(cls, values: dict, section: str):
 
 def _is_cpu_or_cuda(device: str) -> bool:
     try:
-        return torch.device(device).type in ("cpu", "cuda")
+        return _torch().device(device).type in ("cpu", "cuda")
     except RuntimeError:
         return False

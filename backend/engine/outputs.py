@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class FinishReason(enum.StrEnum):
@@ -48,6 +50,8 @@ class TokenLogprobs:
 
     @staticmethod
     def cat(parts: list[TokenLogprobs]) -> TokenLogprobs:
+        import torch
+
         return TokenLogprobs(
             torch.cat([p.logprobs for p in parts]),
             torch.cat([p.top_ids for p in parts]),

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from backend.engine.cache_summary import CacheSummary
 from backend.engine.outputs import EngineOutput, ErrorKind
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import StepBatch
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import enum
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from backend.engine.outputs import FinishReason, TokenLogprobs
 from backend.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SeqStatus(enum.Enum):
