@@ -16,6 +16,8 @@ import os
 import time
 from pathlib import Path
 
+from backend.engine.checkpoint_source import write_source
+
 log = logging.getLogger("triton_disagg.prepare")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +57,13 @@ def validate_checkpoint(path: Path) -> str:
     return model_type
 
 
+def gguf_tensor_types(gguf_path: Path) -> dict[str, str]:
+    """Each tensor of the GGUF file and its quantization type's name (``Q4_1``, ``F32`` ...)."""
+    from gguf import GGUFReader
+
+    return {t.name: t.tensor_type.name for t in GGUFReader(str(gguf_path)).tensors}
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     """Dequantize a GGUF Llama checkpoint and save it as an fp32 safetensors checkpoint."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -74,6 +83,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     tmp.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    write_source(tmp, name, gguf_tensor_types(gguf_path))
     tmp.rename(out_dir)  # atomic: a half-written directory is never taken for a checkpoint
     log.info("converted %s -> %s in %.1fs", gguf_path, out_dir, time.perf_counter() - t0)
     return out_dir

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from backend.engine.checkpoint_source import layers_in_int4w_groups
 from backend.engine.cpu_kernels import FORMAT_FLAGS, missing_flags
 
 if TYPE_CHECKING:
@@ -34,12 +35,18 @@ def _torch():
 # fp16w-bf16: fp16w for few-row products, bfloat16 weights and activations (oneDNN, AMX-BF16) for
 # products of more rows (prefill chunks) instead of float32 ones (backend/engine/bf16_linear.py)
 # auto (the default): the measured best, see choose_weights_format
-WEIGHT_FORMATS = ("auto", *DTYPES, "int8", "fp16w", "fp16w-bf16")
+# int4w: the decoder layers' weights in 4-bit groups of 32 (GGUF Q4_1's layout, exact for a
+# checkpoint converted from one) through our own AVX2 kernel with float32 activations and sums for
+# few-row products, float32 for many; the LM head as fp16w (backend/engine/int4_linear.py)
+# int4w-bf16: int4w with fp16w-bf16's bfloat16 products (AMX tiles) for many rows
+WEIGHT_FORMATS = ("auto", *DTYPES, "int8", "fp16w", "fp16w-bf16", "int4w", "int4w-bf16")
 # the formats that run on the CPU only, in one process, and their kernels (named in refusals)
 CPU_FORMATS = {
     "int8": "fbgemm's int8 kernels",
     "fp16w": "fbgemm's fp16-weight GEMM",
     "fp16w-bf16": "fbgemm's fp16-weight GEMM, oneDNN's AMX-BF16",
+    "int4w": "our int4-group kernel (AVX2, FMA), fbgemm's fp16-weight GEMM",
+    "int4w-bf16": "our int4-group kernel (AVX2, FMA), fbgemm's fp16-weight GEMM, oneDNN's AMX-BF16",
 }
 # auto: the lean layer loop (backend/engine/lean_decoder.py) where the checkpoint's layers fit it
 # and the model runs in one process; transformers: always transformers' own modules
@@ -98,7 +105,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.weights_dtype == "auto":
             self.weights_dtype, self.weights_choice = choose_weights_format(
-                self.dtype, self.torch_device.type, self.tensor_parallel_size
+                self.dtype, self.torch_device.type, self.tensor_parallel_size, self.model_path
             )
         if self.weights_format not in WEIGHT_FORMATS:
             raise ValueError(
@@ -195,44 +202,71 @@ class EngineConfig:
 
 
 # Quality against float32 on held-out text, teacher forced through the engine
-# (tests/integration/test_fp16w_quality.py, test_int8_quality.py, perf/REPORT.md): per format
-# faster than float32 on the CPU, fastest first, the worst held-out perplexity ratio measured on
-# any kernel path (the worse of the prompt positions and the decode steps) and the lowest next-token
-# argmax agreement on the decode steps (the tokens a request returns). int8: 1.027x on the 8-bit
-# path, 1.084x on the 7-bit path through the server, 96.9% agreement on the 8-bit path;
-# fp16w-bf16: 1.0007x / 0.9995x, 99.55% (seven windows, 2 threads); fp16w: 1.0003x, 100%.
-FAST_FORMAT_QUALITY = {"int8": (1.084, 0.969), "fp16w-bf16": (1.001, 0.9955), "fp16w": (1.001, 1.0)}
+# (tests/integration/test_fp16w_quality.py, test_int4w_quality.py, test_int8_quality.py,
+# perf/REPORT.md): per format faster than float32 on the CPU, fastest first, the worst held-out
+# perplexity ratio measured on any kernel path (the worse of the prompt positions and the decode
+# steps) and the lowest next-token argmax agreement on the decode steps (the tokens a request
+# returns). int8: 1.027x on the 8-bit path, 1.084x on the 7-bit path through the server, 96.9%
+# agreement on the 8-bit path; fp16w-bf16: 1.0007x / 0.9995x, 99.55% (seven windows, 2 threads);
+# fp16w: 1.0003x, 100%. int4w and int4w-bf16 on a checkpoint whose decoder layers were Q4_1
+# blocks (the project's SmolLM2; as served, seven windows, 2 threads): int4w 1.0000x / 0.9998x,
+# 100%; int4w-bf16 1.0007x / 0.9994x, 99.55% (its prompt chunks are fp16w-bf16's). On other
+# checkpoints int4w rounds the weights to 4 bits: not measured, and auto never takes it there.
+FAST_FORMAT_QUALITY = {
+    "int8": (1.084, 0.969),
+    "int4w-bf16": (1.001, 0.9955),
+    "int4w": (1.0, 1.0),
+    "fp16w-bf16": (1.001, 0.9955),
+    "fp16w": (1.001, 1.0),
+}
 QUALITY_LIMIT = 1.01  # perplexity at most 1.01x float32's
 AGREEMENT_LIMIT = 0.99  # and at most one decode-step next token in a hundred other than float32's
 
 
-def choose_weights_format(dtype: str, device_type: str, tensor_parallel_size: int) -> tuple[str, str]:
+def choose_weights_format(
+    dtype: str, device_type: str, tensor_parallel_size: int, model_path: str | None = None
+) -> tuple[str, str]:
     """``weights_dtype=auto``: (format, why). The fastest format within float32's quality (held-out
     perplexity at most 1.01x float32's and decode-step argmax agreement at least 99% on every
-    kernel path measured) whose kernels this CPU has: fp16w-bf16 (fp16w's decode products,
-    prefill chunks in bfloat16 on AMX tiles) on a CPU with AMX-BF16, else fp16w (float16 weights,
-    float32 sums) on one with AVX2 and F16C; one process, ``dtype`` float32. int8 is faster but not
-    within. Otherwise ``dtype`` itself."""
+    kernel path measured) whose kernels this CPU has: int4w-bf16 or int4w where the checkpoint at
+    ``model_path`` was converted from a GGUF whose decoder layers were Q4_1 blocks (its
+    ``gguf_source.json``: int4w's groups hold those weights exactly), on a CPU with AMX-BF16 or
+    with AVX2, FMA and F16C; otherwise fp16w-bf16 (fp16w's decode products, prefill chunks in
+    bfloat16 on AMX tiles) on a CPU with AMX-BF16, else fp16w (float16 weights, float32 sums) on
+    one with AVX2 and F16C; one process, ``dtype`` float32. int8 is faster but not within.
+    Otherwise ``dtype`` itself."""
     if dtype != "float32":
         return dtype, f"dtype {dtype}"
     if device_type != "cpu":
         return dtype, f"on {device_type} the weights are dtype's ({dtype})"
     if tensor_parallel_size != 1:
         return dtype, "fp16w runs in one process and tensor_parallel_size > 1"
-    within = [f for f, (ppl, agree) in FAST_FORMAT_QUALITY.items() if ppl <= QUALITY_LIMIT and agree >= AGREEMENT_LIMIT]
+    source = layers_in_int4w_groups(model_path) if model_path else None
+    lossless = [] if source else ["int4w", "int4w-bf16"]  # they round other checkpoints' weights
+    within = [
+        f
+        for f, (ppl, agree) in FAST_FORMAT_QUALITY.items()
+        if ppl <= QUALITY_LIMIT and agree >= AGREEMENT_LIMIT and f not in lossless
+    ]
     runnable = [f for f in within if not missing_flags(FORMAT_FLAGS[f])]
     if not runnable:
         needs = FORMAT_FLAGS[within[-1]]
         return dtype, f"fp16w needs {' and '.join(needs)}; this CPU lacks {', '.join(missing_flags(needs))}"
     rest = ", ".join(
-        f"{f} {ppl:.3f}x, {100 * agree:.1f}%" for f, (ppl, agree) in FAST_FORMAT_QUALITY.items() if f not in within
+        f"{f} {ppl:.3f}x, {100 * agree:.1f}%"
+        for f, (ppl, agree) in FAST_FORMAT_QUALITY.items()
+        if f not in within and f not in lossless
     )
     skipped = [f"{f} needs {', '.join(missing_flags(FORMAT_FLAGS[f]))}" for f in within[: within.index(runnable[0])]]
+    where = f"; the layers are {source}'s Q4_1 blocks" if source else "; int4w: not a Q4_1 checkpoint"
     ppl, agree = FAST_FORMAT_QUALITY[runnable[0]]
     return runnable[0], (
         f"the fastest format within {QUALITY_LIMIT}x float32's held-out perplexity and "
         f"{100 * AGREEMENT_LIMIT:.0f}% next-token agreement that this CPU runs "
-        f"({runnable[0]} {ppl:.3f}x, {100 * agree:.1f}%; not within: {rest}" + "".join(f"; {s}" for s in skipped) + ")"
+        f"({runnable[0]} {ppl:.3f}x, {100 * agree:.1f}%; not within: {rest}"
+        + "".join(f"; {s}" for s in skipped)
+        + where
+        + ")"
     )
 
 

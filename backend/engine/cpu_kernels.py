@@ -34,7 +34,14 @@ FP16W_FLAGS = ("avx2", "f16c")
 # AMX tiles (perf/REPORT.md); without AMX (AVX512-BF16 alone, or emulated) it is not measured.
 FP16W_BF16_FLAGS = (*FP16W_FLAGS, "amx_bf16")
 # The CPU features each CPU-only format needs (EngineConfig refuses the format without them).
-FORMAT_FLAGS = {"fp16w": FP16W_FLAGS, "fp16w-bf16": FP16W_BF16_FLAGS}
+# ``int4w``: our int4-group kernel (AVX2, FMA) for the decoder layers, fp16w for the LM head.
+INT4W_FLAGS = (*FP16W_FLAGS, "fma")
+FORMAT_FLAGS = {
+    "fp16w": FP16W_FLAGS,
+    "fp16w-bf16": FP16W_BF16_FLAGS,
+    "int4w": INT4W_FLAGS,
+    "int4w-bf16": (*INT4W_FLAGS, "amx_bf16"),
+}
 
 
 @functools.cache
@@ -100,16 +107,22 @@ class KernelPath:
         return f"fbgemm fp16 weights, float32 activations and sums ({kernel} kernel, F16C)"
 
     @property
+    def int4w_path(self) -> str:
+        return "int4 groups of 32, float32 activations and sums (our AVX2+FMA kernel) for up to 4 rows"
+
+    @property
     def bf16_path(self) -> str:
         tiles = "AMX tiles" if "amx_bf16" in self.isa else "no AMX-BF16: not fp16w-bf16's path"
         return f"oneDNN bfloat16 weights and activations, float32 sums ({tiles})"
 
     def short(self, weights: str = "int8") -> str:
         """One line for a table's caption or a log line, with the kernel path of the weights
-        format ``weights`` (``int8``, ``fp16w`` or ``fp16w-bf16``)."""
+        format ``weights`` (``int8``, ``fp16w``, ``fp16w-bf16``, ``int4w`` or ``int4w-bf16``)."""
         path = {
             "fp16w": self.fp16w_path,
             "fp16w-bf16": f"{self.fp16w_path} for few rows; {self.bf16_path} for many",
+            "int4w": f"{self.int4w_path}; {self.fp16w_path} for the LM head and more rows",
+            "int4w-bf16": f"{self.int4w_path}; {self.fp16w_path} for the LM head; {self.bf16_path} for many rows",
         }.get(weights, self.int8_path)
         return f"{self.cpu} ({self.cpu_id}); torch {self.torch_capability}; {path}"
 

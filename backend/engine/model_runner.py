@@ -15,6 +15,7 @@ from backend.engine.config import EngineConfig
 from backend.engine.cpu_kernels import kernel_path
 from backend.engine.device_progress import DeviceProgress, make_progress
 from backend.engine.fp16_linear import MANY_ROWS, fp16_max_rows, quantize_linear_fp16
+from backend.engine.int4_linear import quantize_linear_int4
 from backend.engine.int8_linear import quantize_linear_int8, rotate_residual_stream, rotation_unsupported
 from backend.engine.kv_pool import KVPool
 from backend.engine.lean_decoder import LeanDecoder, fuse_projections, unsupported_reason
@@ -77,11 +78,14 @@ class ModelRunner:
         fmt = config.weights_format
         if fmt in MANY_ROWS:  # fbgemm's own products: no small-batch linears on top
             self._few_rows = fp16_max_rows(self._threads)
+            if fmt.startswith("int4w"):  # the decoder layers; the LM head then takes fp16w's weights
+                self.model = quantize_linear_int4(self.model, self._few_rows, MANY_ROWS[fmt])
             self.model = quantize_linear_fp16(self.model, self._few_rows, fmt)
             log.info(
-                "%s weights on %s: float16 for products of up to %d rows (on one thread), %s beyond (on %d threads)",
+                "%s weights on %s: %s for products of up to %d rows (on one thread), %s beyond (on %d threads)",
                 fmt,
                 kernel_path().short(fmt),
+                "int4 groups (the LM head float16)" if fmt.startswith("int4w") else "float16",
                 self._few_rows,
                 str(MANY_ROWS[fmt]).removeprefix("torch."),
                 self._threads,

@@ -17,13 +17,14 @@ from pathlib import Path
 import psutil
 
 from backend.client import stream_generate
+from backend.engine.config import EngineConfig
 from backend.engine.cpu_kernels import cpu_flags
 from backend.launch.ports import free_port
 
 BIN = Path(sys.executable).parent / "triton-disagg"
 
 
-def test_serve_generate_and_ctrl_c(tmp_path):
+def test_serve_generate_and_ctrl_c(tmp_path, model_dir):
     if not BIN.exists():
         raise AssertionError(f"{BIN} missing: scripts/setup.sh installs the package")
     ports = [free_port() for _ in range(3)]
@@ -108,8 +109,8 @@ def test_serve_generate_and_ctrl_c(tmp_path):
         log = (tmp_path / "server.log").read_text(errors="replace")
         assert "Exit timeout expired" not in log and "successfully unloaded 'llm'" in log
         # serve's default weights format, chosen at start and said in the log with its reason
-        flags = cpu_flags()
-        want = "float32" if not {"avx2", "f16c"} <= flags else "fp16w-bf16" if "amx_bf16" in flags else "fp16w"
+        want = EngineConfig(model_path=str(model_dir)).weights_format  # the choice: tests/unit/test_*_weights.py
+        print(f"auto on this CPU ({sorted(cpu_flags() & {'avx2', 'f16c', 'fma', 'amx_bf16'})}): {want}")
         assert f"weights={want} (auto: " in log, [line for line in log.splitlines() if "weights=" in line]
         assert stop_s < 10, f"stop took {stop_s:.1f}s"
         time.sleep(1)

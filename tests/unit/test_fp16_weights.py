@@ -192,7 +192,7 @@ def test_auto_picks_fp16w_where_it_runs_and_says_why(tiny, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "f16c", "fma"}))
     config = EngineConfig(model_path=str(tiny))
     assert config.weights_format == "fp16w" and config.torch_dtype == torch.float32
-    assert config.weights_choice.endswith("fp16w-bf16 needs amx_bf16)"), config.weights_choice
+    assert "; fp16w-bf16 needs amx_bf16; int4w: not a Q4_1 checkpoint)" in config.weights_choice, config.weights_choice
     assert EngineConfig(model_path=str(tiny), tensor_parallel_size=2).weights_format == "float32"
     bf16 = EngineConfig(model_path=str(tiny), dtype="bfloat16")
     assert bf16.weights_format == "bfloat16" and bf16.kv_format == "bfloat16"

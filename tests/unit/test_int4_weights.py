@@ -1,0 +1,163 @@
+"""``weights_dtype=int4w``: the 4-bit groups (GGUF Q4_1's layout), our kernel's products against
+float32's, the row limit, rows that do not depend on each other, a refused shape, a compiler
+that fails, the refusal on a CPU without the kernel's features, and the engine's greedy tokens
+against transformers' on the same (grouped) weights. The real checkpoint's quality:
+``tests/integration/test_int4w_quality.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from backend.engine import cpu_kernels, fp16_linear, int4_linear, model_runner
+from backend.engine.config import EngineConfig
+from backend.engine.cpu_kernels import kernel_path
+from backend.engine.fp16_linear import Fp16Linear
+from backend.engine.int4_linear import Int4Linear, quantize_groups
+from backend.engine.sampling_params import SamplingParams
+from tests.engine_helpers import assert_pool_idle, build_tiny_llama, make_engine, run_to_completion, tokens_of
+from tests.unit.test_weight_formats import PROMPT, _hf_greedy
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-int4w"))
+
+
+def grouped(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` rounded to its 4-bit groups (what int4w multiplies by)."""
+    packed, d, m, _ = quantize_groups(weight)
+    low, high = packed & 0x0F, packed >> 4
+    n, k = weight.shape
+    q = torch.cat([low.view(n, k // 32, 16), high.view(n, k // 32, 16)], dim=-1).float()
+    return (q * d[..., None] + m[..., None]).view(n, k)
+
+
+def layer(n: int = 96, k: int = 192, exact: bool = True, max_rows: int = 8) -> tuple[Int4Linear, torch.Tensor]:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        linear.weight.normal_(0, 0.05)
+        if exact:
+            linear.weight.copy_(grouped(linear.weight))
+    return Int4Linear(linear, max_rows), linear.weight.detach().clone()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_exact_groups_multiply_as_float32_does(rows):
+    print(f"kernel path: {kernel_path().short('int4w')}")
+    int4, weight = layer()
+    assert int4.group_error == 0.0  # every group exact: a Q4_1 checkpoint's weights
+    x = torch.randn(rows, 192)
+    want = (x.double() @ weight.double().t()).float()
+    got = int4(x)
+    assert got.shape == (rows, 96)
+    assert ((got - want).abs().max() / want.abs().max()) < 1e-5
+    assert ((F.linear(x, weight) - want).abs().max() / want.abs().max()) < 1e-5  # float32's is as close
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+    """It depends on how many rows share the product (one row, a block of 2-4, fp16w's beyond),
+    never on the other rows' values."""
+    int4, _ = layer()
+    x = torch.randn(4, 192)
+    for count in (1, 3, 4):
+        other = x[:count].clone()
+        other[1:] = torch.randn(count - 1, 192)
+        assert torch.equal(int4(x[:count])[0], int4(other)[0])
+    assert torch.equal(int4(x.view(2, 2, 192)).view(4, 96), int4(x))  # any leading shape
+
+
+def test_more_rows_take_fp16ws_products():
+    """5-8 rows (max_rows 8): fp16w's float16 products; 9: its float32 ones."""
+    int4, weight = layer(exact=False)
+    x = torch.randn(9, 192)
+    packed = int4.wider._packed_weight
+    assert torch.equal(int4(x[:6]), torch.fbgemm_linear_fp16_weight_fp32_activation(x[:6], packed, None))
+    assert torch.equal(int4(x), F.linear(x, weight))
+
+
+def test_weights_that_are_not_groups_report_their_error_and_multiply_their_groups():
+    int4, weight = layer(exact=False)
+    assert 0 < int4.group_error < 0.034  # half a step of a group's range (1/30), d rounded to float16
+    x = torch.randn(2, 192)
+    want = (x.double() @ grouped(weight).double().t()).float()
+    assert ((int4(x) - want).abs().max() / want.abs().max()) < 1e-5
+
+
+def test_inputs_not_in_groups_of_32_are_refused():
+    with pytest.raises(ValueError, match="not a multiple of 32"):
+        quantize_groups(torch.randn(8, 48))
+
+
+def test_a_compiler_that_fails_fails_the_load_with_its_reason(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_DISAGG_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    int4_linear.kernel.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="compiling int4_matmul.c failed"):
+            int4_linear.kernel()
+    finally:
+        int4_linear.kernel.cache_clear()
+    assert not list(tmp_path.rglob("*.so"))  # nothing half-built left to load
+
+
+def test_int4w_is_refused_on_a_cpu_without_its_features(tiny, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "f16c"}))
+    with pytest.raises(ValueError, match="needs the CPU features avx2 and f16c and fma.*lacks fma"):
+        EngineConfig(model_path=str(tiny), weights_dtype="int4w")
+
+
+@pytest.mark.parametrize("decoder", ["auto", "transformers"])
+def test_int4w_tokens_equal_transformers_on_the_grouped_weights(tiny, decoder, monkeypatch):
+    """The prompt prefilled in chunks, then 12 greedy tokens, every product through the 4-bit
+    groups (the row limits lifted): transformers' own on the float32 model whose decoder-layer
+    weights were rounded to those groups and whose LM head was rounded to float16 (fp16w's)."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(model_runner, "fp16_max_rows", lambda threads: 10**9)
+    monkeypatch.setattr(fp16_linear, "fp16_max_rows", lambda threads: 10**9)
+    monkeypatch.setattr(int4_linear, "INT4_MAX_ROWS", 10**9)
+    engine = make_engine(tiny, weights_dtype="int4w", decoder=decoder)
+    model = engine.runner.model
+    assert isinstance(model.lm_head, Fp16Linear)
+    int4 = [m for m in model.model.layers.modules() if isinstance(m, Int4Linear)]
+    assert int4 and not [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny)).eval()
+    with torch.no_grad():
+        for m in reference.model.layers.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.copy_(grouped(m.weight))
+        reference.lm_head.weight = torch.nn.Parameter(reference.lm_head.weight.half().float(), requires_grad=False)
+    want = _hf_greedy(reference, PROMPT, 12)
+    engine.add_request("r", PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert tokens_of(run_to_completion(engine)["r"]) == want
+    assert_pool_idle(engine)
+
+
+def test_auto_takes_int4w_only_for_a_checkpoint_of_q4_1_layers(tiny, tmp_path, monkeypatch):
+    """``weights_dtype=auto``: int4w (int4w-bf16 with AMX-BF16) where ``prepare`` recorded that the
+    decoder layers came from Q4_1 blocks (int4w's groups hold them exactly); fp16w's family for a
+    checkpoint without that record or with other layer types (int4w would round its weights)."""
+    import shutil
+
+    from backend.engine.checkpoint_source import layers_in_int4w_groups, write_source
+
+    q4 = tmp_path / "q4"
+    shutil.copytree(tiny, q4)
+    types = {"token_embd.weight": "Q8_0", "blk.0.attn_q.weight": "Q4_1", "blk.0.attn_norm.weight": "F32"}
+    write_source(q4, "tiny.Q4_1.gguf", types)
+    assert layers_in_int4w_groups(q4) == "tiny.Q4_1.gguf" and layers_in_int4w_groups(tiny) is None
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "f16c", "fma"}))
+    config = EngineConfig(model_path=str(q4))
+    assert config.weights_format == "int4w", config.weights_choice
+    assert "the layers are tiny.Q4_1.gguf's Q4_1 blocks" in config.weights_choice
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "f16c", "fma", "amx_bf16"}))
+    assert EngineConfig(model_path=str(q4)).weights_format == "int4w-bf16"
+    assert EngineConfig(model_path=str(tiny)).weights_format == "fp16w-bf16"
+    write_source(q4, "tiny.Q4_0.gguf", {**types, "blk.0.attn_k.weight": "Q4_0"})
+    assert layers_in_int4w_groups(q4) is None
+    assert EngineConfig(model_path=str(q4)).weights_format == "fp16w-bf16"
+    (q4 / "gguf_source.json").write_text("{not json")
+    assert layers_in_int4w_groups(q4) is None
