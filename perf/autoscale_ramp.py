@@ -57,12 +57,16 @@ from perf.lib.stats import percentile
 # longer than a scale-out takes, so a burst waits for the instance the autoscaler adds (it served
 # 22-70 s after its start here under the high load; with 10 s, 7-20 of 247 requests were refused
 # while it started). Leases at the default TTL (5 s; it was 3 s: a decode instance starved of CPU
-# under the high load missed its renewal, and routers moved its 20 streams away).
+# under the high load missed its renewal, and routers moved its 20 streams away). As many as 96
+# requests may wait (max_waiting_for_pages, 32 by default): what 1.0 req/s brings in a minute, and
+# more; with 32, a decode instance refused 33 requests in a CI run of a slower evening while the
+# one the autoscaler added was starting (its pool held 25 requests, 32 waited).
 INSTANCE_SETS = (
     "num_threads=1",
     "kv_cache_tokens=8192",
     "max_num_batched_tokens=256",
     "page_wait_timeout_s=60",
+    "max_waiting_for_pages=96",
     "weights_dtype=float32",
 )
 
