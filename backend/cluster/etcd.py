@@ -154,12 +154,6 @@ class EtcdClient:
         """Delete ``key``; how many keys were deleted (0 or 1)."""
         return int(self._call("/v3/kv/deleterange", {"key": _b64(key.encode())}).get("deleted", 0))
 
-    def lease_of(self, key: str) -> int | None:
-        """The lease ``key`` is attached to (None: no such key, or it has none)."""
-        kvs = self._call("/v3/kv/range", {"key": _b64(key.encode())}).get("kvs", [])
-        lease = int(kvs[0].get("lease", 0)) if kvs else 0
-        return lease or None
-
     def get_prefix(self, prefix: str) -> tuple[int, dict[str, bytes]]:
         """Every key under ``prefix`` with its value, and the store's revision of that view."""
         raw = prefix.encode()

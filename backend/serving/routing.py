@@ -10,9 +10,7 @@ new request while it drains (its record says so, or its probe answers "draining"
 not the request's fault, e.g. a dead stub, counts as a failed probe too; a probe that got no
 answer does not count while the target's streams still deliver responses), or once it left. When a
 target goes down or leaves, the requests in flight on it are returned to the adapter, which
-moves them (a dead instance never answers them), except when it left while its streams still
-deliver (its lease lapsed, say, on a starved machine): those stay, and move only if they break.
-One passing probe brings it back.
+moves them (a dead instance never answers them). One passing probe brings it back.
 
 The pick (:class:`KVRouter`): among the serving targets not excluded, the one with the lowest
 ``kv_routing_weight`` x (prompt pages not cached there) + (pages of requests in flight there).
@@ -131,13 +129,12 @@ class TargetState:
     failures: int = 0  # failed probes in a row
     reason: str = NEVER_PROBED
     heard: float = -math.inf  # when a stream of it last delivered a response (monotonic)
-    left: bool = False  # its record went while its streams delivered: they stay, nothing new comes
     routed: int = 0  # attempts sent to it
     in_flight: set[Journey] = field(default_factory=set)
 
     @property
     def serving(self) -> bool:
-        return self.up and not (self.draining or self.probe_draining or self.left)
+        return self.up and not (self.draining or self.probe_draining)
 
 
 @dataclass(frozen=True)
@@ -178,37 +175,9 @@ class RoutingTable:
                 self.log.info("%s %s joined: model %s at %s", self.noun, record.name, record.model, record.grpc_url)
             self.join(target, record.draining)
         for record in left:
-            if self.target(record.name) is None:
-                continue
-            staying = self._left_alive(record.name)
-            if staying is None:
+            if self.target(record.name) is not None:
                 lost.append((record.name, "it left the membership", self.leave(record.name)))
-            elif staying:
-                self.log.warning(
-                    "%s %s left the membership while its streams deliver (its lease lapsed?): no new requests go "
-                    "there; its %d request(s) in flight stay while it answers",
-                    self.noun,
-                    record.name,
-                    staying,
-                )
         return lost
-
-    def _left_alive(self, name: str) -> int | None:
-        """``name``'s record went. Its requests in flight stay if its streams delivered within
-        ``health_probe_timeout_s`` (a lease that lapsed while the instance lives, starved of CPU,
-        say): it takes nothing new, is still probed (a probe that fails, or a silence as long as
-        the timeout, takes it down and its requests move then) and is forgotten once they end or
-        its record comes back. Returns how many stay (0: none was in flight, it is forgotten), or
-        None: it is silent, the caller moves them."""
-        with self._lock:
-            state = self._targets.get(name)
-            if state is None or time.monotonic() - state.heard > self.settings.health_probe_timeout_s:
-                return None
-            if state.in_flight:
-                state.left = True
-                return len(state.in_flight)
-        self.leave(name)
-        return 0
 
     def target(self, name: str) -> Target | None:
         """Where ``name`` is; None once it left."""
@@ -227,7 +196,6 @@ class RoutingTable:
                 self._targets[name] = TargetState(name, draining=draining)
                 return
             state = self._targets[name]
-            state.left = False  # its record is back
             changed, state.draining = state.draining != draining, draining
         if changed:
             self.log.info("%s %s %s", self.noun, name, "drains: no new requests" if draining else "serves")
@@ -311,9 +279,6 @@ class RoutingTable:
                 return []
             state.up = False
             lost, state.in_flight = list(state.in_flight), set()
-            if state.left:  # its record went earlier: it is gone now
-                del self._targets[name]
-                self._where.pop(name, None)
         self.kv.forget(name)  # it may come back with an empty cache
         self.log.error(
             "%s %s is down (%s); routing around it, moving its %d request(s)", self.noun, name, why, len(lost)
@@ -363,10 +328,7 @@ class RoutingTable:
             state = self._targets.get(name)
             if state is not None:
                 state.in_flight.discard(journey)
-                gone = state.left and not state.in_flight
         self.kv.done(name, journey)
-        if state is not None and gone:
-            self.leave(name)  # its record went while these ran: forgotten now that they ended
 
     def move(self, journey: Journey, name: str, why: str, reason: str) -> str:
         """``journey``'s attempt on ``name`` ended, ``why``, without finishing it: the target it
