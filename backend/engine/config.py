@@ -242,11 +242,11 @@ def choose_weights_format(
     if tensor_parallel_size != 1:
         return dtype, "fp16w runs in one process and tensor_parallel_size > 1"
     source = layers_in_int4w_groups(model_path) if model_path else None
-    lossless = [] if source else ["int4w", "int4w-bf16"]  # they round other checkpoints' weights
+    excluded = [] if source else ["int4w", "int4w-bf16"]  # they would round this checkpoint's weights
     within = [
         f
         for f, (ppl, agree) in FAST_FORMAT_QUALITY.items()
-        if ppl <= QUALITY_LIMIT and agree >= AGREEMENT_LIMIT and f not in lossless
+        if ppl <= QUALITY_LIMIT and agree >= AGREEMENT_LIMIT and f not in excluded
     ]
     runnable = [f for f in within if not missing_flags(FORMAT_FLAGS[f])]
     if not runnable:
@@ -255,7 +255,7 @@ def choose_weights_format(
     rest = ", ".join(
         f"{f} {ppl:.3f}x, {100 * agree:.1f}%"
         for f, (ppl, agree) in FAST_FORMAT_QUALITY.items()
-        if f not in within and f not in lossless
+        if f not in within and f not in excluded
     )
     skipped = [f"{f} needs {', '.join(missing_flags(FORMAT_FLAGS[f]))}" for f in within[: within.index(runnable[0])]]
     where = f"; the layers are {source}'s Q4_1 blocks" if source else "; int4w: not a Q4_1 checkpoint"
