@@ -181,7 +181,12 @@ def heldout_windows(tokenizer, path: Path, count: int) -> list[list[int]]:
 
 
 def engine_figures(
-    model_dir: str, variants: list[tuple[str, str]], threads: int, tokenizer, windows: list[list[int]] | None = None
+    model_dir: str,
+    variants: list[tuple[str, str]],
+    threads: int,
+    tokenizer,
+    windows: list[list[int]] | None = None,
+    greedy_tokens: int = 64,
 ) -> dict:
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
     long_prompt = (tokenizer.encode(" ".join(PROMPTS), add_special_tokens=False) * 20)[:512]
@@ -189,7 +194,7 @@ def engine_figures(
     results, reference, heldout_reference = {}, None, None
     for fmt, decoder in bar(variants, "formats"):
         engine = _engine(model_dir, fmt, decoder, threads)
-        greedy = [_greedy(engine, ids, 64) for ids in prompts]
+        greedy = [_greedy(engine, ids, greedy_tokens) for ids in prompts]
         logits = _last_logits(engine, prompts[0])
         r = {
             "prefill_tok_s": _prefill_rate(engine, long_prompt),
@@ -259,6 +264,12 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--heldout", default=str(HELDOUT), help="held-out text for perplexity ('' to skip)")
     p.add_argument("--windows", type=int, default=7, help="held-out windows of 512 (+32 decode) tokens")
+    p.add_argument(
+        "--greedy-tokens",
+        type=int,
+        default=64,
+        help="greedy tokens per prompt (of 8), compared with the first format's",
+    )
     p.add_argument("--server", action="store_true", help="also one stream through a real server per format")
     p.add_argument("--server-threads", default="2,1", help="engine threads (num_threads) of the server runs")
     p.add_argument(
@@ -277,7 +288,7 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     variants = [(fmt, dec) for fmt in args.formats.split(",") for dec in args.decoders.split(",")]
     windows = heldout_windows(tokenizer, Path(args.heldout), args.windows) if args.heldout else None
-    results = engine_figures(model_dir, variants, args.threads, tokenizer, windows)
+    results = engine_figures(model_dir, variants, args.threads, tokenizer, windows, args.greedy_tokens)
     if args.server:
         threads = [int(t) for t in args.server_threads.split(",")]
         envs = {"": {}}

@@ -188,11 +188,11 @@ class Admission:
             with self._lock:
                 sessions = list(self.sessions.values())
             for session in sessions:
-                session.cancelled = True
-                self.worker.cancel(session.req_id)
                 session.fail(
                     f"{reason}; not finished within drain_timeout_s ({timeout_s:g} s)", ErrorKind.OUT_OF_SERVICE
                 )
+                session.cancelled = True
+                self.worker.cancel(session.req_id)
             self.worker.leave(final=True)
             log.warning(
                 "%s: drained (%s): %d request(s) ended unfinished; left the membership",

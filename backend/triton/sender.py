@@ -80,10 +80,15 @@ class TritonSink:
         self.sender.send(pb.InferenceResponse(output_tensors=tensors), flags=flags)
 
     def error(self, message: str, kind: ErrorKind):
+        """The error, then the final flag alone. An error response that carried the final flag,
+        sent from one of our threads after ``execute()`` returned (the requests a drain ends at
+        its window), never reached the front model's BLS call: the stream hung (seen 2026-12-05
+        with this Triton). Sent apart, the end of the stream does reach it (the error's text
+        does not: the front sees a stream that ended unfinished, and moves the request); gRPC
+        clients get the error, then the end of the stream."""
         pb = self.pb
-        self.sender.send(
-            pb.InferenceResponse(error=triton_error(pb, kind, message)), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        )
+        self.sender.send(pb.InferenceResponse(error=triton_error(pb, kind, message)))
+        self.sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def close(self):
         """The final flag without a response, unless the final response went already."""

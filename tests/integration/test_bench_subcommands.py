@@ -47,7 +47,7 @@ TINY: dict[str, list[str]] = {
     "int8-kernels": ["--batches", "1"],
     "spec": ["--max-tokens", "16", "--repeats", "1", "--decoders", "transformers,auto"],
     "engine": ["--repeats", "1", "--decode-tokens", "4", "--profile-formats", "float32,fp16w", "--profile-steps", "4"],
-    "formats": ["--formats", "float32,int8", "--decoders", "auto", "--windows", "1"],
+    "formats": ["--formats", "float32,int8", "--decoders", "auto", "--windows", "1", "--greedy-tokens", "8"],
     "one-stream": ["--tokens", "8", "--streams", "1", "--modes", "disagg", "--concurrency", "2"],
     "ttft": ["--prompt-tokens", "64", "--repeats", "1"],
     "serve": ["--rate", "1", "--duration", "4", "--low-rate", "0", "--prompt-tokens", "32", "64"]

@@ -35,13 +35,6 @@ def server(model_dir, tmp_path_factory):
         yield server
 
 
-@pytest.fixture(scope="module")
-def hf_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
-
-
 def _paths(url: str, model: str) -> tuple[float, float]:
     time.sleep(0.6)  # the metrics refresh every 0.25 s
     local = sum(metric_values(url, "triton_disagg_prefill_local_total", model=model))

@@ -66,12 +66,8 @@ def split_servers(two_hosts, model_dir, tmp_path_factory):
         yield prefill, decode
 
 
-def test_cross_host_one_prefill_two_decode(split_servers, model_dir, tokenizer):
-    import torch
-    from transformers import AutoModelForCausalLM
-
+def test_cross_host_one_prefill_two_decode(split_servers, hf_model, tokenizer):
     prefill, decode = split_servers
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     prompts = [PROMPTS[0], PROMPTS[6], PROMPTS[7], PROMPTS[2]]
     results = [None] * len(prompts)
 
@@ -84,7 +80,7 @@ def test_cross_host_one_prefill_two_decode(split_servers, model_dir, tokenizer):
     for prompt, res in zip(prompts, results):
         assert res.error is None, res.error
         ids = tokenizer.encode(prompt, add_special_tokens=False)
-        assert res.token_ids == hf_greedy(model, ids, 8)
+        assert res.token_ids == hf_greedy(hf_model, ids, 8)
     time.sleep(0.6)
     for m in ("decode_0", "decode_1"):  # the front spread the requests over both decode instances
         assert metric_values(decode.metrics_url, "triton_disagg_requests_total", model=m)[0] > 0, m

@@ -38,9 +38,7 @@ def total(url, name, model_prefix):
     return sum(v for m in DISAGG_MODELS if m.startswith(model_prefix) for v in metric_values(url, name, model=m))
 
 
-def test_disagg_outputs_identical_to_aggregated_and_transformers(disagg_server, model_dir, tokenizer):
-    import torch
-    from transformers import AutoModelForCausalLM
+def test_disagg_outputs_identical_to_aggregated_and_transformers(disagg_server, hf_model, tokenizer):
 
     url = disagg_server.grpc_url
     writes_before = total(disagg_server.metrics_url, "triton_disagg_kv_writes_total", "decode")
@@ -49,12 +47,11 @@ def test_disagg_outputs_identical_to_aggregated_and_transformers(disagg_server, 
     agg = run_concurrently(url, PROMPTS, "llm_aggregated")
     assert [r.token_ids for r in disagg] == [r.token_ids for r in agg]
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     lengths = []
     for prompt, res in zip(PROMPTS, disagg):
         ids = tokenizer.encode(prompt, add_special_tokens=False)
         lengths.append(len(ids))
-        assert res.token_ids == hf_greedy(model, ids, N_TOKENS), prompt[:40]
+        assert res.token_ids == hf_greedy(hf_model, ids, N_TOKENS), prompt[:40]
     assert max(lengths) - 1 >= 3 * 64, "a prompt must need 3+ prefill chunks at the 64-token budget"
 
     # Every page of every layer is written once (HND, TP 1 -> TP 1): the plan's count.

@@ -38,13 +38,6 @@ def tokenizer(model_dir):
 
 
 @pytest.fixture(scope="module")
-def hf_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def engine_module(model_dir):
     return make_engine(model_dir, max_num_batched_tokens=32)
 

@@ -13,7 +13,7 @@ from backend.engine import fp16_linear
 from backend.engine.cpu_kernels import kernel_path
 from perf.bench_formats import heldout_figures, heldout_windows
 from tests.engine_helpers import real_model_dir
-from tests.integration.test_int8_quality import TEXT, nll_and_argmax, nll_and_argmax_windows
+from tests.integration.test_int8_quality import TEXT, float32_reference, nll_and_argmax_windows
 
 
 def test_fp16w_perplexity_and_argmax_stay_with_float32(monkeypatch):
@@ -22,9 +22,9 @@ def test_fp16w_perplexity_and_argmax_stay_with_float32(monkeypatch):
     print(f"kernel path: {kernel_path().short('fp16w')}")
     model = str(real_model_dir())
     (ids,) = heldout_windows(AutoTokenizer.from_pretrained(model), TEXT, 1)  # the first 512 + 32 tokens
-    reference = nll_and_argmax(model, "float32", ids)
+    reference = float32_reference(model, 1)
     monkeypatch.setattr(fp16_linear, "fp16_max_rows", lambda threads: 10**9)
-    figures = heldout_figures(*nll_and_argmax(model, "fp16w", ids), reference)
+    figures = heldout_figures(*nll_and_argmax_windows(model, "fp16w", [ids], 2), reference)
     print("fp16w against float32:", {k: round(v, 4) for k, v in figures.items()})
     for part in ("prefill", "decode"):
         assert figures[f"heldout_ppl_ratio_{part}"] < 1.01, figures
@@ -48,9 +48,7 @@ def test_fp16w_bf16_perplexity_and_argmax_stay_with_float32():
     print(f"kernel path: {kernel_path().short('fp16w-bf16')}")
     model = str(real_model_dir())
     windows = heldout_windows(AutoTokenizer.from_pretrained(model), TEXT, 8)
-    figures = heldout_figures(
-        *nll_and_argmax_windows(model, "fp16w-bf16", windows, 2), nll_and_argmax_windows(model, "float32", windows, 2)
-    )
+    figures = heldout_figures(*nll_and_argmax_windows(model, "fp16w-bf16", windows, 2), float32_reference(model))
     print("fp16w-bf16 against float32:", {k: round(v, 4) for k, v in figures.items()})
     for part in ("prefill", "decode"):
         assert figures[f"heldout_ppl_ratio_{part}"] < 1.01, figures

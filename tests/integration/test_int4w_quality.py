@@ -11,7 +11,7 @@ from backend.engine import fp16_linear, int4_linear, model_runner
 from backend.engine.cpu_kernels import kernel_path
 from perf.bench_formats import heldout_figures, heldout_windows
 from tests.engine_helpers import real_model_dir
-from tests.integration.test_int8_quality import TEXT, nll_and_argmax_windows
+from tests.integration.test_int8_quality import TEXT, float32_reference, nll_and_argmax_windows
 
 
 def test_int4w_perplexity_and_argmax_stay_with_float32(monkeypatch):
@@ -20,11 +20,11 @@ def test_int4w_perplexity_and_argmax_stay_with_float32(monkeypatch):
     print(f"kernel path: {kernel_path().short('int4w')}")
     model = str(real_model_dir())
     windows = heldout_windows(AutoTokenizer.from_pretrained(model), TEXT, 8)
-    reference = nll_and_argmax_windows(model, "float32", windows, 1)
+    reference = float32_reference(model)
     monkeypatch.setattr(model_runner, "fp16_max_rows", lambda threads: 10**9)
     monkeypatch.setattr(fp16_linear, "fp16_max_rows", lambda threads: 10**9)
     monkeypatch.setattr(int4_linear, "INT4_MAX_ROWS", 10**9)
-    figures = heldout_figures(*nll_and_argmax_windows(model, "int4w", windows, 1), reference)
+    figures = heldout_figures(*nll_and_argmax_windows(model, "int4w", windows, 2), reference)
     print("int4w against float32:", {k: round(v, 4) for k, v in figures.items()})
     for part in ("prefill", "decode"):
         assert abs(figures[f"heldout_ppl_ratio_{part}"] - 1) < 0.001, figures

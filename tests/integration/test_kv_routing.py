@@ -10,7 +10,6 @@ import json
 import time
 
 import numpy as np
-import pytest
 import tritonclient.grpc as grpcclient
 
 from backend.client import stream_generate
@@ -20,13 +19,6 @@ from tests.conftest import hf_greedy, metric_values, wait_pool_free
 
 DECODES = ("decode_0", "decode_1")  # the front's targets in the disagg_server fixture
 PREFILLS = ("prefill_0", "prefill_1")
-
-
-@pytest.fixture(scope="module")
-def hf_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
 
 
 def _conversation(topic: str, turns: int) -> list[str]:

@@ -17,14 +17,6 @@ from tests.conftest import PROMPTS
 TOP = 3
 
 
-@pytest.fixture(scope="module")
-def hf_model(model_dir):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-
-
 def hf_log_softmax(model, ids: list[int]) -> np.ndarray:
     import torch
 

@@ -3,8 +3,9 @@
 
 - A decode server started on another "host" with only ``discovery`` joins a running deployment
   under load and serves within 10 s of being ready; one of its decode instances is drained under
-  load (``triton-disagg drain``) and no request fails; the server then stops under load, leaving
-  the membership first, and no request fails.
+  load (``triton-disagg drain``, a 2 s window: the requests it ends then move to the server's other
+  decode instance) and no request fails; the server then stops under load, leaving the
+  membership first, and no request fails.
 - etcd killed for 30 s under load: no request fails; a decode server started during the outage
   joins once etcd is back.
 - A record written with a wrong signature never reaches routing.
@@ -86,7 +87,7 @@ def deployment(two_hosts, model_dir, tmp_path_factory):
         yield {"etcd": etcd, "a": server, "tmp": tmp, "secret": secret, "hosts": two_hosts, "model_dir": model_dir}
 
 
-def decode_server(d: dict, name: str, decode_instances: int, on_other_host: bool):
+def decode_server(d: dict, name: str, decode_instances: int, on_other_host: bool, per_model: dict | None = None):
     """A server with only decode instances (and its front), joining through etcd."""
     from backend.launch.deployment import render_deployment
 
@@ -97,6 +98,7 @@ def decode_server(d: dict, name: str, decode_instances: int, on_other_host: bool
         model_path=str(d["model_dir"]),
         overrides=COMMON,
         decode_instances=decode_instances,
+        per_model=per_model,
         discovery=d["etcd"].url,
     )
     env = fabric_env(d["secret"], dev_ns if on_other_host else dev_root)
@@ -119,7 +121,10 @@ def test_a_decode_server_joins_under_load_drains_and_stops_without_failing_a_req
     a = deployment["a"]
     load_a = Load(a.grpc_url, tag="a")
     try:
-        with decode_server(deployment, "b", decode_instances=2, on_other_host=True) as b:
+        # decode_1's drain window is 2 s: the requests it has then outlast it, so it ends them
+        # and B's front moves them to its decode_0 (their error responses cross a BLS call)
+        drain_window = {"decode_1": {"drain_timeout_s": "2"}}
+        with decode_server(deployment, "b", decode_instances=2, on_other_host=True, per_model=drain_window) as b:
             joined = first_success_s(b.grpc_url)
             print(f"server B (other host) served its first request {joined:.1f}s after it was ready")
             assert joined <= 10

@@ -7,13 +7,17 @@ the front model ``llm``), real NIXL and the real model:
 - a ``guided_json`` stream on the same instance moves too: valid against its schema and equal
   to an uninterrupted run;
 - kill -9 of a prefill instance while it prefills 4 long prompts: all 4 complete with the
-  output of an uninterrupted run (the decode instances compute the failed loads again).
+  output of an uninterrupted run (the decode instances compute the failed loads again);
+- ``triton-disagg drain`` of a decode instance whose streams outlast its drain window: the ones
+  it ends at the window move to the other decode instance and complete equal to transformers'
+  (run last: the drained instance has left the membership).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -48,16 +52,10 @@ def server(model_dir, tmp_path_factory):
             "kv_transfer_timeout_s": "15",
             "kv_quarantine_s": "3",
         },
-        per_model={"front": {"health_probe_interval_s": "0.5"}},
+        # decode_1's drain window is short, so the drain test's streams outlast it
+        per_model={"front": {"health_probe_interval_s": "0.5"}, "decode_1": {"drain_timeout_s": "2"}},
     ) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def hf_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
 
 
 class Streams:
@@ -200,4 +198,36 @@ def test_a_killed_prefill_instance_is_recomputed_elsewhere(server, tokenizer, hf
     assert recomputed >= 1
     wait_serving(server, "prefill_0", pid)
     for m in MODELS:
+        wait_pool_free(server.metrics_url, m, timeout_s=30)
+
+
+def test_streams_a_drain_ends_at_its_window_move(server, tokenizer, hf_model):
+    """decode_1 drains (``triton-disagg drain``, signed, through etcd) with a 2 s window while it
+    serves some of 6 streams of 160 tokens: it ends them as out of service at the window, and the
+    front moves each (with the tokens its client has) to decode_0, where it completes."""
+    from backend.launch.drain import drain, find, members
+
+    assert server.etcd is not None
+    etcd, secret = server.etcd.url, server.deployment_secret.encode()
+    prompts = PROMPTS[:6]
+    before = migrations(server)
+    streams = Streams(server.grpc_url, prompts, N_TOKENS, ignore_eos=True)
+    deadline = time.monotonic() + 120
+    while min(streams.received) < 10 or not active(server, "decode_1"):
+        assert time.monotonic() < deadline, streams.received
+        time.sleep(0.05)
+    on_victim = active(server, "decode_1")
+    record = find([r for r in members(etcd, "default", secret) if r.role == "decode"], "decode_1")
+    drain(etcd, record, secret)
+    results = streams.join()
+    assert [x.error for x in results] == [None] * len(prompts), [x.error for x in results]
+    for prompt, x in zip(prompts, results):
+        assert x.token_ids == hf_greedy(hf_model, prompt_token_ids(tokenizer, prompt, False), N_TOKENS), prompt
+    log = server.log_file.read_text(errors="replace")
+    assert re.search(r"decode_1_0_0: drained \(.*\): [1-9]\d* request\(s\) ended unfinished", log), "none ended"
+    time.sleep(0.6)  # the front's metrics refresh
+    moved = migrations(server) - before
+    print(f"{on_victim} of {len(prompts)} streams were on decode_1 when it drained; {moved:.0f} moved")
+    assert moved >= on_victim >= 1
+    for m in MODELS:  # the drained instance's pages too
         wait_pool_free(server.metrics_url, m, timeout_s=30)

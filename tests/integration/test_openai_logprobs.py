@@ -37,10 +37,8 @@ def agg(aggregated_server, model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hf(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+def hf(hf_model):
+    return hf_model
 
 
 def hf_logprobs(model, ids: list[int]) -> torch.Tensor:

@@ -7,19 +7,10 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
-
 from backend.client import stream_generate
 from tests.conftest import hf_greedy, metric_values, wait_pool_free
 
 SYSTEM = "You are a helpful assistant. " + " ".join(f"Rule {i}: answer briefly and politely." for i in range(12))
-
-
-@pytest.fixture(scope="module")
-def hf_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
 
 
 def _hits(url: str, model: str) -> float:

@@ -30,17 +30,15 @@ def test_grpc_stream_answers_paris(aggregated_server):
     assert res.finish_reason in ("stop", "length")
 
 
-def test_server_greedy_matches_transformers(aggregated_server, model_dir, tokenizer):
+def test_server_greedy_matches_transformers(aggregated_server, hf_model, tokenizer):
     import torch
-    from transformers import AutoModelForCausalLM
 
     prompt = "The three primary colors are"
     res = stream_generate(aggregated_server.grpc_url, prompt, 20, ignore_eos=True)
     assert res.error is None, res.error
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])
     with torch.inference_mode():
-        ref = model.generate(ids, max_new_tokens=20, do_sample=False, min_new_tokens=20)[0, ids.shape[1] :]
+        ref = hf_model.generate(ids, max_new_tokens=20, do_sample=False, min_new_tokens=20)[0, ids.shape[1] :]
     assert res.token_ids == ref.tolist()
 
 

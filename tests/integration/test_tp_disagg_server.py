@@ -83,9 +83,7 @@ def rank_pids(server, instance):
     return [c.pid for c in stub.children(recursive=True) if "backend.parallel.rank" in " ".join(c.cmdline())]
 
 
-def test_sharded_transfers_match_aggregated_and_transformers(tp_server, model_dir, tokenizer):
-    import torch
-    from transformers import AutoModelForCausalLM
+def test_sharded_transfers_match_aggregated_and_transformers(tp_server, hf_model, tokenizer):
 
     from fabric_bridge.layout import KVLayout
     from fabric_bridge.plan import expected_writes
@@ -99,11 +97,10 @@ def test_sharded_transfers_match_aggregated_and_transformers(tp_server, model_di
     assert [r.token_ids for r in results["decode_0"]] == [r.token_ids for r in results["llm_aggregated"]]
     assert [r.token_ids for r in results["decode_1"]] == [r.token_ids for r in results["llm_aggregated"]]
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     lengths = [len(tokenizer.encode(p, add_special_tokens=False)) for p in CASES]
     for prompt, res in zip(CASES, results["llm_aggregated"]):
         ids = tokenizer.encode(prompt, add_special_tokens=False)
-        assert res.token_ids == hf_greedy(model, ids, N_TOKENS), prompt[:40]
+        assert res.token_ids == hf_greedy(hf_model, ids, N_TOKENS), prompt[:40]
     assert lengths[-1] - 1 > 3 * 64, lengths
 
     # HND, TP 1 <-> TP 3: one write per page per layer per destination (K and V: 2) head slice

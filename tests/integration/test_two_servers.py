@@ -17,7 +17,8 @@ front models know the decode instances only from etcd.
   transformers' (it moves when the killed instance served it);
 - kill -9 of server B's whole ``tritonserver`` while it serves some of 6 greedy streams of 150
   tokens, through server A's Triton API and then through the OpenAI API: every stream
-  completes equal to transformers' output, the moves are counted; B is started again after each.
+  completes equal to transformers' output, the moves are counted; B is started again (and both
+  decode instances routed to) before the next test that needs it.
 """
 
 from __future__ import annotations
@@ -175,13 +176,6 @@ def cluster(model_dir, tmp_path_factory):
             )
             time.sleep(0.3)
         yield found
-
-
-@pytest.fixture(scope="module")
-def hf_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
 
 
 def requests_total(server: TritonServer) -> float:
@@ -352,7 +346,7 @@ def wait_all_up(cluster: Cluster, timeout_s: float = 120) -> None:
 
 
 def test_the_triton_api_reaches_both_servers(cluster, tokenizer, hf_model):
-    wait_all_up(cluster)
+    both_up(cluster)
     before = requests_total(cluster.a), requests_total(cluster.b)
     prompts = PROMPTS[:6]
     results = generate_concurrently(cluster.a.grpc_url, prompts, "llm", 16)
@@ -383,13 +377,16 @@ def kill_server_b_under(cluster: Cluster, received: list[int], migrations) -> tu
     return on_b, before
 
 
-def restart_b(cluster: Cluster) -> None:
-    cluster.b.restart(timeout_s=400)
+def both_up(cluster: Cluster) -> None:
+    """Server B started again if a test killed it (the next test that needs it starts it: not
+    the module's end), then both decode instances routed to."""
+    if cluster.b.proc is None or cluster.b.proc.poll() is not None:
+        cluster.b.restart(timeout_s=400)
     wait_all_up(cluster)
 
 
 def test_triton_api_streams_move_off_a_killed_server(cluster, tokenizer, hf_model):
-    wait_all_up(cluster)
+    both_up(cluster)
     prompts = PROMPTS[:6]
     received = [0] * len(prompts)
     results: list = [None] * len(prompts)
@@ -417,11 +414,10 @@ def test_triton_api_streams_move_off_a_killed_server(cluster, tokenizer, hf_mode
         assert moved >= on_b >= 1
     finally:
         [t.join(300) for t in threads]
-        restart_b(cluster)
 
 
 def test_openai_streams_move_off_a_killed_server(cluster, tokenizer, hf_model):
-    wait_all_up(cluster)
+    both_up(cluster)
     prompts = PROMPTS[:6]
     streams = OpenAIStreams(cluster.client(), prompts, SERVER_KILL_TOKENS)
     received, texts, errors, threads = streams.received, streams.texts, streams.errors, streams.threads
@@ -438,4 +434,3 @@ def test_openai_streams_move_off_a_killed_server(cluster, tokenizer, hf_model):
         assert moved >= on_b >= 1
     finally:
         [t.join(300) for t in threads]
-        restart_b(cluster)
