@@ -184,12 +184,15 @@ def disagg_server(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def hf_model(model_dir):
-    """The reference: transformers' float32 model of the checkpoint (one for the session)."""
+def hf_model():
+    """The reference: transformers' float32 model of the checkpoint (one for the session; not
+    through the ``model_dir`` fixture, which a module may narrow to its own scope)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    from build_scripts.prepare_model import ensure_model
+
+    return AutoModelForCausalLM.from_pretrained(str(ensure_model()), dtype=torch.float32).eval()
 
 
 _greedy_memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {prompt ids: tokens}
@@ -286,14 +289,24 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(line)
 
 
+# Run last among the integration tests: the benchmarks' tiny cases, whose external tools
+# (llama.cpp's server compiles for minutes on 2 cores) ``scripts/test.sh`` installs meanwhile in
+# the CPU time the other tests leave idle; run second (their file's place by name), a case that
+# needs a tool waited for its install with the whole machine.
+LAST_INTEGRATION = "test_bench_subcommands.py"
+
+
 def pytest_collection_modifyitems(config, items):
-    """Mark each test by its folder: ``unit`` (no server, no peer process) or ``integration``."""
+    """Mark each test by its folder: ``unit`` (no server, no peer process) or ``integration``;
+    order: the integration tests (the benchmarks' last, :data:`LAST_INTEGRATION`), then the
+    unit tests, each file's tests in their order."""
     for item in items:
         parts = item.path.parts
         if "unit" in parts:
             item.add_marker(pytest.mark.unit)
         elif "integration" in parts:
             item.add_marker(pytest.mark.integration)
+    items.sort(key=lambda item: ("unit" in item.path.parts, item.path.name == LAST_INTEGRATION))
 
 
 def _ip(*args, check=True):
