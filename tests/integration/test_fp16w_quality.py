@@ -44,7 +44,7 @@ def test_fp16w_bf16_perplexity_and_argmax_stay_with_float32():
     from backend.engine.cpu_kernels import missing_flags
 
     if missing_flags(["amx_bf16"]):
-        pytest.skip(f"fp16w-bf16 needs AMX-BF16, which this CPU lacks ({kernel_path().short()})")
+        pytest.skip(reason=f"fp16w-bf16 needs AMX-BF16, which this CPU lacks ({kernel_path().short()})")
     print(f"kernel path: {kernel_path().short('fp16w-bf16')}")
     model = str(real_model_dir())
     windows = heldout_windows(AutoTokenizer.from_pretrained(model), TEXT, 8)

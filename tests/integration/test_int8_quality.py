@@ -56,9 +56,9 @@ def nll_and_argmax_windows(
 _FLOAT32: dict = {}
 
 
-def float32_reference(model: str, windows: int = 7, num_threads: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32's figures on the first ``windows`` held-out windows (at most 7): computed once
-    per session on all seven, 2 threads (each format's quality test compares with them; a
+def float32_reference(model: str, count: int = 7, num_threads: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32's figures on the first ``count`` held-out windows (at most 7): computed once per
+    session and thread count on all seven (each format's quality test compares with them; a
     window's figures do not depend on the windows run before it with the same runner)."""
     from transformers import AutoTokenizer
 
@@ -67,7 +67,7 @@ def float32_reference(model: str, windows: int = 7, num_threads: int = 2) -> tup
         every = heldout_windows(AutoTokenizer.from_pretrained(model), TEXT, 8)
         _FLOAT32[key] = nll_and_argmax_windows(model, "float32", every, num_threads)
     nll, top = _FLOAT32[key]
-    return nll[:windows], top[:windows]
+    return nll[:count], top[:count]
 
 
 def test_int8_perplexity_stays_close_to_float32_through_chunked_prefill_and_decode():

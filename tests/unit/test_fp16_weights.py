@@ -20,10 +20,8 @@ from backend.engine.small_batch_linear import SmallBatchLinear
 from tests.engine_helpers import assert_pool_idle, build_tiny_llama, make_engine, run_to_completion, tokens_of
 from tests.unit.test_weight_formats import PROMPT, _hf_greedy, _relative_error
 
-NO_AMX = pytest.mark.skipif(
-    bool(cpu_kernels.missing_flags(["amx_bf16"])),
-    reason="fp16w-bf16's products need AMX-BF16, which this CPU lacks (its refusal and auto's choice are tested)",
-)
+NEEDS_AMX = "fp16w-bf16's products need AMX-BF16, which this CPU lacks (its refusal and auto's choice are tested)"
+NO_AMX = pytest.mark.skipif(bool(cpu_kernels.missing_flags(["amx_bf16"])), reason=NEEDS_AMX)
 
 
 @pytest.fixture(scope="module")
