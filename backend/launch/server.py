@@ -148,7 +148,7 @@ class TritonServer:
         try:
             self.wait_ready(timeout_s)
         except BaseException:
-            self.stop()
+            self.stop(timeout_s=5.0, drain=False)  # nothing was served: no drain
             raise
         if self.supervise:
             from backend.launch.supervisor import Supervisor
@@ -174,28 +174,82 @@ class TritonServer:
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(
-                    f"tritonserver exited with code {self.proc.returncode} before it was ready"
-                    + (f"; see {self.log_file}" if self.log_file else "")
+                    f"tritonserver exited with code {self.proc.returncode} before it was ready" + self._log_tail()
                 )
             if self.is_ready():
                 assert self.proc is not None
                 log.info("tritonserver ready (pid %d)", self.proc.pid)
                 return
             time.sleep(0.5)
-        raise TimeoutError(
-            f"tritonserver not ready after {timeout_s:.0f}s" + (f"; see {self.log_file}" if self.log_file else "")
-        )
+        self.dump_stub_stacks()
+        raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f}s" + self._log_tail(200))
 
-    def stop(self, timeout_s: float = 30.0, drain_timeout_s: float = 5.0) -> None:
-        """Drain (the models end their requests), SIGINT (graceful: Triton unloads every model
-        within its exit timeout), then SIGKILL of the whole process group (stubs included)."""
+    def stub_pids(self) -> list[int]:
+        """The Python-backend stub processes of this server (its process group, but itself)."""
+        if self.proc is None:
+            return []
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == self.proc.pid:
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            comm, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+            if int(fields[2]) == self.proc.pid and comm.startswith("triton_python"):
+                pids.append(int(entry.name))
+        return pids
+
+    def stub_shm_regions(self) -> list[str]:
+        """The shared-memory regions of this server's stubs (the stub's second argument); Triton
+        removes them when it exits, but not when it is killed."""
+        regions = []
+        for pid in self.stub_pids():
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if len(argv) > 2 and argv[2].startswith(b"triton_python_backend_shm_region"):
+                regions.append(argv[2].decode())
+        return regions
+
+    def dump_stub_stacks(self) -> None:
+        """Ask every stub to print its threads' Python stacks into the log (``backend/triton``
+        registers the handler); a stub that has not imported it yet dies of the signal, which
+        changes nothing for a server being given up on."""
+        pids = self.stub_pids()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        if pids:
+            time.sleep(1.0)
+
+    def _log_tail(self, lines: int = 60) -> str:
+        """The last lines of the server's log, for an error that says why it failed to start."""
+        if not self.log_file:
+            return ""
+        try:
+            text = Path(self.log_file).read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return f"; see {self.log_file}"
+        return f"; the last {len(text)} lines of {self.log_file}:\n" + "\n".join(text)
+
+    def stop(self, timeout_s: float = 30.0, drain_timeout_s: float = 5.0, drain: bool = True) -> None:
+        """Drain (the models end their requests; not with ``drain=False``), SIGINT (graceful:
+        Triton unloads every model within its exit timeout), then SIGKILL of the whole process
+        group (stubs included)."""
         if self.proc is None:
             return
         if self.supervisor is not None:
             self.supervisor.stop()
             self.supervisor = None
+        regions = self.stub_shm_regions()
         if self.proc.poll() is None:
-            self.drain(drain_timeout_s)
+            if drain:
+                self.drain(drain_timeout_s)
             try:
                 os.killpg(self.proc.pid, signal.SIGINT)
                 self.proc.wait(timeout_s)
@@ -209,6 +263,8 @@ class TritonServer:
             pass
         self.proc.wait()
         self.proc = None
+        for region in regions:  # what a killed server leaves in /dev/shm
+            Path("/dev/shm", region).unlink(missing_ok=True)
 
     def drain(self, timeout_s: float) -> None:
         """Drain every model (they leave the membership, take nothing new and let their requests
