@@ -36,8 +36,9 @@ def _torch():
 # products of more rows (prefill chunks) instead of float32 ones (backend/engine/bf16_linear.py)
 # auto (the default): the measured best, see choose_weights_format
 # int4w: the decoder layers' weights in 4-bit groups of 32 (GGUF Q4_1's layout, exact for a
-# checkpoint converted from one) through our own AVX2 kernel with float32 activations and sums for
-# few-row products, float32 for many; the LM head as fp16w (backend/engine/int4_linear.py)
+# checkpoint converted from one) through our own AVX2 kernel (activations as int16 per group, exact
+# integer sums per group, float32 beyond) for few-row products, float32 for many; the LM head the
+# same way in 8-bit groups (GGUF Q8_0's layout) (backend/engine/int4_linear.py, group_matmul.py)
 # int4w-bf16: int4w with fp16w-bf16's bfloat16 products (AMX tiles) for many rows
 WEIGHT_FORMATS = ("auto", *DTYPES, "int8", "fp16w", "fp16w-bf16", "int4w", "int4w-bf16")
 # the formats that run on the CPU only, in one process, and their kernels (named in refusals)
@@ -45,8 +46,8 @@ CPU_FORMATS = {
     "int8": "fbgemm's int8 kernels",
     "fp16w": "fbgemm's fp16-weight GEMM",
     "fp16w-bf16": "fbgemm's fp16-weight GEMM, oneDNN's AMX-BF16",
-    "int4w": "our int4-group kernel (AVX2, FMA), fbgemm's fp16-weight GEMM",
-    "int4w-bf16": "our int4-group kernel (AVX2, FMA), fbgemm's fp16-weight GEMM, oneDNN's AMX-BF16",
+    "int4w": "our group kernel (AVX2, FMA), fbgemm's fp16-weight GEMM",
+    "int4w-bf16": "our group kernel (AVX2, FMA), fbgemm's fp16-weight GEMM, oneDNN's AMX-BF16",
 }
 # auto: the lean layer loop (backend/engine/lean_decoder.py) where the checkpoint's layers fit it
 # and the model runs in one process; transformers: always transformers' own modules

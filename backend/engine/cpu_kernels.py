@@ -34,7 +34,7 @@ FP16W_FLAGS = ("avx2", "f16c")
 # AMX tiles (perf/REPORT.md); without AMX (AVX512-BF16 alone, or emulated) it is not measured.
 FP16W_BF16_FLAGS = (*FP16W_FLAGS, "amx_bf16")
 # The CPU features each CPU-only format needs (EngineConfig refuses the format without them).
-# ``int4w``: our int4-group kernel (AVX2, FMA) for the decoder layers, fp16w for the LM head.
+# ``int4w``: our group kernel (AVX2, FMA) for the decoder layers' 4-bit groups and the LM head's 8-bit ones.
 INT4W_FLAGS = (*FP16W_FLAGS, "fma")
 FORMAT_FLAGS = {
     "fp16w": FP16W_FLAGS,
@@ -108,7 +108,7 @@ class KernelPath:
 
     @property
     def int4w_path(self) -> str:
-        return "int4 groups of 32, float32 activations and sums (our AVX2+FMA kernel) for up to 4 rows"
+        return "int4 groups of 32 (the LM head int8 groups), int16 activations per group (our AVX2+FMA kernel)"
 
     @property
     def bf16_path(self) -> str:
@@ -121,8 +121,8 @@ class KernelPath:
         path = {
             "fp16w": self.fp16w_path,
             "fp16w-bf16": f"{self.fp16w_path} for few rows; {self.bf16_path} for many",
-            "int4w": f"{self.int4w_path}; {self.fp16w_path} for the LM head and more rows",
-            "int4w-bf16": f"{self.int4w_path}; {self.fp16w_path} for the LM head; {self.bf16_path} for many rows",
+            "int4w": f"{self.int4w_path} for up to 4 rows; {self.fp16w_path} for more",
+            "int4w-bf16": f"{self.int4w_path} for up to 4 rows; {self.fp16w_path} for more; {self.bf16_path} for many",
         }.get(weights, self.int8_path)
         return f"{self.cpu} ({self.cpu_id}); torch {self.torch_capability}; {path}"
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.engine.fp16_linear import Fp16Linear
-from backend.engine.int4_linear import Int4Linear
+from backend.engine.group_linear import GroupLinear
 from backend.engine.int8_linear import Int8Linear
 from backend.engine.paged_attention import PagedBatch, attend, store_kv
 
@@ -105,7 +105,7 @@ def _product(linear: nn.Module) -> _Product:
     their product function itself (their module call adds as much Python as the op's own dispatch,
     121 times a step), for the others the module's ``forward`` without ``__call__``'s hook
     handling."""
-    if isinstance(linear, (Int8Linear, Fp16Linear, Int4Linear)):
+    if isinstance(linear, (Int8Linear, Fp16Linear, GroupLinear)):
         return linear.product()
     return linear.forward
 

@@ -16,6 +16,7 @@ from backend.engine.cpu_kernels import kernel_path
 from backend.engine.device_progress import DeviceProgress, make_progress
 from backend.engine.fp16_linear import MANY_ROWS, fp16_max_rows, quantize_linear_fp16
 from backend.engine.int4_linear import quantize_linear_int4
+from backend.engine.int8_group_linear import quantize_lm_head_int8
 from backend.engine.int8_linear import quantize_linear_int8, rotate_residual_stream, rotation_unsupported
 from backend.engine.kv_pool import KVPool
 from backend.engine.lean_decoder import LeanDecoder, fuse_projections, unsupported_reason
@@ -78,14 +79,15 @@ class ModelRunner:
         fmt = config.weights_format
         if fmt in MANY_ROWS:  # fbgemm's own products: no small-batch linears on top
             self._few_rows = fp16_max_rows(self._threads)
-            if fmt.startswith("int4w"):  # the decoder layers; the LM head then takes fp16w's weights
+            if fmt.startswith("int4w"):  # the decoder layers in 4-bit groups, the LM head in 8-bit ones
                 self.model = quantize_linear_int4(self.model, self._few_rows, MANY_ROWS[fmt])
+                self.model = quantize_lm_head_int8(self.model, self._few_rows, MANY_ROWS[fmt])
             self.model = quantize_linear_fp16(self.model, self._few_rows, fmt)
             log.info(
                 "%s weights on %s: %s for products of up to %d rows (on one thread), %s beyond (on %d threads)",
                 fmt,
                 kernel_path().short(fmt),
-                "int4 groups (the LM head float16)" if fmt.startswith("int4w") else "float16",
+                "int4 groups (the LM head int8 groups)" if fmt.startswith("int4w") else "float16",
                 self._few_rows,
                 str(MANY_ROWS[fmt]).removeprefix("torch."),
                 self._threads,

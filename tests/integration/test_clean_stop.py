@@ -40,7 +40,7 @@ def test_stop_after_concurrent_streams_unloads_every_model(model_dir, tmp_path_f
     assert "successfully unloaded 'llm'" in log and "Exit timeout expired" not in log, log[-3000:]
 
 
-HANGING_MODEL = '''
+HANGING_MODEL = """
 import time
 
 import backend.triton  # noqa: F401  (its stacks on SIGUSR1)
@@ -52,7 +52,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         return None
-'''
+"""
 
 
 def test_a_load_that_hangs_is_given_up_on_with_its_stack_and_leaves_no_shared_memory(tmp_path):

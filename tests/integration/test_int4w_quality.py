@@ -7,7 +7,7 @@ order of the sums differs from float32's; the bounds are fp16w's."""
 
 from __future__ import annotations
 
-from backend.engine import fp16_linear, int4_linear, model_runner
+from backend.engine import fp16_linear, group_linear, model_runner
 from backend.engine.cpu_kernels import kernel_path
 from perf.bench_formats import heldout_figures, heldout_windows
 from tests.engine_helpers import real_model_dir
@@ -23,7 +23,7 @@ def test_int4w_perplexity_and_argmax_stay_with_float32(monkeypatch):
     reference = float32_reference(model)
     monkeypatch.setattr(model_runner, "fp16_max_rows", lambda threads: 10**9)
     monkeypatch.setattr(fp16_linear, "fp16_max_rows", lambda threads: 10**9)
-    monkeypatch.setattr(int4_linear, "INT4_MAX_ROWS", 10**9)
+    monkeypatch.setattr(group_linear, "MAX_ROWS", 10**9)
     figures = heldout_figures(*nll_and_argmax_windows(model, "int4w", windows, 2), reference)
     print("int4w against float32:", {k: round(v, 4) for k, v in figures.items()})
     for part in ("prefill", "decode"):

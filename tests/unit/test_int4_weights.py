@@ -1,7 +1,8 @@
-"""``weights_dtype=int4w``: the 4-bit groups (GGUF Q4_1's layout), our kernel's products against
-float32's, the row limit, rows that do not depend on each other, a refused shape, a compiler
-that fails, the refusal on a CPU without the kernel's features, and the engine's greedy tokens
-against transformers' on the same (grouped) weights. The real checkpoint's quality:
+"""``weights_dtype=int4w``: the 4-bit groups (GGUF Q4_1's layout) and the LM head's 8-bit groups
+(GGUF Q8_0's), our kernel's products against float64's within the bound of its int16 activations,
+the row limit, rows that do not depend on each other, a refused shape, a compiler that fails, the
+refusal on a CPU without the kernel's features, and the engine's greedy tokens against
+transformers' on the same (grouped) weights. The real checkpoint's quality:
 ``tests/integration/test_int4w_quality.py``."""
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from backend.engine import cpu_kernels, fp16_linear, int4_linear, model_runner
+from backend.engine import cpu_kernels, fp16_linear, group_linear, group_matmul, model_runner
 from backend.engine.config import EngineConfig
 from backend.engine.cpu_kernels import kernel_path
-from backend.engine.fp16_linear import Fp16Linear
-from backend.engine.int4_linear import Int4Linear, quantize_groups
+from backend.engine.group_matmul import quantize_int4, quantize_int8
+from backend.engine.int4_linear import Int4Linear
+from backend.engine.int8_group_linear import Int8GroupLinear
 from backend.engine.sampling_params import SamplingParams
 from tests.engine_helpers import assert_pool_idle, build_tiny_llama, make_engine, run_to_completion, tokens_of
 from tests.unit.test_weight_formats import PROMPT, _hf_greedy
@@ -27,7 +29,7 @@ def tiny(tmp_path_factory):
 
 def grouped(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` rounded to its 4-bit groups (what int4w multiplies by)."""
-    packed, d, m, _ = quantize_groups(weight)
+    packed, d, m, _ = quantize_int4(weight)
     low, high = packed & 0x0F, packed >> 4
     n, k = weight.shape
     q = torch.cat([low.view(n, k // 32, 16), high.view(n, k // 32, 16)], dim=-1).float()
@@ -44,28 +46,62 @@ def layer(n: int = 96, k: int = 192, exact: bool = True, max_rows: int = 8) -> t
     return Int4Linear(linear, max_rows), linear.weight.detach().clone()
 
 
+def int16_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """How far the kernel's products may be from the exact ones: each activation is rounded to
+    its group's int16 grid (at most half a step, 1/65534 of the group's largest magnitude), and
+    the sums are float32's (a few ulps of the largest term)."""
+    groups = x.shape[-1] // 32
+    step = x.abs().view(-1, groups, 32).amax(-1) / 65534  # [M, G]
+    per_group = weight.abs().view(weight.shape[0], groups, 32).sum(-1)  # [N, G]
+    return 1.01 * step.double() @ per_group.double().t() + 1e-6 * (x.abs().double() @ weight.abs().double().t())
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
-def test_exact_groups_multiply_as_float32_does(rows):
+def test_exact_groups_multiply_within_the_int16_activations_bound(rows):
     print(f"kernel path: {kernel_path().short('int4w')}")
     int4, weight = layer()
     assert int4.group_error == 0.0  # every group exact: a Q4_1 checkpoint's weights
-    x = torch.randn(rows, 192)
-    want = (x.double() @ weight.double().t()).float()
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 192) * torch.where(torch.rand(192) < 0.05, 20.0, 1.0)  # a few outlier channels
+    want = x.double() @ weight.double().t()
     got = int4(x)
     assert got.shape == (rows, 96)
-    assert ((got - want).abs().max() / want.abs().max()) < 1e-5
-    assert ((F.linear(x, weight) - want).abs().max() / want.abs().max()) < 1e-5  # float32's is as close
+    assert ((got.double() - want).abs() <= int16_bound(x, weight)).all()
+    assert ((got.double() - want).abs().max() / want.abs().max()) < 1e-3
+
+
+def test_the_lm_heads_8_bit_groups_hold_q8_0_exactly_and_multiply_within_the_bound():
+    torch.manual_seed(0)
+    q = torch.randint(-127, 128, (64, 96)).float()
+    q[:, ::32] = 127  # every group holds its largest magnitude, as Q8_0's do
+    d = (torch.rand(64, 3) * 0.01).half().float()  # Q8_0's scales are float16
+    weight = (q.view(64, 3, 32) * d[..., None]).view(64, 96)
+    packed, scales, error = quantize_int8(weight)
+    assert error == 0.0 and torch.equal(packed.float(), q) and torch.equal(scales, d)
+    linear = torch.nn.Linear(96, 64, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    head = Int8GroupLinear(linear, max_rows=8)
+    x = torch.randn(3, 96)
+    got = head(x)
+    assert ((got.double() - x.double() @ weight.double().t()).abs() <= int16_bound(x, weight)).all()
+    assert torch.equal(head(x[:1]), got[:1])  # a row's result does not depend on the other rows
+    six = torch.randn(6, 96)  # beyond 4 rows: fp16w's products
+    assert torch.equal(head(six), torch.fbgemm_linear_fp16_weight_fp32_activation(six, head.wider._packed_weight, None))
+    linear.weight.data.add_(1e-3)  # no longer Q8_0's values: rounded, and the error reported
+    assert 0 < Int8GroupLinear(linear, max_rows=8).group_error <= 0.5 / 127 + 1e-6
 
 
 def test_a_rows_result_does_not_depend_on_the_other_rows():
-    """It depends on how many rows share the product (one row, a block of 2-4, fp16w's beyond),
-    never on the other rows' values."""
+    """Nor on how many rows share the product, up to the kernel's 4 (fp16w's beyond)."""
     int4, _ = layer()
     x = torch.randn(4, 192)
+    alone = int4(x[:1])[0]
     for count in (1, 3, 4):
         other = x[:count].clone()
         other[1:] = torch.randn(count - 1, 192)
         assert torch.equal(int4(x[:count])[0], int4(other)[0])
+        assert torch.equal(int4(other)[0], alone)
     assert torch.equal(int4(x.view(2, 2, 192)).view(4, 96), int4(x))  # any leading shape
 
 
@@ -82,24 +118,26 @@ def test_weights_that_are_not_groups_report_their_error_and_multiply_their_group
     int4, weight = layer(exact=False)
     assert 0 < int4.group_error < 0.034  # half a step of a group's range (1/30), d rounded to float16
     x = torch.randn(2, 192)
-    want = (x.double() @ grouped(weight).double().t()).float()
-    assert ((int4(x) - want).abs().max() / want.abs().max()) < 1e-5
+    want = x.double() @ grouped(weight).double().t()
+    assert ((int4(x).double() - want).abs() <= int16_bound(x, grouped(weight))).all()
 
 
 def test_inputs_not_in_groups_of_32_are_refused():
     with pytest.raises(ValueError, match="not a multiple of 32"):
-        quantize_groups(torch.randn(8, 48))
+        quantize_int4(torch.randn(8, 48))
+    with pytest.raises(ValueError, match="not a multiple of 32"):
+        quantize_int8(torch.randn(8, 48))
 
 
 def test_a_compiler_that_fails_fails_the_load_with_its_reason(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_DISAGG_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")
-    int4_linear.kernel.cache_clear()
+    group_matmul.library.cache_clear()
     try:
-        with pytest.raises(RuntimeError, match="compiling int4_matmul.c failed"):
-            int4_linear.kernel()
+        with pytest.raises(RuntimeError, match="compiling group_matmul.c failed"):
+            group_matmul.library()
     finally:
-        int4_linear.kernel.cache_clear()
+        group_matmul.library.cache_clear()
     assert not list(tmp_path.rglob("*.so"))  # nothing half-built left to load
 
 
@@ -113,15 +151,15 @@ def test_int4w_is_refused_on_a_cpu_without_its_features(tiny, monkeypatch):
 def test_int4w_tokens_equal_transformers_on_the_grouped_weights(tiny, decoder, monkeypatch):
     """The prompt prefilled in chunks, then 12 greedy tokens, every product through the 4-bit
     groups (the row limits lifted): transformers' own on the float32 model whose decoder-layer
-    weights were rounded to those groups and whose LM head was rounded to float16 (fp16w's)."""
+    weights were rounded to those groups and whose LM head was rounded to 8-bit groups."""
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setattr(model_runner, "fp16_max_rows", lambda threads: 10**9)
     monkeypatch.setattr(fp16_linear, "fp16_max_rows", lambda threads: 10**9)
-    monkeypatch.setattr(int4_linear, "INT4_MAX_ROWS", 10**9)
+    monkeypatch.setattr(group_linear, "MAX_ROWS", 10**9)
     engine = make_engine(tiny, weights_dtype="int4w", decoder=decoder)
     model = engine.runner.model
-    assert isinstance(model.lm_head, Fp16Linear)
+    assert isinstance(model.lm_head, Int8GroupLinear)
     int4 = [m for m in model.model.layers.modules() if isinstance(m, Int4Linear)]
     assert int4 and not [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
     reference = AutoModelForCausalLM.from_pretrained(str(tiny)).eval()
@@ -129,7 +167,9 @@ def test_int4w_tokens_equal_transformers_on_the_grouped_weights(tiny, decoder, m
         for m in reference.model.layers.modules():
             if isinstance(m, torch.nn.Linear):
                 m.weight.copy_(grouped(m.weight))
-        reference.lm_head.weight = torch.nn.Parameter(reference.lm_head.weight.half().float(), requires_grad=False)
+        q, d, _ = quantize_int8(reference.lm_head.weight)
+        head = (q.float().view(*d.shape, 32) * d[..., None]).view(reference.lm_head.weight.shape)
+        reference.lm_head.weight = torch.nn.Parameter(head, requires_grad=False)
     want = _hf_greedy(reference, PROMPT, 12)
     engine.add_request("r", PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))
     assert tokens_of(run_to_completion(engine)["r"]) == want

@@ -1,0 +1,68 @@
+"""A linear layer whose few-row products read weights held in groups of 32 through our kernel
+(``group_matmul.py``) and whose many-row products take fp16w's (:class:`Fp16Linear`: float16
+weights up to ``max_rows`` rows, ``many_rows`` beyond: float32, or bfloat16 on AMX tiles). The
+formats: :class:`~backend.engine.int4_linear.Int4Linear` (4-bit groups, the decoder layers of
+int4w) and :class:`~backend.engine.int8_group_linear.Int8GroupLinear` (8-bit groups, its LM head).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from backend.engine.fp16_linear import Fp16Linear
+from backend.engine.group_matmul import GROUP
+
+# The most rows a product takes through the groups (the kernel widens each group's weights once
+# per block of up to 4 rows). Measured on an Intel Xeon (family 6 model 167), one thread,
+# SmolLM2-135M's 120 layer products: 1 row 5.4 ms (float16's fbgemm GEMM 17-28), 3 rows 11.2,
+# 4 rows 14.6 (the kernel before, with float32 activations: 9.2, 18.5, 17.4); beyond 4 rows
+# fbgemm's register-blocked GEMM catches up: more rows take fp16w's products. Read when a
+# layer's product function is made.
+MAX_ROWS = 4
+
+
+class GroupLinear(nn.Module):
+    """``rows_product(rows [M, K] float32, contiguous) -> [M, N]``: the subclass's kernel call;
+    ``group_error``: its weights' largest rounding error (0.0: the groups hold them exactly);
+    ``bits``: for its description. ``product()`` is its forward as a plain function (the lean
+    layer loop calls it without the module call)."""
+
+    bits = 0
+
+    def __init__(self, linear: nn.Linear, max_rows: int, many_rows: torch.dtype, group_error: float):
+        super().__init__()
+        self.in_features, self.out_features, self.max_rows = linear.in_features, linear.out_features, max_rows
+        self.group_error = group_error
+        self.wider = Fp16Linear(linear, max_rows, many_rows)
+        self._forward = self.product()
+
+    def rows_product(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def product(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        wider, bias, rows_product = self.wider.product(), self.wider.bias, self.rows_product
+        n, k, limit = self.out_features, self.in_features, min(MAX_ROWS, self.max_rows)
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            count = x.numel() // k
+            if count > limit:
+                return wider(x)
+            out = rows_product(x.reshape(count, k).float().contiguous())
+            if bias is not None:
+                out += bias
+            return out.view(*x.shape[:-1], n)
+
+        return forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward(x)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, weights={self.bits}-bit groups of "
+            f"{GROUP} up to {min(MAX_ROWS, self.max_rows)} rows (largest group error {self.group_error:.1e}), "
+            f"float16 up to {self.max_rows}, wider beyond"
+        )

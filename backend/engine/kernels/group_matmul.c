@@ -1,0 +1,178 @@
+/* group_matmul: y = x W^T for W held in groups of 32 along K (AVX2 + FMA, one thread). Built and
+ * loaded by backend/engine/group_matmul.py.
+ *
+ * The activations are quantized per row and group of 32 to int16 with the scale max|x| / 32767
+ * (their relative error about 1.5e-5 of the group's largest value, below float16's rounding),
+ * so each group's sum of products is an exact int32 sum of integer products (vpmaddwd), scaled
+ * once in float32: half the instructions of converting every weight to float32.
+ *
+ * int4_matmul: 4-bit groups, each value d * q + m (q in 0..15; d, m float32: a GGUF Q4_1 block).
+ *   q: N rows of K/2 bytes; in group g (16 bytes), byte j holds element j in its low nibble and
+ *   element j + 16 in its high one. d, m: [N][G] (G = K / 32).
+ *   y[r][n] = sum_g d[n][g] * s[r][g] * (sum_j q[n][g][j] * xq[r][g][j]) + m[n][g] * xs[r][g]
+ *   (s: the activations' group scales, xs: their float32 group sums).
+ * int8_matmul: 8-bit groups, each value d * q (q in -127..127; a GGUF Q8_0 block).
+ *   q: N rows of K bytes (int8); d: [N][G].
+ * x: [M][K] float32; y: [M][N] float32. Rows of x are taken in blocks of up to 4, each group of
+ * weights loaded and widened once per block.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+ALWAYS_INLINE float hmax(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* one row of x -> xq (int16, per group of 32), s (the group scales), xs (the group sums) */
+static void quantize_row(const float *x, int16_t *xq, float *s, float *xs, long G) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (long g = 0; g < G; g++) {
+        const float *xg = x + 32 * g;
+        __m256 v0 = _mm256_loadu_ps(xg), v1 = _mm256_loadu_ps(xg + 8);
+        __m256 v2 = _mm256_loadu_ps(xg + 16), v3 = _mm256_loadu_ps(xg + 24);
+        __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+        float scale = hmax(a) / 32767.f;
+        s[g] = scale;
+        xs[g] = hsum(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+        __m256 inv = _mm256_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+        /* packs works within 128-bit lanes (0-3 8-11 | 4-7 12-15): the permute puts them in order */
+        _mm256_storeu_si256((__m256i *)(xq + 32 * g), _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8));
+        _mm256_storeu_si256((__m256i *)(xq + 32 * g + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(i2, i3), 0xD8));
+    }
+}
+
+typedef struct {
+    int16_t *xq;
+    float *s, *xs;
+} Quantized;
+
+static int quantize(const float *x, long M, long K, Quantized *out) {
+    const long G = K / 32;
+    out->xq = aligned_alloc(32, (size_t)(M * K * sizeof(int16_t) + 31) & ~(size_t)31);
+    out->s = malloc((size_t)(2 * M * G) * sizeof(float));
+    if (out->xq == NULL || out->s == NULL) {
+        free(out->xq);
+        free(out->s);
+        return -1;
+    }
+    out->xs = out->s + M * G;
+    for (long r = 0; r < M; r++) quantize_row(x + r * K, out->xq + r * K, out->s + r * G, out->xs + r * G, G);
+    return 0;
+}
+
+static void release(Quantized *qx) {
+    free(qx->xq);
+    free(qx->s);
+}
+
+/* group g of a 4-bit row, widened to int16: elements 0-15 (lo) and 16-31 (hi) */
+ALWAYS_INLINE void widen4(const uint8_t *qn, long g, __m256i *lo, __m256i *hi) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    __m128i b = _mm_loadu_si128((const __m128i *)(qn + 16 * g));
+    *lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, low));
+    *hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low));
+}
+
+/* group g of an 8-bit row, widened to int16 */
+ALWAYS_INLINE void widen8(const int8_t *qn, long g, __m256i *lo, __m256i *hi) {
+    *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qn + 32 * g)));
+    *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qn + 32 * g + 16)));
+}
+
+/* acc += (group g's integer sum of products with row i of the block) * d * s */
+ALWAYS_INLINE __m256 group_fma(__m256i lo, __m256i hi, const Quantized *qx, long row, long K, long G, long g, float d,
+                               __m256 acc) {
+    const __m256i *xv = (const __m256i *)(qx->xq + row * K + 32 * g);
+    __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_load_si256(xv)), _mm256_madd_epi16(hi, _mm256_load_si256(xv + 1)));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * qx->s[row * G + g]), acc);
+}
+
+/* the products of rows r .. r + R - 1 of x with row n of W (bits 4 or 8), two groups at a time
+ * (two chains of sums: an FMA's latency does not stall the next group); with m (4 bits), each
+ * group's m times the row's group sum is added */
+ALWAYS_INLINE void block(int R, int bits, const void *qn, const float *dn, const float *mn, const Quantized *qx,
+                         float *y, long N, long K, long G, long r, long n) {
+    __m256 a[4], b[4];
+    for (int i = 0; i < R; i++) a[i] = b[i] = _mm256_setzero_ps();
+    __m256i lo, hi, lo2, hi2;
+    long g = 0;
+    for (; g + 2 <= G; g += 2) {
+        if (bits == 4) {
+            widen4(qn, g, &lo, &hi);
+            widen4(qn, g + 1, &lo2, &hi2);
+        } else {
+            widen8(qn, g, &lo, &hi);
+            widen8(qn, g + 1, &lo2, &hi2);
+        }
+        for (int i = 0; i < R; i++) {
+            a[i] = group_fma(lo, hi, qx, r + i, K, G, g, dn[g], a[i]);
+            b[i] = group_fma(lo2, hi2, qx, r + i, K, G, g + 1, dn[g + 1], b[i]);
+        }
+    }
+    if (g < G) {
+        if (bits == 4)
+            widen4(qn, g, &lo, &hi);
+        else
+            widen8(qn, g, &lo, &hi);
+        for (int i = 0; i < R; i++) a[i] = group_fma(lo, hi, qx, r + i, K, G, g, dn[g], a[i]);
+    }
+    for (int i = 0; i < R; i++) {
+        __m256 t = _mm256_add_ps(a[i], b[i]);
+        float tail = 0.f;
+        if (bits == 4) {
+            const float *xs = qx->xs + (r + i) * G;
+            long h = 0;
+            for (; h + 8 <= G; h += 8) t = _mm256_fmadd_ps(_mm256_loadu_ps(mn + h), _mm256_loadu_ps(xs + h), t);
+            for (; h < G; h++) tail += mn[h] * xs[h];
+        }
+        y[(r + i) * N + n] = hsum(t) + tail;
+    }
+}
+
+/* every block of rows against every row of W; bits constant per caller (the loops specialized) */
+ALWAYS_INLINE int matmul(int bits, const void *q, const float *d, const float *m, const float *x, float *y, long M,
+                         long N, long K) {
+    const long G = K / 32, row_bytes = bits == 4 ? K / 2 : K;
+    Quantized qx;
+    if (quantize(x, M, K, &qx)) return -1;
+    for (long r = 0; r < M; r += 4) {
+        const long R = M - r < 4 ? M - r : 4;
+        for (long n = 0; n < N; n++) {
+            const uint8_t *qn = (const uint8_t *)q + n * row_bytes;
+            const float *dn = d + n * G, *mn = m == NULL ? NULL : m + n * G;
+            switch (R) { /* a constant R per call: the row loop unrolled, the sums in registers */
+            case 4: block(4, bits, qn, dn, mn, &qx, y, N, K, G, r, n); break;
+            case 3: block(3, bits, qn, dn, mn, &qx, y, N, K, G, r, n); break;
+            case 2: block(2, bits, qn, dn, mn, &qx, y, N, K, G, r, n); break;
+            default: block(1, bits, qn, dn, mn, &qx, y, N, K, G, r, n); break;
+            }
+        }
+    }
+    release(&qx);
+    return 0;
+}
+
+/* 0: done; -1: out of memory (y untouched) */
+int int4_matmul(const uint8_t *q, const float *d, const float *m, const float *x, float *y, long M, long N, long K) {
+    return matmul(4, q, d, m, x, y, M, N, K);
+}
+
+int int8_matmul(const int8_t *q, const float *d, const float *x, float *y, long M, long N, long K) {
+    return matmul(8, q, d, NULL, x, y, M, N, K);
+}
