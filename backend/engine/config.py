@@ -50,8 +50,10 @@ CPU_FORMATS = {
     "int4w-bf16": "our group kernel (AVX2, FMA), fbgemm's fp16-weight GEMM, oneDNN's AMX-BF16",
 }
 # auto: the lean layer loop (backend/engine/lean_decoder.py) where the checkpoint's layers fit it
-# and the model runs in one process; transformers: always transformers' own modules
-DECODERS = ("auto", "transformers")
+# and the model runs in one process, and with int4w weights its decode steps of up to 4 sequences
+# as one kernel call (backend/engine/fused_decode.py) where that applies; lean: the lean layer loop
+# only; transformers: always transformers' own modules
+DECODERS = ("auto", "lean", "transformers")
 
 
 @dataclass

@@ -34,6 +34,7 @@ log = logging.getLogger("triton_disagg.engine")
 GROUP = 32
 SOURCE = Path(__file__).with_name("kernels") / "group_matmul.c"
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
+LIBS = ("-lm",)
 
 
 def cache_dir() -> Path:
@@ -45,7 +46,7 @@ def library() -> ctypes.CDLL:
     """The compiled kernel library (built on first use, then loaded from the cache)."""
     source = SOURCE.read_bytes()
     compiler = os.environ.get("CC", "cc")
-    key = hashlib.sha256(source + " ".join((compiler, *CFLAGS, platform.machine())).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join((compiler, *CFLAGS, *LIBS, platform.machine())).encode()).hexdigest()[:16]
     lib_path = cache_dir() / f"group_matmul-{key}.so"
     if not lib_path.is_file():
         lib_path.parent.mkdir(parents=True, exist_ok=True)
@@ -53,7 +54,7 @@ def library() -> ctypes.CDLL:
         os.close(fd)
         try:
             done = subprocess.run(
-                [compiler, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120
+                [compiler, *CFLAGS, "-o", tmp, str(SOURCE), *LIBS], capture_output=True, text=True, timeout=120
             )
         except (OSError, subprocess.TimeoutExpired) as e:
             os.unlink(tmp)

@@ -15,6 +15,8 @@ from backend.engine.config import EngineConfig
 from backend.engine.cpu_kernels import kernel_path
 from backend.engine.device_progress import DeviceProgress, make_progress
 from backend.engine.fp16_linear import MANY_ROWS, fp16_max_rows, quantize_linear_fp16
+from backend.engine.fused_decode import FusedDecode
+from backend.engine.fused_decode import unsupported_reason as fused_unsupported
 from backend.engine.int4_linear import quantize_linear_int4
 from backend.engine.int8_group_linear import quantize_lm_head_int8
 from backend.engine.int8_linear import quantize_linear_int8, rotate_residual_stream, rotation_unsupported
@@ -102,6 +104,14 @@ class ModelRunner:
         self.on_layer_kv_written: Callable[[int, object], None] | None = None
         self.progress = progress if progress is not None else make_progress(self.device)
         self._lean = LeanDecoder(self.model) if self.decoder == "lean" else None
+        self._fused: FusedDecode | None = None
+        if self._lean is not None and config.decoder == "auto" and fmt.startswith("int4w"):
+            reason = fused_unsupported(self.model, self.pool)
+            if reason is None:
+                self._fused = FusedDecode(self.model, self.pool)
+                self.decoder = "lean+fused"
+            else:
+                log.info("decode steps through the lean layer loop (one kernel call does not apply: %s)", reason)
         assert config.num_pages is not None  # set by EngineConfig.__post_init__
         log.info(
             "engine model=%s type=%s layers=%d device=%s weights=%s decoder=%s; KV pool %d pages x %d tokens "
@@ -205,9 +215,11 @@ class ModelRunner:
             torch.set_num_threads(1 if batch.input_ids.numel() <= self._few_rows else self._threads)
         batch.on_layer_kv_written = self.on_layer_kv_written
         batch.hook_arg = hook_arg
-        if self._lean is not None:
+        # a decode step as one kernel call, where it takes the step (else None)
+        states = self._fused.forward(batch) if self._fused is not None else None
+        if states is None and self._lean is not None:
             states = self._lean.forward(batch)
-        else:
+        elif states is None:
             states = self.model.model(
                 input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, paged_batch=batch
             ).last_hidden_state[0]

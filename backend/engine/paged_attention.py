@@ -15,7 +15,7 @@ when the chunk starts the sequence, else from the pool with an offset causal mas
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +57,7 @@ class PagedBatch:
     decode_context: int | None  # the common context length when decode_mask is None
     prefills: list[PrefillSlice]
     last_token_index: torch.Tensor  # [num_entries], in the caller's entry order
+    decode_lengths: list[int] = field(default_factory=list)  # each decode's context, this step's token included
     on_layer_kv_written: Callable[[int, object], None] | None = None
     hook_arg: object = None
 
@@ -117,6 +118,7 @@ def build_paged_batch(entries: list[BatchEntry], pool: KVPool, device: torch.dev
         decode_context=decode_context,
         prefills=prefills,
         last_token_index=torch.tensor(last_index, dtype=torch.long, device=device),
+        decode_lengths=decode_lens,
     )
 
 

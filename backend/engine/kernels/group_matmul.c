@@ -17,6 +17,7 @@
  * weights loaded and widened once per block.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -175,4 +176,112 @@ int int4_matmul(const uint8_t *q, const float *d, const float *m, const float *x
 
 int int8_matmul(const int8_t *q, const float *d, const float *x, float *y, long M, long N, long K) {
     return matmul(8, q, d, NULL, x, y, M, N, K);
+}
+
+/* ---------------------------------------------------------------- a whole decode step of int4w layers
+ * decode_layers: every decoder layer of a Llama-family model for B <= 4 sequences of one token each,
+ * their weights in 4-bit groups, in one call: RMS norm, the fused q/k/v product, the rotary
+ * embedding of q and k, the K/V write into the paged HND pool, attention over each sequence's
+ * pages, the output product and residual add, RMS norm, the fused gate/up product, SiLU(gate) * up,
+ * the down product and residual add. float32 activations and pool. What it computes is the lean
+ * layer loop's (backend/engine/lean_decoder.py) without a dispatch per op.
+ */
+typedef struct {
+    const float *norm1, *norm2;
+    const uint8_t *qkv_q, *o_q, *gu_q, *down_q;
+    const float *qkv_d, *qkv_m, *o_d, *o_m, *gu_d, *gu_m, *down_d, *down_m;
+} Layer;
+
+typedef struct {
+    long hidden, heads, kv_heads, head_dim, inter;
+    float eps, scaling;
+    long num_pages, page_size, max_pages;
+} Dims;
+
+static void rms_norm(const float *x, const float *w, float *out, long n, float eps) {
+    double ss = 0.0;
+    for (long i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    float r = 1.0f / sqrtf((float)(ss / n) + eps);
+    for (long i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+}
+
+static inline float dot(const float *a, const float *b, long n) {
+    __m256 s = _mm256_setzero_ps();
+    for (long i = 0; i < n; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
+    return hsum(s);
+}
+
+/* 0: done; -1: out of memory */
+int decode_layers(const Layer *layers, long num_layers, const Dims *dm, float *h, long B, const float *cos,
+                  const float *sin, float *pool, const long *tables, const long *lengths, const long *write_page,
+                  const long *write_offset) {
+    const long hd = dm->hidden, H = dm->heads, Hkv = dm->kv_heads, D = dm->head_dim, I = dm->inter, S = dm->page_size;
+    const long qkv_n = (H + 2 * Hkv) * D, half = D / 2, group = H / Hkv;
+    const long page_floats = 2 * Hkv * S * D, layer_floats = dm->num_pages * page_floats;
+    long longest = 1;
+    for (long b = 0; b < B; b++) longest = lengths[b] > longest ? lengths[b] : longest;
+    float *x = malloc(sizeof(float) * (size_t)(B * (hd + qkv_n + H * D + hd + 2 * I + I) + longest));
+    if (x == NULL) return -1;
+    float *qkv = x + B * hd, *att = qkv + B * qkv_n, *tmp = att + B * H * D, *gu = tmp + B * hd, *act = gu + B * 2 * I;
+    float *scores = act + B * I;
+    int rc = 0;
+    for (long l = 0; l < num_layers && rc == 0; l++) {
+        const Layer *ly = &layers[l];
+        float *lpool = pool + l * layer_floats;
+        for (long b = 0; b < B; b++) rms_norm(h + b * hd, ly->norm1, x + b * hd, hd, dm->eps);
+        if ((rc = matmul(4, ly->qkv_q, ly->qkv_d, ly->qkv_m, x, qkv, B, qkv_n, hd))) break;
+        for (long b = 0; b < B; b++) {
+            float *row = qkv + b * qkv_n;
+            const float *c = cos + b * D, *s = sin + b * D;
+            for (long hh = 0; hh < H + Hkv; hh++) { /* q and k rotated: x * cos + roll(x, half) * sin */
+                float *v = row + hh * D, r[512];
+                for (long j = 0; j < D; j++) r[j] = v[(j + half) % D];
+                for (long j = 0; j < D; j++) v[j] = v[j] * c[j] + r[j] * s[j];
+            }
+            float *page = lpool + write_page[b] * page_floats;
+            for (long kh = 0; kh < Hkv; kh++) {
+                float *kdst = page + (kh * S + write_offset[b]) * D, *vdst = page + ((Hkv + kh) * S + write_offset[b]) * D;
+                const float *ksrc = row + (H + kh) * D, *vsrc = row + (H + Hkv + kh) * D;
+                for (long j = 0; j < D; j++) kdst[j] = ksrc[j], vdst[j] = vsrc[j];
+            }
+        }
+        for (long b = 0; b < B; b++) {
+            const long len = lengths[b];
+            const long *table = tables + b * dm->max_pages;
+            for (long hq = 0; hq < H; hq++) {
+                const float *q = qkv + b * qkv_n + hq * D;
+                const long kh = hq / group;
+                float top = -INFINITY;
+                for (long t = 0; t < len; t++) {
+                    const float *k = lpool + table[t / S] * page_floats + (kh * S + t % S) * D;
+                    scores[t] = dot(q, k, D) * dm->scaling;
+                    top = scores[t] > top ? scores[t] : top;
+                }
+                float total = 0.f;
+                for (long t = 0; t < len; t++) total += (scores[t] = expf(scores[t] - top));
+                __m256 o[64];
+                for (long j = 0; j < D / 8; j++) o[j] = _mm256_setzero_ps();
+                for (long t = 0; t < len; t++) {
+                    const float *v = lpool + table[t / S] * page_floats + ((Hkv + kh) * S + t % S) * D;
+                    __m256 p = _mm256_set1_ps(scores[t] / total);
+                    for (long j = 0; j < D / 8; j++) o[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * j), o[j]);
+                }
+                float *out = att + b * H * D + hq * D;
+                for (long j = 0; j < D / 8; j++) _mm256_storeu_ps(out + 8 * j, o[j]);
+            }
+        }
+        if ((rc = matmul(4, ly->o_q, ly->o_d, ly->o_m, att, tmp, B, hd, H * D))) break;
+        for (long i = 0; i < B * hd; i++) h[i] += tmp[i];
+        for (long b = 0; b < B; b++) rms_norm(h + b * hd, ly->norm2, x + b * hd, hd, dm->eps);
+        if ((rc = matmul(4, ly->gu_q, ly->gu_d, ly->gu_m, x, gu, B, 2 * I, hd))) break;
+        for (long b = 0; b < B; b++)
+            for (long i = 0; i < I; i++) {
+                float g = gu[b * 2 * I + i];
+                act[b * I + i] = g / (1.f + expf(-g)) * gu[b * 2 * I + I + i];
+            }
+        if ((rc = matmul(4, ly->down_q, ly->down_d, ly->down_m, act, tmp, B, hd, I))) break;
+        for (long i = 0; i < B * hd; i++) h[i] += tmp[i];
+    }
+    free(x);
+    return rc;
 }

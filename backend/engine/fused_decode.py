@@ -1,0 +1,149 @@
+"""int4w's decode steps as one call into our kernel library (``kernels/group_matmul.c``,
+``decode_layers``): every decoder layer for up to ``group_linear.MAX_ROWS`` sequences of one token
+each (RMS norms, the 4-bit-group products, the rotary embedding, the K/V write into the paged HND
+pool, attention over each sequence's pages, SiLU, the residual adds) without a Python call or a
+torch dispatch per op. The lean layer loop (``lean_decoder.py``) spends most of an int4w decode
+step there: about 600 small ops at batch 1.
+
+It takes a step only when the step is all decodes, there are at most ``MAX_ROWS`` of them, and no
+per-layer hook listens (a prefill instance's layer-wise KV streaming); anything else runs the lean
+loop. It applies to a model only when every decoder layer's products are
+:class:`~backend.engine.int4_linear.Int4Linear` without biases, the pool and the activations are
+float32 on the CPU, and the head size is a multiple of 8 (:func:`unsupported_reason` says why not).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend.engine import group_linear
+from backend.engine.group_matmul import library
+from backend.engine.int4_linear import Int4Linear
+from backend.engine.kv_pool import KVPool
+from backend.engine.paged_attention import PagedBatch
+
+_P = ctypes.c_void_p
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("norm1", "norm2", "qkv_q", "o_q", "gu_q", "down_q")] + [
+        (name, _P) for name in ("qkv_d", "qkv_m", "o_d", "o_m", "gu_d", "gu_m", "down_d", "down_m")
+    ]
+
+
+_Field = tuple[str, type[ctypes.c_long] | type[ctypes.c_float]]
+
+
+_DIMS: list[_Field] = [
+    *((name, ctypes.c_long) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter")),
+    ("eps", ctypes.c_float),
+    ("scaling", ctypes.c_float),
+    *((name, ctypes.c_long) for name in ("num_pages", "page_size", "max_pages")),
+]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = _DIMS
+
+
+def unsupported_reason(model: nn.Module, pool: KVPool) -> str | None:
+    """None when :class:`FusedDecode` can run ``model``'s decode steps over ``pool``; else why not."""
+    inner: Any = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        return "no decoder layers"
+    if pool.dtype != torch.float32 or pool.device.type != "cpu":
+        return f"the KV pool is {pool.dtype} on {pool.device} (float32 on the CPU only)"
+    if pool.head_dim % 8 or pool.head_dim > 512:
+        return f"head size {pool.head_dim} (a multiple of 8, at most 512)"
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for part in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if not isinstance(part, Int4Linear):
+                return f"a product in {type(part).__name__}, not 4-bit groups"
+            if part.wider.bias is not None:
+                return "a product with a bias"
+    return None
+
+
+class FusedDecode:
+    """``forward(batch) -> [B, hidden]`` (after the final norm), or None when the step is not one
+    it takes (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, pool: KVPool):
+        config: Any = model.config
+        inner: Any = model.model
+        self.inner, self.pool = inner, pool
+        self.heads = config.num_attention_heads
+        head_dim, self.eps = pool.head_dim, config.rms_norm_eps
+        self._kernel = library().decode_layers
+        argtypes: list[type[ctypes.c_void_p] | type[ctypes.c_long]] = [_P, ctypes.c_long, _P, _P, ctypes.c_long]
+        self._kernel.argtypes = argtypes + [_P] * 7
+        self._kernel.restype = ctypes.c_int
+        layers = []
+        for layer in inner.layers:
+            parts = {"norm1": layer.input_layernorm.weight, "norm2": layer.post_attention_layernorm.weight}
+            for short, linear in (
+                ("qkv", layer.self_attn.qkv_proj),
+                ("o", layer.self_attn.o_proj),
+                ("gu", layer.mlp.gate_up_proj),
+                ("down", layer.mlp.down_proj),
+            ):
+                parts.update({f"{short}_q": linear._packed, f"{short}_d": linear._d, f"{short}_m": linear._m})
+            layers.append(_Layer(**{name: tensor.data_ptr() for name, tensor in parts.items()}))
+        self._layers = (_Layer * len(layers))(*layers)
+        self._num_layers = len(layers)
+        self._dims = dict(
+            hidden=config.hidden_size,
+            heads=self.heads,
+            kv_heads=pool.num_kv_heads,
+            head_dim=head_dim,
+            inter=inner.layers[0].mlp.down_proj.in_features,
+            eps=self.eps,
+            scaling=head_dim**-0.5,
+            num_pages=pool.num_pages,
+            page_size=pool.page_size,
+        )
+        self._half = head_dim // 2
+
+    def forward(self, batch: PagedBatch) -> torch.Tensor | None:
+        count = batch.num_decode
+        if (
+            batch.prefills
+            or not count
+            or count > group_linear.MAX_ROWS
+            or batch.on_layer_kv_written is not None
+            or batch.decode_pages is None
+        ):
+            return None
+        h = self.inner.embed_tokens(batch.input_ids)  # [1, B, hidden]
+        cos, sin = self.inner.rotary_emb(h, batch.position_ids)  # [1, B, D]
+        half = self._half
+        cos = cos[0].contiguous()
+        sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+        h = h[0].contiguous()
+        tables = batch.decode_pages
+        lengths = torch.tensor(batch.decode_lengths, dtype=torch.long)
+        dims = _Dims(**self._dims, max_pages=tables.numel() // count)
+        rc = self._kernel(
+            self._layers,
+            self._num_layers,
+            ctypes.byref(dims),
+            h.data_ptr(),
+            count,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            self.pool.tensor.data_ptr(),
+            tables.data_ptr(),
+            lengths.data_ptr(),
+            batch.write_pages.data_ptr(),
+            batch.write_offsets.data_ptr(),
+        )
+        if rc != 0:
+            raise MemoryError("fused decode: no memory for the step's activations")
+        return F.rms_norm(h, (h.shape[-1],), self.inner.norm.weight, self.eps)

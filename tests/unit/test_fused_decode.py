@@ -1,0 +1,82 @@
+"""int4w's decode steps as one kernel call (``backend/engine/fused_decode.py``) against the lean
+layer loop on the same weights: the same greedy tokens for a batch of sequences of different
+lengths, the same final hidden states and the same K/V in the pool (within float32 rounding), and
+the steps it does not take (a prefill chunk, a per-layer hook, more than 4 sequences, a pool that
+is not float32). The real checkpoint's quality through it: ``tests/integration/test_int4w_quality.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend.engine.fused_decode import FusedDecode
+from backend.engine.paged_attention import BatchEntry, build_paged_batch
+from backend.engine.sampling_params import SamplingParams
+from tests.engine_helpers import (
+    assert_pool_idle,
+    build_tiny_llama,
+    make_engine,
+    prompt_of,
+    run_to_completion,
+    tokens_of,
+)
+
+PROMPTS = [prompt_of(n, seed=n) for n in (5, 17, 40)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-fused"))
+
+
+def engines(tiny):
+    fused = make_engine(tiny, weights_dtype="int4w")
+    lean = make_engine(tiny, weights_dtype="int4w", decoder="lean")
+    assert fused.runner.decoder == "lean+fused" and isinstance(fused.runner._fused, FusedDecode)
+    assert lean.runner.decoder == "lean" and lean.runner._fused is None
+    return fused, lean
+
+
+def test_fused_steps_give_the_lean_loops_tokens_hidden_states_and_kv(tiny):
+    fused, lean = engines(tiny)
+    results = []
+    for engine in (fused, lean):
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=24, ignore_eos=True))
+        results.append({k: tokens_of(v) for k, v in run_to_completion(engine).items()})
+        assert_pool_idle(engine)
+    assert results[0] == results[1]
+    # one decode step of three sequences, straight through the runners on equal pools
+    entries = [
+        BatchEntry([7 + i], start=len(p), page_table=list(range(4 * i, 4 * i + 4))) for i, p in enumerate(PROMPTS)
+    ]
+    fused.runner.pool.tensor.copy_(torch.randn_like(fused.runner.pool.tensor))
+    lean.runner.pool.tensor.copy_(fused.runner.pool.tensor)
+    a, b = fused.runner.run(entries), lean.runner.run(entries)
+    assert torch.allclose(a.hidden, b.hidden, rtol=1e-4, atol=1e-4), (a.hidden - b.hidden).abs().max()
+    assert torch.allclose(a.logits, b.logits, rtol=1e-4, atol=1e-3)
+    diff = (fused.runner.pool.tensor - lean.runner.pool.tensor).abs().max()
+    print("largest K/V difference", float(diff), "hidden", float((a.hidden - b.hidden).abs().max()))
+    assert torch.allclose(fused.runner.pool.tensor, lean.runner.pool.tensor, rtol=1e-4, atol=1e-4), diff
+
+
+def test_steps_it_does_not_take_run_the_lean_loop(tiny):
+    fused, _ = engines(tiny)
+    runner, steps = fused.runner, fused.runner._fused
+    pool = runner.pool
+
+    def batch(lengths):
+        entries = [BatchEntry([5] * n, start=3, page_table=[i]) for i, n in enumerate(lengths)]
+        return build_paged_batch(entries, pool, torch.device("cpu"))
+
+    assert steps.forward(batch([1, 1, 1, 1])) is not None
+    assert steps.forward(batch([1, 1, 1, 1, 1])) is None  # more than 4 sequences
+    assert steps.forward(batch([1, 4])) is None  # a prefill chunk in the step
+    hooked = batch([1])
+    hooked.on_layer_kv_written = lambda layer, arg: None
+    assert steps.forward(hooked) is None  # a listener per layer (layer-wise KV streaming)
+
+
+def test_a_pool_that_is_not_float32_keeps_the_lean_loop(tiny):
+    engine = make_engine(tiny, weights_dtype="int4w", kv_dtype="bfloat16")
+    assert engine.runner.decoder == "lean" and engine.runner._fused is None
