@@ -16,11 +16,13 @@ from backend.engine.fp16_linear import Fp16Linear
 from backend.engine.group_matmul import GROUP
 
 # The most rows a product takes through the groups (the kernel widens each group's weights once
-# per block of up to 4 rows). Measured on an Intel Xeon (family 6 model 167), one thread,
-# SmolLM2-135M's 120 layer products: 1 row 5.4 ms (float16's fbgemm GEMM 17-28), 3 rows 11.2,
-# 4 rows 14.6 (the kernel before, with float32 activations: 9.2, 18.5, 17.4); beyond 4 rows
-# fbgemm's register-blocked GEMM catches up: more rows take fp16w's products. Read when a
-# layer's product function is made.
+# per block of up to 4 rows). Measured on an Intel Xeon (family 6 model 167), one thread, the 120
+# layer products of SmolLM2-135M's decode step on its own weights (read from memory, 80 MB):
+# 1 row 11.7 ms, 2 rows 18.9, 3 rows 26.1, 4 rows 26.6; fbgemm's float16 products read 212 MB
+# (34-38 ms at 1 row, measured before). On a few weights that stay in the cache the kernel's own
+# cost shows instead (5.1, 7.8, 11.0, 13.4 ms against fbgemm's 7.9-8.3): from 3 rows on it
+# computes more than it waits. More rows take fp16w's products. Read when a layer's product
+# function is made and at each fused decode step.
 MAX_ROWS = 4
 
 

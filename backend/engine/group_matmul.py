@@ -5,9 +5,10 @@ own kernel (``kernels/group_matmul.c``, AVX2 and FMA, one thread).
 The kernel quantizes the activations per row and group of 32 to int16 (scale: the group's largest
 magnitude over 32767; the error of each value at most 1.5e-5 of that magnitude, finer than float16's
 rounding) and sums each group's integer products exactly in int32, scaled once in float32. Against
-converting every weight to float32 (the kernel before it), the 120 layer products of a SmolLM2-135M
-decode step took 5.4 ms instead of 9.2 (Intel Xeon family 6 model 167, one thread); held-out
-quality as float32's (``tests/integration/test_int4w_quality.py``).
+converting every weight to float32 (the kernel before it), SmolLM2-135M's 120 layer shapes at one
+row took 5.4 ms instead of 9.2 with their weights in the cache (Intel Xeon family 6 model 167, one
+thread); on the model's own weights, read from memory, 11.7 ms: one core's memory bandwidth is the
+bound there. Held-out quality as float32's (``tests/integration/test_int4w_quality.py``).
 
 The kernel is compiled once per source and CPU (``cc -O3 -mavx2 -mfma``) into the user's cache
 (``TRITON_DISAGG_CACHE``, default ``~/.cache/triton-disagg``) and loaded with ctypes (the GIL is

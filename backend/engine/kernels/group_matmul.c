@@ -229,7 +229,7 @@ int decode_layers(const Layer *layers, long num_layers, const Dims *dm, float *h
         const Layer *ly = &layers[l];
         float *lpool = pool + l * layer_floats;
         for (long b = 0; b < B; b++) rms_norm(h + b * hd, ly->norm1, x + b * hd, hd, dm->eps);
-        if ((rc = matmul(4, ly->qkv_q, ly->qkv_d, ly->qkv_m, x, qkv, B, qkv_n, hd))) break;
+        if ((rc = int4_matmul(ly->qkv_q, ly->qkv_d, ly->qkv_m, x, qkv, B, qkv_n, hd))) break;
         for (long b = 0; b < B; b++) {
             float *row = qkv + b * qkv_n;
             const float *c = cos + b * D, *s = sin + b * D;
@@ -270,16 +270,16 @@ int decode_layers(const Layer *layers, long num_layers, const Dims *dm, float *h
                 for (long j = 0; j < D / 8; j++) _mm256_storeu_ps(out + 8 * j, o[j]);
             }
         }
-        if ((rc = matmul(4, ly->o_q, ly->o_d, ly->o_m, att, tmp, B, hd, H * D))) break;
+        if ((rc = int4_matmul(ly->o_q, ly->o_d, ly->o_m, att, tmp, B, hd, H * D))) break;
         for (long i = 0; i < B * hd; i++) h[i] += tmp[i];
         for (long b = 0; b < B; b++) rms_norm(h + b * hd, ly->norm2, x + b * hd, hd, dm->eps);
-        if ((rc = matmul(4, ly->gu_q, ly->gu_d, ly->gu_m, x, gu, B, 2 * I, hd))) break;
+        if ((rc = int4_matmul(ly->gu_q, ly->gu_d, ly->gu_m, x, gu, B, 2 * I, hd))) break;
         for (long b = 0; b < B; b++)
             for (long i = 0; i < I; i++) {
                 float g = gu[b * 2 * I + i];
                 act[b * I + i] = g / (1.f + expf(-g)) * gu[b * 2 * I + I + i];
             }
-        if ((rc = matmul(4, ly->down_q, ly->down_d, ly->down_m, act, tmp, B, hd, I))) break;
+        if ((rc = int4_matmul(ly->down_q, ly->down_d, ly->down_m, act, tmp, B, hd, I))) break;
         for (long i = 0; i < B * hd; i++) h[i] += tmp[i];
     }
     free(x);
