@@ -73,9 +73,9 @@ def unsupported_reason(model: nn.Module, pool: KVPool) -> str | None:
 
 class FusedDecode:
     """``forward(batch) -> [B, hidden]`` (after the final norm), or None when the step is not one
-    it takes (see the module docstring)."""
+    it takes (see the module docstring). ``threads``: how many threads split each product."""
 
-    def __init__(self, model: nn.Module, pool: KVPool):
+    def __init__(self, model: nn.Module, pool: KVPool, threads: int = 1):
         config: Any = model.config
         inner: Any = model.model
         self.inner, self.pool = inner, pool
@@ -83,7 +83,8 @@ class FusedDecode:
         head_dim, self.eps = pool.head_dim, config.rms_norm_eps
         self._kernel = library().decode_layers
         argtypes: list[type[ctypes.c_void_p] | type[ctypes.c_long]] = [_P, ctypes.c_long, _P, _P, ctypes.c_long]
-        self._kernel.argtypes = argtypes + [_P] * 7
+        self._kernel.argtypes = argtypes + [_P] * 7 + [ctypes.c_long]
+        self.threads = threads
         self._kernel.restype = ctypes.c_int
         layers = []
         for layer in inner.layers:
@@ -143,6 +144,7 @@ class FusedDecode:
             lengths.data_ptr(),
             batch.write_pages.data_ptr(),
             batch.write_offsets.data_ptr(),
+            self.threads,
         )
         if rc != 0:
             raise MemoryError("fused decode: no memory for the step's activations")

@@ -27,32 +27,33 @@ MAX_ROWS = 4
 
 
 class GroupLinear(nn.Module):
-    """``rows_product(rows [M, K] float32, contiguous) -> [M, N]``: the subclass's kernel call;
+    """``rows_product(rows [M, K] float32, contiguous, threads) -> [M, N]``: the subclass's kernel call;
     ``group_error``: its weights' largest rounding error (0.0: the groups hold them exactly);
-    ``bits``: for its description. ``product()`` is its forward as a plain function (the lean
-    layer loop calls it without the module call)."""
+    ``bits``: for its description; ``threads``: how many threads the kernel splits a product
+    between. ``product()`` is its forward as a plain function (the lean layer loop calls it
+    without the module call)."""
 
     bits = 0
 
-    def __init__(self, linear: nn.Linear, max_rows: int, many_rows: torch.dtype, group_error: float):
+    def __init__(self, linear: nn.Linear, max_rows: int, many_rows: torch.dtype, group_error: float, threads: int):
         super().__init__()
         self.in_features, self.out_features, self.max_rows = linear.in_features, linear.out_features, max_rows
-        self.group_error = group_error
+        self.group_error, self.threads = group_error, threads
         self.wider = Fp16Linear(linear, max_rows, many_rows)
         self._forward = self.product()
 
-    def rows_product(self, rows: torch.Tensor) -> torch.Tensor:
+    def rows_product(self, rows: torch.Tensor, threads: int) -> torch.Tensor:
         raise NotImplementedError
 
     def product(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        wider, bias, rows_product = self.wider.product(), self.wider.bias, self.rows_product
+        wider, bias, rows_product, threads = self.wider.product(), self.wider.bias, self.rows_product, self.threads
         n, k, limit = self.out_features, self.in_features, min(MAX_ROWS, self.max_rows)
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             count = x.numel() // k
             if count > limit:
                 return wider(x)
-            out = rows_product(x.reshape(count, k).float().contiguous())
+            out = rows_product(x.reshape(count, k).float().contiguous(), threads)
             if bias is not None:
                 out += bias
             return out.view(*x.shape[:-1], n)

@@ -41,16 +41,18 @@ class Int4Linear(GroupLinear):
 
     bits = 4
 
-    def __init__(self, linear: nn.Linear, max_rows: int, many_rows: torch.dtype = torch.float32):
+    def __init__(self, linear: nn.Linear, max_rows: int, many_rows: torch.dtype = torch.float32, threads: int = 1):
         # not buffers: .to() or a state dict must not move or copy them
         self._packed, self._d, self._m, error = quantize_int4(linear.weight)
-        super().__init__(linear, max_rows, many_rows, error)
+        super().__init__(linear, max_rows, many_rows, error, threads)
 
-    def rows_product(self, rows: torch.Tensor) -> torch.Tensor:
-        return int4_product(self._packed, self._d, self._m, rows)
+    def rows_product(self, rows: torch.Tensor, threads: int) -> torch.Tensor:
+        return int4_product(self._packed, self._d, self._m, rows, threads)
 
 
-def quantize_linear_int4(model: nn.Module, max_rows: int, many_rows: torch.dtype = torch.float32) -> nn.Module:
+def quantize_linear_int4(
+    model: nn.Module, max_rows: int, many_rows: torch.dtype = torch.float32, threads: int = 1
+) -> nn.Module:
     """``weights_dtype=int4w``: every ``nn.Linear`` of the decoder layers (``model.model.layers``)
     replaced in place by :class:`Int4Linear` (the LM head: ``int8_group_linear.py``). Logs how many
     are exact 4-bit groups."""
@@ -62,7 +64,7 @@ def quantize_linear_int4(model: nn.Module, max_rows: int, many_rows: torch.dtype
     for module in list(decoder_layers.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child.in_features % GROUP == 0:
-                layers.append(Int4Linear(child, max_rows, many_rows))
+                layers.append(Int4Linear(child, max_rows, many_rows, threads))
                 setattr(module, name, layers[-1])
     exact = sum(1 for layer in layers if layer.group_error == 0.0)
     worst = max((layer.group_error for layer in layers), default=0.0)

@@ -26,16 +26,18 @@ class Int8GroupLinear(GroupLinear):
 
     bits = 8
 
-    def __init__(self, linear: nn.Linear, max_rows: int, many_rows: torch.dtype = torch.float32):
+    def __init__(self, linear: nn.Linear, max_rows: int, many_rows: torch.dtype = torch.float32, threads: int = 1):
         # not buffers: .to() or a state dict must not move or copy them
         self._q, self._d, error = quantize_int8(linear.weight)
-        super().__init__(linear, max_rows, many_rows, error)
+        super().__init__(linear, max_rows, many_rows, error, threads)
 
-    def rows_product(self, rows: torch.Tensor) -> torch.Tensor:
-        return int8_product(self._q, self._d, rows)
+    def rows_product(self, rows: torch.Tensor, threads: int) -> torch.Tensor:
+        return int8_product(self._q, self._d, rows, threads)
 
 
-def quantize_lm_head_int8(model: nn.Module, max_rows: int, many_rows: torch.dtype = torch.float32) -> nn.Module:
+def quantize_lm_head_int8(
+    model: nn.Module, max_rows: int, many_rows: torch.dtype = torch.float32, threads: int = 1
+) -> nn.Module:
     """The model's ``lm_head`` replaced in place by :class:`Int8GroupLinear` (left as it is when its
     input is not in groups of 32); logs whether its groups are exact."""
     head = getattr(model, "lm_head", None)
@@ -43,7 +45,7 @@ def quantize_lm_head_int8(model: nn.Module, max_rows: int, many_rows: torch.dtyp
         log.info("int4w: the LM head stays float16 (not a linear layer over groups of %d)", GROUP)
         return model
     library()
-    model.lm_head = Int8GroupLinear(head, max_rows, many_rows)
+    model.lm_head = Int8GroupLinear(head, max_rows, many_rows, threads)
     log.info(
         "int4w: the LM head in 8-bit groups of %d (%s)",
         GROUP,

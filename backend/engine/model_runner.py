@@ -82,8 +82,9 @@ class ModelRunner:
         if fmt in MANY_ROWS:  # fbgemm's own products: no small-batch linears on top
             self._few_rows = fp16_max_rows(self._threads)
             if fmt.startswith("int4w"):  # the decoder layers in 4-bit groups, the LM head in 8-bit ones
-                self.model = quantize_linear_int4(self.model, self._few_rows, MANY_ROWS[fmt])
-                self.model = quantize_lm_head_int8(self.model, self._few_rows, MANY_ROWS[fmt])
+                # our kernel splits a product between the instance's threads (fbgemm's GEMM cannot)
+                self.model = quantize_linear_int4(self.model, self._few_rows, MANY_ROWS[fmt], self._threads)
+                self.model = quantize_lm_head_int8(self.model, self._few_rows, MANY_ROWS[fmt], self._threads)
             self.model = quantize_linear_fp16(self.model, self._few_rows, fmt)
             log.info(
                 "%s weights on %s: %s for products of up to %d rows (on one thread), %s beyond (on %d threads)",
@@ -108,7 +109,7 @@ class ModelRunner:
         if self._lean is not None and config.decoder == "auto" and fmt.startswith("int4w"):
             reason = fused_unsupported(self.model, self.pool)
             if reason is None:
-                self._fused = FusedDecode(self.model, self.pool)
+                self._fused = FusedDecode(self.model, self.pool, self._threads)
                 self.decoder = "lean+fused"
             else:
                 log.info("decode steps through the lean layer loop (one kernel call does not apply: %s)", reason)

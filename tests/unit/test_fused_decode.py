@@ -80,3 +80,15 @@ def test_steps_it_does_not_take_run_the_lean_loop(tiny):
 def test_a_pool_that_is_not_float32_keeps_the_lean_loop(tiny):
     engine = make_engine(tiny, weights_dtype="int4w", kv_dtype="bfloat16")
     assert engine.runner.decoder == "lean" and engine.runner._fused is None
+
+
+def test_fused_steps_on_two_threads_equal_one_threads(tiny):
+    one = make_engine(tiny, weights_dtype="int4w", num_threads=1)
+    two = make_engine(tiny, weights_dtype="int4w", num_threads=2)
+    assert one.runner._fused.threads == 1 and two.runner._fused.threads == 2
+    results = []
+    for engine in (one, two):
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=16, ignore_eos=True))
+        results.append({k: tokens_of(v) for k, v in run_to_completion(engine).items()})
+    assert results[0] == results[1]

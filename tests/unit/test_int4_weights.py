@@ -7,6 +7,8 @@ transformers' on the same (grouped) weights. The real checkpoint's quality:
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -201,3 +203,41 @@ def test_auto_takes_int4w_only_for_a_checkpoint_of_q4_1_layers(tiny, tmp_path, m
     assert EngineConfig(model_path=str(q4)).weights_format == "fp16w-bf16"
     (q4 / "gguf_source.json").write_text("{not json")
     assert layers_in_int4w_groups(q4) is None
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5])
+def test_products_split_between_threads_equal_one_threads(rows):
+    """The kernel splits a product's output rows between the caller and helper threads: every
+    output is computed as on one thread, bit for bit."""
+    packed, d, m, _ = quantize_int4(torch.randn(256, 192) * 0.05)
+    q8, d8, _ = quantize_int8(torch.randn(256, 192) * 0.05)
+    x = torch.randn(rows, 192)
+    for threads in (2, 3):
+        assert torch.equal(
+            group_matmul.int4_product(packed, d, m, x, threads), group_matmul.int4_product(packed, d, m, x, 1)
+        )
+        assert torch.equal(group_matmul.int8_product(q8, d8, x, threads), group_matmul.int8_product(q8, d8, x, 1))
+
+
+def test_a_forked_child_gets_its_own_helper_threads():
+    """Helpers started in the parent do not exist in a forked child: the child's products start
+    their own (with the parent's count it would wait for them forever)."""
+    import os
+
+    packed, d, m, _ = quantize_int4(torch.randn(256, 192) * 0.05)
+    x = torch.randn(1, 192)
+    want = group_matmul.int4_product(packed, d, m, x, 2)  # the parent's helper exists now
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 when the product is right, 1 otherwise; a hang fails the wait below
+        ok = torch.equal(group_matmul.int4_product(packed, d, m, x, 2), want)
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    raise AssertionError("the forked child's product did not finish in 30 s (it waited for its parent's helpers)")

@@ -1,5 +1,6 @@
-/* group_matmul: y = x W^T for W held in groups of 32 along K (AVX2 + FMA, one thread). Built and
- * loaded by backend/engine/group_matmul.py.
+/* group_matmul: y = x W^T for W held in groups of 32 along K (AVX2 + FMA; the output rows split
+ * between the calling thread and threads - 1 helpers). Built and loaded by
+ * backend/engine/group_matmul.py.
  *
  * The activations are quantized per row and group of 32 to int16 with the scale max|x| / 32767
  * (their relative error about 1.5e-5 of the group's largest value, below float16's rounding),
@@ -18,6 +19,8 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -147,35 +150,148 @@ ALWAYS_INLINE void block(int R, int bits, const void *qn, const float *dn, const
 }
 
 /* every block of rows against every row of W; bits constant per caller (the loops specialized) */
+/* ---------------------------------------------------------------- a pool of helper threads
+ * A product's output rows n are split between the calling thread and up to threads - 1 helpers
+ * (part p of T: n in [N p / T, N (p + 1) / T)). A helper spins on the job counter for a while
+ * after each part (the next product of a step follows within microseconds), then sleeps on a
+ * condition variable until the next job. Jobs are posted by one thread at a time (an engine's
+ * step thread); the caller's lock makes that so. */
+#define MAX_HELPERS 15
+#define SPIN_NS 200000L
+
+typedef struct {
+    int bits;
+    const void *q;
+    const float *d, *m;
+    const Quantized *qx;
+    float *y;
+    long M, N, K, parts;
+} Job;
+
+static Job job;
+static atomic_long job_seq, parts_done;
+static atomic_int sleeping;
+static int helpers_started;
+static pthread_mutex_t wake_lock = PTHREAD_MUTEX_INITIALIZER, post_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
+
+static void run_part(const Job *jb, long part) {
+    const long G = jb->K / 32, row_bytes = jb->bits == 4 ? jb->K / 2 : jb->K;
+    const long n0 = jb->N * part / jb->parts, n1 = jb->N * (part + 1) / jb->parts;
+    for (long r = 0; r < jb->M; r += 4) {
+        const long R = jb->M - r < 4 ? jb->M - r : 4;
+        for (long n = n0; n < n1; n++) {
+            const uint8_t *qn = (const uint8_t *)jb->q + n * row_bytes;
+            const float *dn = jb->d + n * G, *mn = jb->m == NULL ? NULL : jb->m + n * G;
+#define BLOCKS(BITS)                                                                                       \
+            switch (R) { /* a constant R per call: the row loop unrolled, the sums in registers */   \
+            case 4: block(4, BITS, qn, dn, mn, jb->qx, jb->y, jb->N, jb->K, G, r, n); break;           \
+            case 3: block(3, BITS, qn, dn, mn, jb->qx, jb->y, jb->N, jb->K, G, r, n); break;           \
+            case 2: block(2, BITS, qn, dn, mn, jb->qx, jb->y, jb->N, jb->K, G, r, n); break;           \
+            default: block(1, BITS, qn, dn, mn, jb->qx, jb->y, jb->N, jb->K, G, r, n); break;          \
+            }
+            if (jb->bits == 4) {
+                BLOCKS(4)
+            } else {
+                BLOCKS(8)
+            }
+#undef BLOCKS
+        }
+    }
+}
+
+static long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+static long created_at; /* job_seq when the helpers were created (before the job that needs them) */
+
+static void *helper(void *arg) {
+    const long index = (long)arg; /* does part index + 1 */
+    long seen = created_at;
+    for (;;) {
+        long seq, start = now_ns();
+        while ((seq = atomic_load_explicit(&job_seq, memory_order_acquire)) == seen) {
+            if (now_ns() - start > SPIN_NS) {
+                pthread_mutex_lock(&wake_lock);
+                atomic_fetch_add(&sleeping, 1);
+                while ((seq = atomic_load(&job_seq)) == seen) pthread_cond_wait(&wake, &wake_lock);
+                atomic_fetch_sub(&sleeping, 1);
+                pthread_mutex_unlock(&wake_lock);
+                break;
+            }
+            _mm_pause();
+        }
+        seen = seq;
+        if (index + 1 < job.parts) {
+            run_part(&job, index + 1);
+            atomic_fetch_add_explicit(&parts_done, 1, memory_order_release);
+        }
+    }
+    return NULL;
+}
+
+/* a forked child has none of its parent's helper threads */
+static void forget_helpers(void) {
+    helpers_started = 0;
+    atomic_store(&sleeping, 0);
+    pthread_mutex_init(&wake_lock, NULL);
+    pthread_mutex_init(&post_lock, NULL);
+    pthread_cond_init(&wake, NULL);
+}
+
+/* start helpers up to count (once each); how many there are */
+static int ensure_helpers(int count) {
+    static int registered;
+    if (!registered) registered = pthread_atfork(NULL, NULL, forget_helpers) == 0;
+    created_at = atomic_load(&job_seq);
+    while (helpers_started < count && helpers_started < MAX_HELPERS) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, helper, (void *)(long)helpers_started) != 0) break;
+        pthread_detach(t);
+        helpers_started++;
+    }
+    return helpers_started;
+}
+
 ALWAYS_INLINE int matmul(int bits, const void *q, const float *d, const float *m, const float *x, float *y, long M,
-                         long N, long K) {
-    const long G = K / 32, row_bytes = bits == 4 ? K / 2 : K;
+                         long N, long K, long threads) {
     Quantized qx;
     if (quantize(x, M, K, &qx)) return -1;
-    for (long r = 0; r < M; r += 4) {
-        const long R = M - r < 4 ? M - r : 4;
-        for (long n = 0; n < N; n++) {
-            const uint8_t *qn = (const uint8_t *)q + n * row_bytes;
-            const float *dn = d + n * G, *mn = m == NULL ? NULL : m + n * G;
-            switch (R) { /* a constant R per call: the row loop unrolled, the sums in registers */
-            case 4: block(4, bits, qn, dn, mn, &qx, y, N, K, G, r, n); break;
-            case 3: block(3, bits, qn, dn, mn, &qx, y, N, K, G, r, n); break;
-            case 2: block(2, bits, qn, dn, mn, &qx, y, N, K, G, r, n); break;
-            default: block(1, bits, qn, dn, mn, &qx, y, N, K, G, r, n); break;
-            }
+    Job jb = {bits, q, d, m, &qx, y, M, N, K, 1};
+    if (threads > 1 && N >= 64 * threads) {
+        pthread_mutex_lock(&post_lock);
+        long parts = 1 + ensure_helpers((int)threads - 1);
+        if (parts > threads) parts = threads;
+        jb.parts = parts;
+        job = jb;
+        atomic_store(&parts_done, 0);
+        atomic_fetch_add_explicit(&job_seq, 1, memory_order_release);
+        if (atomic_load(&sleeping)) {
+            pthread_mutex_lock(&wake_lock);
+            pthread_cond_broadcast(&wake);
+            pthread_mutex_unlock(&wake_lock);
         }
+        run_part(&jb, 0);
+        while (atomic_load_explicit(&parts_done, memory_order_acquire) < parts - 1) _mm_pause();
+        pthread_mutex_unlock(&post_lock);
+    } else {
+        run_part(&jb, 0);
     }
     release(&qx);
     return 0;
 }
 
 /* 0: done; -1: out of memory (y untouched) */
-int int4_matmul(const uint8_t *q, const float *d, const float *m, const float *x, float *y, long M, long N, long K) {
-    return matmul(4, q, d, m, x, y, M, N, K);
+int int4_matmul(const uint8_t *q, const float *d, const float *m, const float *x, float *y, long M, long N, long K,
+                long threads) {
+    return matmul(4, q, d, m, x, y, M, N, K, threads);
 }
 
-int int8_matmul(const int8_t *q, const float *d, const float *x, float *y, long M, long N, long K) {
-    return matmul(8, q, d, NULL, x, y, M, N, K);
+int int8_matmul(const int8_t *q, const float *d, const float *x, float *y, long M, long N, long K, long threads) {
+    return matmul(8, q, d, NULL, x, y, M, N, K, threads);
 }
 
 /* ---------------------------------------------------------------- a whole decode step of int4w layers
@@ -214,7 +330,7 @@ static inline float dot(const float *a, const float *b, long n) {
 /* 0: done; -1: out of memory */
 int decode_layers(const Layer *layers, long num_layers, const Dims *dm, float *h, long B, const float *cos,
                   const float *sin, float *pool, const long *tables, const long *lengths, const long *write_page,
-                  const long *write_offset) {
+                  const long *write_offset, long threads) {
     const long hd = dm->hidden, H = dm->heads, Hkv = dm->kv_heads, D = dm->head_dim, I = dm->inter, S = dm->page_size;
     const long qkv_n = (H + 2 * Hkv) * D, half = D / 2, group = H / Hkv;
     const long page_floats = 2 * Hkv * S * D, layer_floats = dm->num_pages * page_floats;
@@ -229,7 +345,7 @@ int decode_layers(const Layer *layers, long num_layers, const Dims *dm, float *h
         const Layer *ly = &layers[l];
         float *lpool = pool + l * layer_floats;
         for (long b = 0; b < B; b++) rms_norm(h + b * hd, ly->norm1, x + b * hd, hd, dm->eps);
-        if ((rc = int4_matmul(ly->qkv_q, ly->qkv_d, ly->qkv_m, x, qkv, B, qkv_n, hd))) break;
+        if ((rc = int4_matmul(ly->qkv_q, ly->qkv_d, ly->qkv_m, x, qkv, B, qkv_n, hd, threads))) break;
         for (long b = 0; b < B; b++) {
             float *row = qkv + b * qkv_n;
             const float *c = cos + b * D, *s = sin + b * D;
@@ -270,16 +386,16 @@ int decode_layers(const Layer *layers, long num_layers, const Dims *dm, float *h
                 for (long j = 0; j < D / 8; j++) _mm256_storeu_ps(out + 8 * j, o[j]);
             }
         }
-        if ((rc = int4_matmul(ly->o_q, ly->o_d, ly->o_m, att, tmp, B, hd, H * D))) break;
+        if ((rc = int4_matmul(ly->o_q, ly->o_d, ly->o_m, att, tmp, B, hd, H * D, threads))) break;
         for (long i = 0; i < B * hd; i++) h[i] += tmp[i];
         for (long b = 0; b < B; b++) rms_norm(h + b * hd, ly->norm2, x + b * hd, hd, dm->eps);
-        if ((rc = int4_matmul(ly->gu_q, ly->gu_d, ly->gu_m, x, gu, B, 2 * I, hd))) break;
+        if ((rc = int4_matmul(ly->gu_q, ly->gu_d, ly->gu_m, x, gu, B, 2 * I, hd, threads))) break;
         for (long b = 0; b < B; b++)
             for (long i = 0; i < I; i++) {
                 float g = gu[b * 2 * I + i];
                 act[b * I + i] = g / (1.f + expf(-g)) * gu[b * 2 * I + I + i];
             }
-        if ((rc = int4_matmul(ly->down_q, ly->down_d, ly->down_m, act, tmp, B, hd, I))) break;
+        if ((rc = int4_matmul(ly->down_q, ly->down_d, ly->down_m, act, tmp, B, hd, I, threads))) break;
         for (long i = 0; i < B * hd; i++) h[i] += tmp[i];
     }
     free(x);
