@@ -169,6 +169,10 @@ class DecodeWorker:
         # by the loop thread, so other threads may read it
         self.endpoints: list[PrefillEndpoint] = []
         self._retired: set[str] = set()  # addresses that left or drain: no new requests, closed once idle
+        # which record an address belongs to now: a prefill instance restarted at the same address
+        # registers anew (another name) before the old record's lease has lapsed, and that old
+        # record's leave must not retire the new instance's address (the loop thread's alone)
+        self._owner: dict[str, str] = {}
         self.router = KVRouter(config.connector.kv_routing_weight)
         self.requests: dict[str, _Request] = {}  # the loop thread's alone
         self.counters = DecodeStats()
@@ -412,6 +416,7 @@ class DecodeWorker:
         for record in joined:
             address = record.messenger
             known = any(e.address == address for e in self.endpoints)
+            self._owner[address] = record.name
             if record.draining:
                 self._retire(address, f"prefill instance {record.name} drains")
                 continue
@@ -435,6 +440,17 @@ class DecodeWorker:
             log.info("decode %s: prefill instance %s joined at %s; connecting", self.name, record.name, address)
             endpoint.start()
         for record in left:
+            owner = self._owner.get(record.messenger)
+            if owner is not None and owner != record.name:
+                log.info(
+                    "decode %s: prefill instance %s left the membership; %s serves at %s now",
+                    self.name,
+                    record.name,
+                    owner,
+                    record.messenger,
+                )
+                continue
+            self._owner.pop(record.messenger, None)
             self._retire(record.messenger, f"prefill instance {record.name} left the membership")
 
     def _retire(self, address: str, why: str) -> None:

@@ -512,3 +512,23 @@ def test_prefill_instances_join_drain_and_leave(tiny_dir, fabric):
     finally:
         second.shutdown()
         p.close()
+
+
+def test_a_prefill_instance_restarted_at_its_address_keeps_serving_when_its_old_record_leaves(tiny_dir, fabric):
+    """The restarted instance registers (a new name, the same address) before the old record's
+    lease lapses; the old record's leave then must not retire the address."""
+    from backend.serving.decode_worker import PrefillsChanged
+
+    p = Pair(tiny_dir)
+    try:
+        address = p.decode.endpoints[0].address
+        old = _record(address, address)  # the name a fixed endpoint's record has
+        p.decode._events.put(PrefillsChanged([_record(address, "restarted")], []))
+        p.decode._events.put(PrefillsChanged([], [old]))
+        sinks = p.run_all([prompt(30, 31)], "after-restart", 6)
+        assert [s.failed for s in sinks] == [None]
+        assert [e.address for e in p.decode.endpoints] == [address] and not p.decode._retired
+        p.decode._events.put(PrefillsChanged([], [_record(address, "restarted")]))  # the new one leaves
+        wait_until(lambda: not p.decode.endpoints, what="the address to retire and close")
+    finally:
+        p.close()
