@@ -25,14 +25,17 @@ from backend.engine import group_linear
 from backend.engine.group_matmul import library
 from backend.engine.int4_linear import Int4Linear
 from backend.engine.kv_pool import KVPool
+from backend.engine.lean_decoder import rotary
 from backend.engine.paged_attention import PagedBatch
 
 _P = ctypes.c_void_p
 
 
-class _Layer(ctypes.Structure):
-    _fields_ = [(name, _P) for name in ("norm1", "norm2", "qkv_q", "o_q", "gu_q", "down_q")] + [
-        (name, _P) for name in ("qkv_d", "qkv_m", "o_d", "o_m", "gu_d", "gu_m", "down_d", "down_m")
+class _Layer(ctypes.Structure):  # the order of the C struct's fields
+    _fields_ = [
+        (name, _P)
+        for name in ("norm1", "norm2", "qkv_q", "o_q", "gu_q", "down_q")
+        + ("qkv_d", "qkv_m", "o_d", "o_m", "gu_d", "gu_m", "down_d", "down_m")
     ]
 
 
@@ -79,7 +82,6 @@ class FusedDecode:
         config: Any = model.config
         inner: Any = model.model
         self.inner, self.pool = inner, pool
-        self.heads = config.num_attention_heads
         head_dim, self.eps = pool.head_dim, config.rms_norm_eps
         self._kernel = library().decode_layers
         argtypes: list[type[ctypes.c_void_p] | type[ctypes.c_long]] = [_P, ctypes.c_long, _P, _P, ctypes.c_long]
@@ -101,7 +103,7 @@ class FusedDecode:
         self._num_layers = len(layers)
         self._dims = dict(
             hidden=config.hidden_size,
-            heads=self.heads,
+            heads=config.num_attention_heads,
             kv_heads=pool.num_kv_heads,
             head_dim=head_dim,
             inter=inner.layers[0].mlp.down_proj.in_features,
@@ -110,7 +112,6 @@ class FusedDecode:
             num_pages=pool.num_pages,
             page_size=pool.page_size,
         )
-        self._half = head_dim // 2
 
     def forward(self, batch: PagedBatch) -> torch.Tensor | None:
         count = batch.num_decode
@@ -123,11 +124,8 @@ class FusedDecode:
         ):
             return None
         h = self.inner.embed_tokens(batch.input_ids)  # [1, B, hidden]
-        cos, sin = self.inner.rotary_emb(h, batch.position_ids)  # [1, B, D]
-        half = self._half
-        cos = cos[0].contiguous()
-        sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
-        h = h[0].contiguous()
+        cos, sin = rotary(self.inner, h, batch.position_ids)
+        cos, sin, h = cos.contiguous(), sin.contiguous(), h[0].contiguous()
         tables = batch.decode_pages
         lengths = torch.tensor(batch.decode_lengths, dtype=torch.long)
         dims = _Dims(**self._dims, max_pages=tables.numel() // count)

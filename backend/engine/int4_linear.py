@@ -1,8 +1,8 @@
 """``weights_dtype=int4w``: the decoder layers' linear weights held as 4-bit groups (32 values
 along the input dimension, each ``d * q + m`` with ``q`` in 0..15 and float32 ``d`` and ``m``:
 the layout of a GGUF Q4_1 block), multiplied by our own kernel (``group_matmul.py``: the
-activations as int16 per group, exact int32 sums per group, float32 beyond; AVX2 and FMA, one
-thread) for products of up to ``group_linear.MAX_ROWS`` rows (a decode step of up to 4 sequences);
+activations as int16 per group, exact int32 sums per group, float32 beyond; AVX2 and FMA, on the
+instance's threads) for products of up to ``group_linear.MAX_ROWS`` rows (a decode step of up to 4 sequences);
 products of more rows take fp16w's (float16 weights through fbgemm up to ``max_rows`` rows, float32
 beyond: prefill chunks). The LM head takes 8-bit groups (``int8_group_linear.py``) the same way.
 ``int4w-bf16``: the same, with fp16w-bf16's bfloat16 products on AMX tiles for the many-row ones.

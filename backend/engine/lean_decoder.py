@@ -100,6 +100,15 @@ def fuse_projections(model: nn.Module) -> None:
         del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
 
 
+def rotary(inner: Any, h: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary embedding's ``cos`` and sign-folded ``sin`` ([T, D] each) for ``h`` [1, T, hidden]:
+    x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x2, x1), is x * cos + roll(x, D/2) * this
+    sin (roll(x, D/2) = (x2, x1))."""
+    cos, sin = inner.rotary_emb(h, position_ids)  # [1, T, D]
+    half = sin.shape[-1] // 2
+    return cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+
+
 def _product(linear: nn.Module) -> _Product:
     """A linear layer's product as a plain function of its input: for the int8 and fp16w layers
     their product function itself (their module call adds as much Python as the op's own dispatch,
@@ -140,12 +149,10 @@ class LeanDecoder:
 
     def forward(self, batch: PagedBatch) -> torch.Tensor:
         h: torch.Tensor = self.inner.embed_tokens(batch.input_ids)  # [1, T, hidden]
-        cos, sin = self.inner.rotary_emb(h, batch.position_ids)  # [1, T, D]
+        cos, sin = rotary(self.inner, h, batch.position_ids)
+        cos, sin = cos[:, None], sin[:, None]  # [T, 1, D]
         tokens, heads, kv_heads, dim = h.shape[1], self.num_heads, self.num_kv_heads, self.head_dim
         half = dim // 2
-        # rotary embedding: x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x2, x1) is
-        # roll(x, half) = (x2, x1) times this sign-folded sin
-        cos, sin = cos[0, :, None], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[0, :, None]  # [T, 1, D]
         h = h[0]
         hidden = (h.shape[-1],)
         qk_heads = heads + kv_heads
