@@ -238,6 +238,7 @@ def pytest_report_header(config):
     return [
         f"cpu: {path.cpu} ({path.cpu_id}); isa: {' '.join(path.isa) or '(no AVX2)'}",
         f"kernel path: torch {path.torch_capability}; {path.int8_path}",
+        f"int4w kernel path: {path.int4w_path}",
     ]
 
 

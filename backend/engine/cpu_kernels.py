@@ -9,6 +9,7 @@ and tests name it beside what they measured, since a result or a bound can depen
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ ISA_FLAGS = (
     "f16c",
     "avx512f",
     "avx512bw",
+    "avx512vl",
     "avx512_vnni",
     "avx_vnni",
     "avx512_bf16",
@@ -36,6 +38,9 @@ FP16W_BF16_FLAGS = (*FP16W_FLAGS, "amx_bf16")
 # The CPU features each CPU-only format needs (EngineConfig refuses the format without them).
 # ``int4w``: our group kernel (AVX2, FMA) for the decoder layers' 4-bit groups and the LM head's 8-bit ones.
 INT4W_FLAGS = (*FP16W_FLAGS, "fma")
+# The group kernel's tiles of 16 rows (``group_matmul.c``: vpdpwssd on 512-bit registers); without
+# them it takes its AVX2 kernel over rows in order.
+GROUP_TILES_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 FORMAT_FLAGS = {
     "fp16w": FP16W_FLAGS,
     "fp16w-bf16": FP16W_BF16_FLAGS,
@@ -74,6 +79,16 @@ def missing_flags(required: Iterable[str]) -> list[str]:
     return [flag for flag in required if flag not in flags]
 
 
+def group_tiles() -> bool:
+    """Whether int4w's group kernel takes its tiles of 16 rows (AVX-512 VNNI): the CPU has
+    :data:`GROUP_TILES_FLAGS` and ``TRITON_DISAGG_KERNELS`` is not ``avx2`` (``avx2`` keeps the
+    AVX2 kernel on any CPU, to compare the two paths; ``auto``, the default, chooses by the CPU)."""
+    forced = os.environ.get("TRITON_DISAGG_KERNELS", "auto")
+    if forced not in ("auto", "avx2"):
+        raise ValueError(f"TRITON_DISAGG_KERNELS={forced!r}: expected auto or avx2")
+    return forced == "auto" and not missing_flags(GROUP_TILES_FLAGS)
+
+
 def cpu_model() -> str:
     """The CPU's model name, e.g. "AMD EPYC 7B13"."""
     return _cpuinfo().get("model name") or platform.processor() or "unknown"
@@ -92,6 +107,7 @@ class KernelPath:
     isa: tuple[str, ...]  # the ISA_FLAGS this CPU has
     torch_capability: str  # ATen's vectorized-kernel level: "AVX2", "AVX512", ...
     int8_full_range: bool  # fbgemm's int8 product is exact with 8-bit activations
+    group_tiles: bool = False  # group_tiles(): int4w's kernel takes its AVX-512 VNNI tiles
 
     @property
     def int8_path(self) -> str:
@@ -108,7 +124,8 @@ class KernelPath:
 
     @property
     def int4w_path(self) -> str:
-        return "int4 groups of 32 (the LM head int8 groups), int16 activations per group (our AVX2+FMA kernel)"
+        kernel = "AVX-512 VNNI kernel, tiles of 16 rows" if self.group_tiles else "AVX2+FMA kernel, rows in order"
+        return f"int4 groups of 32 (the LM head int8 groups), int16 activations per group (our {kernel})"
 
     @property
     def bf16_path(self) -> str:
@@ -121,8 +138,8 @@ class KernelPath:
         path = {
             "fp16w": self.fp16w_path,
             "fp16w-bf16": f"{self.fp16w_path} for few rows; {self.bf16_path} for many",
-            "int4w": f"{self.int4w_path} for up to 4 rows; {self.fp16w_path} for more",
-            "int4w-bf16": f"{self.int4w_path} for up to 4 rows; {self.fp16w_path} for more; {self.bf16_path} for many",
+            "int4w": f"{self.int4w_path} for up to 16 rows; fp16w's products (float16, float32) for more",
+            "int4w-bf16": f"{self.int4w_path} for up to 16 rows; fp16w-bf16's (float16, {self.bf16_path}) for more",
         }.get(weights, self.int8_path)
         return f"{self.cpu} ({self.cpu_id}); torch {self.torch_capability}; {path}"
 
@@ -135,6 +152,7 @@ class KernelPath:
             "int8_path": self.int8_path,
             "fp16w_path": self.fp16w_path,
             "bf16_path": self.bf16_path,
+            "int4w_path": self.int4w_path,
         }
 
 
@@ -152,4 +170,5 @@ def kernel_path() -> KernelPath:
         isa=tuple(f for f in ISA_FLAGS if f in flags),
         torch_capability=str(torch.backends.cpu.get_cpu_capability()),
         int8_full_range=full_range_is_exact(),
+        group_tiles=group_tiles(),
     )

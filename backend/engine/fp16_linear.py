@@ -73,7 +73,8 @@ class Fp16Linear(nn.Module):
             weight = linear.weight.detach().float().contiguous()
             # opaque handles to fbgemm's and oneDNN's packed matrices (tensors that own them),
             # deliberately not buffers: .to() or a state dict must not copy or move them
-            self._packed_weight = torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(weight)
+            # none where no product takes it (max_rows 0: int4w's layers, whose kernel takes the few rows)
+            self._packed_weight = torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(weight) if self.max_rows else None
             self._packed_bf16 = pack_bf16(weight) if many_rows == torch.bfloat16 else None
         self.weight = nn.Parameter(weight, requires_grad=False) if many_rows == torch.float32 else None
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
@@ -91,7 +92,7 @@ class Fp16Linear(nn.Module):
             assert weight is not None
 
             def forward(x: torch.Tensor) -> torch.Tensor:
-                if x.numel() <= max_rows * x.shape[-1]:
+                if max_rows and x.numel() <= max_rows * x.shape[-1]:
                     return op(x, packed, bias)
                 return F.linear(x, weight, bias)
 
@@ -99,7 +100,7 @@ class Fp16Linear(nn.Module):
         many = bf16_product(self._packed_bf16, bias)
 
         def forward_bf16(x: torch.Tensor) -> torch.Tensor:
-            if x.numel() <= max_rows * x.shape[-1]:
+            if max_rows and x.numel() <= max_rows * x.shape[-1]:
                 return op(x, packed, bias)
             return many(x)
 

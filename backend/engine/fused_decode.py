@@ -1,9 +1,9 @@
 """int4w's decode steps as one call into our kernel library (``kernels/group_matmul.c``,
 ``decode_layers``): every decoder layer for up to ``group_linear.MAX_ROWS`` sequences of one token
 each (RMS norms, the 4-bit-group products, the rotary embedding, the K/V write into the paged HND
-pool, attention over each sequence's pages, SiLU, the residual adds) without a Python call or a
-torch dispatch per op. The lean layer loop (``lean_decoder.py``) spends most of an int4w decode
-step there: about 600 small ops at batch 1.
+pool, attention over each sequence's pages (the (sequence, head) pairs split between the threads),
+SiLU, the residual adds) without a Python call or a torch dispatch per op. The lean layer loop
+(``lean_decoder.py``) spends most of an int4w decode step there: about 600 small ops at batch 1.
 
 It takes a step only when the step is all decodes, there are at most ``MAX_ROWS`` of them, and no
 per-layer hook listens (a prefill instance's layer-wise KV streaming); anything else runs the lean
@@ -46,7 +46,7 @@ _DIMS: list[_Field] = [
     *((name, ctypes.c_long) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter")),
     ("eps", ctypes.c_float),
     ("scaling", ctypes.c_float),
-    *((name, ctypes.c_long) for name in ("num_pages", "page_size", "max_pages")),
+    *((name, ctypes.c_long) for name in ("num_pages", "page_size", "max_pages", "tiled")),
 ]
 
 
@@ -64,6 +64,7 @@ def unsupported_reason(model: nn.Module, pool: KVPool) -> str | None:
         return f"the KV pool is {pool.dtype} on {pool.device} (float32 on the CPU only)"
     if pool.head_dim % 8 or pool.head_dim > 512:
         return f"head size {pool.head_dim} (a multiple of 8, at most 512)"
+    layouts: set[bool] = set()
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         for part in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
@@ -71,6 +72,9 @@ def unsupported_reason(model: nn.Module, pool: KVPool) -> str | None:
                 return f"a product in {type(part).__name__}, not 4-bit groups"
             if part.wider.bias is not None:
                 return "a product with a bias"
+            layouts.add(part.tiled)
+    if len(layouts) > 1:
+        return "products in both layouts (tiles of 16 rows and rows in order)"
     return None
 
 
@@ -111,6 +115,7 @@ class FusedDecode:
             scaling=head_dim**-0.5,
             num_pages=pool.num_pages,
             page_size=pool.page_size,
+            tiled=int(inner.layers[0].self_attn.qkv_proj.tiled),
         )
 
     def forward(self, batch: PagedBatch) -> torch.Tensor | None:
@@ -144,6 +149,8 @@ class FusedDecode:
             batch.write_offsets.data_ptr(),
             self.threads,
         )
+        if rc == -2:
+            raise ValueError("fused decode: the kernel refused the weights' tiles (see group_matmul.c)")
         if rc != 0:
             raise MemoryError("fused decode: no memory for the step's activations")
         return F.rms_norm(h, (h.shape[-1],), self.inner.norm.weight, self.eps)

@@ -72,3 +72,23 @@ def fabric() -> Iterator[fake_nixl.Fabric]:
         nixl_api.install(previous)
         fake_nixl.FABRIC.reset()
         _unblock(hidden)
+
+
+@pytest.fixture(params=["avx2", "tiles"])
+def kernels(request, monkeypatch):
+    """The group kernel's path for the test: ``avx2`` (rows in order, forced) or ``tiles`` (AVX-512
+    VNNI, the default where the CPU has it; skipped where it does not)."""
+    from backend.engine import cpu_kernels, group_matmul
+
+    if request.param == "tiles":
+        missing = cpu_kernels.missing_flags(cpu_kernels.GROUP_TILES_FLAGS)
+        if missing:
+            pytest.skip(f"the tiles' kernel needs {', '.join(missing)}, which this CPU lacks")
+        monkeypatch.setenv("TRITON_DISAGG_KERNELS", "auto")
+    else:
+        monkeypatch.setenv("TRITON_DISAGG_KERNELS", "avx2")
+    group_matmul.tiles_available.cache_clear()
+    assert group_matmul.tiles_available() == (request.param == "tiles")
+    print(f"int4w kernel path: {request.param}")
+    yield request.param
+    group_matmul.tiles_available.cache_clear()

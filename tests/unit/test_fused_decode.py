@@ -1,8 +1,9 @@
 """int4w's decode steps as one kernel call (``backend/engine/fused_decode.py``) against the lean
 layer loop on the same weights: the same greedy tokens for a batch of sequences of different
 lengths, the same final hidden states and the same K/V in the pool (within float32 rounding), and
-the steps it does not take (a prefill chunk, a per-layer hook, more than 4 sequences, a pool that
-is not float32). The real checkpoint's quality through it: ``tests/integration/test_int4w_quality.py``."""
+the steps it does not take (a prefill chunk, a per-layer hook, more than 16 sequences, a pool that
+is not float32). On both kernel paths where the CPU has them (the ``kernels`` fixture). The real
+checkpoint's quality through it: ``tests/integration/test_int4w_quality.py``."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def engines(tiny):
     return fused, lean
 
 
-def test_fused_steps_give_the_lean_loops_tokens_hidden_states_and_kv(tiny):
+def test_fused_steps_give_the_lean_loops_tokens_hidden_states_and_kv(tiny, kernels):
     fused, lean = engines(tiny)
     results = []
     for engine in (fused, lean):
@@ -60,7 +61,7 @@ def test_fused_steps_give_the_lean_loops_tokens_hidden_states_and_kv(tiny):
     assert torch.allclose(fused.runner.pool.tensor, lean.runner.pool.tensor, rtol=1e-4, atol=1e-4), diff
 
 
-def test_steps_it_does_not_take_run_the_lean_loop(tiny):
+def test_steps_it_does_not_take_run_the_lean_loop(tiny, kernels):
     fused, _ = engines(tiny)
     runner, steps = fused.runner, fused.runner._fused
     pool = runner.pool
@@ -69,8 +70,8 @@ def test_steps_it_does_not_take_run_the_lean_loop(tiny):
         entries = [BatchEntry([5] * n, start=3, page_table=[i]) for i, n in enumerate(lengths)]
         return build_paged_batch(entries, pool, torch.device("cpu"))
 
-    assert steps.forward(batch([1, 1, 1, 1])) is not None
-    assert steps.forward(batch([1, 1, 1, 1, 1])) is None  # more than 4 sequences
+    assert steps.forward(batch([1] * 16)) is not None
+    assert steps.forward(batch([1] * 17)) is None  # more than 16 sequences
     assert steps.forward(batch([1, 4])) is None  # a prefill chunk in the step
     hooked = batch([1])
     hooked.on_layer_kv_written = lambda layer, arg: None
@@ -82,7 +83,7 @@ def test_a_pool_that_is_not_float32_keeps_the_lean_loop(tiny):
     assert engine.runner.decoder == "lean" and engine.runner._fused is None
 
 
-def test_fused_steps_on_two_threads_equal_one_threads(tiny):
+def test_fused_steps_on_two_threads_equal_one_threads(tiny, kernels):
     one = make_engine(tiny, weights_dtype="int4w", num_threads=1)
     two = make_engine(tiny, weights_dtype="int4w", num_threads=2)
     assert one.runner._fused.threads == 1 and two.runner._fused.threads == 2

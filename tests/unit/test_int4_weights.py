@@ -2,8 +2,10 @@
 (GGUF Q8_0's), our kernel's products against float64's within the bound of its int16 activations,
 the row limit, rows that do not depend on each other, a refused shape, a compiler that fails, the
 refusal on a CPU without the kernel's features, and the engine's greedy tokens against
-transformers' on the same (grouped) weights. The real checkpoint's quality:
-``tests/integration/test_int4w_quality.py``."""
+transformers' on the same (grouped) weights. Each on both kernel paths, where the CPU has them:
+the AVX2 kernel over rows in order (any CPU, ``TRITON_DISAGG_KERNELS=avx2``) and the AVX-512
+VNNI kernel over tiles of 16 rows (skipped, with the reason, on a CPU without AVX-512 VNNI). The
+real checkpoint's quality: ``tests/integration/test_int4w_quality.py``."""
 
 from __future__ import annotations
 
@@ -58,11 +60,12 @@ def int16_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return 1.01 * step.double() @ per_group.double().t() + 1e-6 * (x.abs().double() @ weight.abs().double().t())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-def test_exact_groups_multiply_within_the_int16_activations_bound(rows):
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16])
+def test_exact_groups_multiply_within_the_int16_activations_bound(rows, kernels):
     print(f"kernel path: {kernel_path().short('int4w')}")
     int4, weight = layer()
     assert int4.group_error == 0.0  # every group exact: a Q4_1 checkpoint's weights
+    assert int4.tiled == (kernels == "tiles")
     torch.manual_seed(rows)
     x = torch.randn(rows, 192) * torch.where(torch.rand(192) < 0.05, 20.0, 1.0)  # a few outlier channels
     want = x.double() @ weight.double().t()
@@ -72,7 +75,7 @@ def test_exact_groups_multiply_within_the_int16_activations_bound(rows):
     assert ((got.double() - want).abs().max() / want.abs().max()) < 1e-3
 
 
-def test_the_lm_heads_8_bit_groups_hold_q8_0_exactly_and_multiply_within_the_bound():
+def test_the_lm_heads_8_bit_groups_hold_q8_0_exactly_and_multiply_within_the_bound(kernels):
     torch.manual_seed(0)
     q = torch.randint(-127, 128, (64, 96)).float()
     q[:, ::32] = 127  # every group holds its largest magnitude, as Q8_0's do
@@ -84,36 +87,62 @@ def test_the_lm_heads_8_bit_groups_hold_q8_0_exactly_and_multiply_within_the_bou
     with torch.no_grad():
         linear.weight.copy_(weight)
     head = Int8GroupLinear(linear, max_rows=8)
-    x = torch.randn(3, 96)
+    assert head.tiled == (kernels == "tiles")
+    x = torch.randn(11, 96)
     got = head(x)
     assert ((got.double() - x.double() @ weight.double().t()).abs() <= int16_bound(x, weight)).all()
     assert torch.equal(head(x[:1]), got[:1])  # a row's result does not depend on the other rows
-    six = torch.randn(6, 96)  # beyond 4 rows: fp16w's products
-    assert torch.equal(head(six), torch.fbgemm_linear_fp16_weight_fp32_activation(six, head.wider._packed_weight, None))
+    many = torch.randn(17, 96)  # beyond 16 rows: float32's products (fp16w's limit, 8, is below the kernel's)
+    assert head.wider._packed_weight is None and torch.equal(head(many), F.linear(many, weight))
     linear.weight.data.add_(1e-3)  # no longer Q8_0's values: rounded, and the error reported
     assert 0 < Int8GroupLinear(linear, max_rows=8).group_error <= 0.5 / 127 + 1e-6
 
 
-def test_a_rows_result_does_not_depend_on_the_other_rows():
-    """Nor on how many rows share the product, up to the kernel's 4 (fp16w's beyond)."""
+def test_a_rows_result_does_not_depend_on_the_other_rows(kernels):
+    """Nor on how many rows share the product, up to the kernel's 16 (fp16w's beyond)."""
     int4, _ = layer()
-    x = torch.randn(4, 192)
+    x = torch.randn(16, 192)
     alone = int4(x[:1])[0]
-    for count in (1, 3, 4):
+    for count in (1, 3, 8, 9, 16):
         other = x[:count].clone()
         other[1:] = torch.randn(count - 1, 192)
         assert torch.equal(int4(x[:count])[0], int4(other)[0])
         assert torch.equal(int4(other)[0], alone)
-    assert torch.equal(int4(x.view(2, 2, 192)).view(4, 96), int4(x))  # any leading shape
+        assert torch.equal(int4(x[:count])[-1], int4(x[count - 1 : count])[0])  # the last row too
+    assert torch.equal(int4(x.view(4, 4, 192)).view(16, 96), int4(x))  # any leading shape
 
 
-def test_more_rows_take_fp16ws_products():
-    """5-8 rows (max_rows 8): fp16w's float16 products; 9: its float32 ones."""
-    int4, weight = layer(exact=False)
-    x = torch.randn(9, 192)
+def test_more_rows_take_fp16ws_products(kernels):
+    """With fp16w's limit above the kernel's 16 rows (32 here, as on one thread's 64): 17-32 rows
+    take fp16w's float16 products, 33 its float32 ones; with it at or below 16 (2 threads) no
+    float16 copy is made and 17 rows take float32's."""
+    int4, weight = layer(exact=False, max_rows=32)
+    x = torch.randn(33, 192)
     packed = int4.wider._packed_weight
-    assert torch.equal(int4(x[:6]), torch.fbgemm_linear_fp16_weight_fp32_activation(x[:6], packed, None))
+    assert torch.equal(int4(x[:17]), torch.fbgemm_linear_fp16_weight_fp32_activation(x[:17], packed, None))
     assert torch.equal(int4(x), F.linear(x, weight))
+    narrow, _ = layer(exact=False, max_rows=16)
+    assert narrow.wider._packed_weight is None and torch.equal(narrow(x[:17]), F.linear(x[:17], weight))
+
+
+def test_the_tiles_compute_the_rows_products():
+    """The two layouts hold the same groups: their products differ only in the order of the float32
+    sums (here at most 2e-6 of the largest output)."""
+    if not group_matmul.tiles_available():
+        pytest.skip(f"no tiles on this CPU or path (kernel path: {kernel_path().int4w_path})")
+    torch.manual_seed(3)
+    w = torch.randn(160, 320) * 0.05
+    x = torch.randn(12, 320)
+    for rows in (1, 5, 12):
+        a = group_matmul.int4_product(*quantize_int4(w)[:3], x[:rows], 1, tiled=False)
+        b = group_matmul.int4_product(*quantize_int4(w, tiled=True)[:3], x[:rows], 1, tiled=True)
+        assert (a - b).abs().max() <= 2e-6 * a.abs().max(), (a - b).abs().max()
+        q, d, _ = quantize_int8(w)
+        qt, dt, _ = quantize_int8(w, tiled=True)
+        a8, b8 = group_matmul.int8_product(q, d, x[:rows], 1), group_matmul.int8_product(qt, dt, x[:rows], 1, True)
+        assert (a8 - b8).abs().max() <= 2e-6 * a8.abs().max()
+    with pytest.raises(ValueError, match="not a multiple of 16"):
+        quantize_int4(torch.randn(40, 64), tiled=True)
 
 
 def test_weights_that_are_not_groups_report_their_error_and_multiply_their_groups():
@@ -150,7 +179,7 @@ def test_int4w_is_refused_on_a_cpu_without_its_features(tiny, monkeypatch):
 
 
 @pytest.mark.parametrize("decoder", ["auto", "transformers"])
-def test_int4w_tokens_equal_transformers_on_the_grouped_weights(tiny, decoder, monkeypatch):
+def test_int4w_tokens_equal_transformers_on_the_grouped_weights(tiny, decoder, kernels, monkeypatch):
     """The prompt prefilled in chunks, then 12 greedy tokens, every product through the 4-bit
     groups (the row limits lifted): transformers' own on the float32 model whose decoder-layer
     weights were rounded to those groups and whose LM head was rounded to 8-bit groups."""
@@ -205,18 +234,22 @@ def test_auto_takes_int4w_only_for_a_checkpoint_of_q4_1_layers(tiny, tmp_path, m
     assert layers_in_int4w_groups(q4) is None
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5])
-def test_products_split_between_threads_equal_one_threads(rows):
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+def test_products_split_between_threads_equal_one_threads(rows, kernels):
     """The kernel splits a product's output rows between the caller and helper threads: every
     output is computed as on one thread, bit for bit."""
-    packed, d, m, _ = quantize_int4(torch.randn(256, 192) * 0.05)
-    q8, d8, _ = quantize_int8(torch.randn(256, 192) * 0.05)
+    tiled = kernels == "tiles"
+    packed, d, m, _ = quantize_int4(torch.randn(256, 192) * 0.05, tiled)
+    q8, d8, _ = quantize_int8(torch.randn(256, 192) * 0.05, tiled)
     x = torch.randn(rows, 192)
     for threads in (2, 3):
         assert torch.equal(
-            group_matmul.int4_product(packed, d, m, x, threads), group_matmul.int4_product(packed, d, m, x, 1)
+            group_matmul.int4_product(packed, d, m, x, threads, tiled),
+            group_matmul.int4_product(packed, d, m, x, 1, tiled),
         )
-        assert torch.equal(group_matmul.int8_product(q8, d8, x, threads), group_matmul.int8_product(q8, d8, x, 1))
+        assert torch.equal(
+            group_matmul.int8_product(q8, d8, x, threads, tiled), group_matmul.int8_product(q8, d8, x, 1, tiled)
+        )
 
 
 def test_a_forked_child_gets_its_own_helper_threads():

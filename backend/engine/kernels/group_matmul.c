@@ -149,6 +149,115 @@ ALWAYS_INLINE void block(int R, int bits, const void *qn, const float *dn, const
     }
 }
 
+/* ---------------------------------------------------------------- tiles of 16 rows (AVX-512 VNNI)
+ * The same products with W's rows taken 16 at a time (a tile), for CPUs with AVX-512 BW and VNNI:
+ * each lane of a 512-bit register sums one of the tile's 16 rows, so a group's products for 16
+ * output values take 16 vpdpwssd (each: the pair of int16 activations 2p, 2p + 1 broadcast to
+ * every lane, times the tile's 16 rows' weights 2p, 2p + 1, summed into int32), and the float32
+ * scaling is done once per group for the 16 at once, in the lanes where the results are stored.
+ * Layouts (made by backend/engine/group_matmul.py; N a multiple of 16):
+ *   4 bits: for tile t and group g, 256 bytes: 4 chunks of 64; chunk c's bytes widen (low nibbles,
+ *     then high ones; bytes 0-7 of each 128-bit lane, then 8-15) to the pair steps 4c .. 4c + 3:
+ *     int16 element e of step p = weight 2p + e % 2 of the tile's row e / 2.
+ *   8 bits: for tile t and group g, 512 bytes: 16 steps of 32 bytes, byte e of step p = weight
+ *     2p + e % 2 of the tile's row e / 2.
+ *   d, m: [N / 16][G][16] float32.
+ */
+#define TILE 16
+#define TILE_ROWS 8 /* rows of x per pass over the weights */
+#define VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma"
+#define VNNI_INLINE static inline __attribute__((always_inline, target(VNNI_TARGET)))
+
+/* the 4 pair steps of one 64-byte chunk of a 4-bit tile, as int16 */
+VNNI_INLINE void widen4_tile(const uint8_t *chunk, __m512i w[4]) {
+    const __m512i low = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+    const __m512i b = _mm512_loadu_si512((const void *)chunk);
+    const __m512i lo = _mm512_and_si512(b, low), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+    w[0] = _mm512_unpacklo_epi8(lo, zero);
+    w[1] = _mm512_unpackhi_epi8(lo, zero);
+    w[2] = _mm512_unpacklo_epi8(hi, zero);
+    w[3] = _mm512_unpackhi_epi8(hi, zero);
+}
+
+/* rows r .. r + R - 1 of x times the 16 rows of tile t: y[r + i][16 t .. 16 t + 15] */
+VNNI_INLINE void tile_block(int R, int bits, const uint8_t *qt, const float *dt, const float *mt, const Quantized *qx,
+                            float *y, long N, long K, long G, long r, long t) {
+    __m512 f[TILE_ROWS];
+    for (int i = 0; i < R; i++) f[i] = _mm512_setzero_ps();
+    for (long g = 0; g < G; g++) {
+        __m512i a[TILE_ROWS];
+        const int32_t *xp[TILE_ROWS]; /* the rows' int16 pairs of group g */
+        for (int i = 0; i < R; i++) {
+            a[i] = _mm512_setzero_si512();
+            xp[i] = (const int32_t *)(qx->xq + (r + i) * K + 32 * g);
+        }
+        if (bits == 4) {
+            const uint8_t *tg = qt + 256 * g;
+            for (int c = 0; c < 4; c++) {
+                __m512i w[4];
+                widen4_tile(tg + 64 * c, w);
+                for (int k = 0; k < 4; k++)
+                    for (int i = 0; i < R; i++) a[i] = _mm512_dpwssd_epi32(a[i], w[k], _mm512_set1_epi32(xp[i][4 * c + k]));
+            }
+        } else {
+            const int8_t *tg = (const int8_t *)qt + 512 * g;
+            for (int p = 0; p < 16; p++) {
+                const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(tg + 32 * p)));
+                for (int i = 0; i < R; i++) a[i] = _mm512_dpwssd_epi32(a[i], w, _mm512_set1_epi32(xp[i][p]));
+            }
+        }
+        const __m512 dv = _mm512_loadu_ps(dt + TILE * g);
+        for (int i = 0; i < R; i++) {
+            const long at = (r + i) * G + g;
+            f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[i]), _mm512_mul_ps(dv, _mm512_set1_ps(qx->s[at])), f[i]);
+            if (bits == 4) f[i] = _mm512_fmadd_ps(_mm512_loadu_ps(mt + TILE * g), _mm512_set1_ps(qx->xs[at]), f[i]);
+        }
+    }
+    for (int i = 0; i < R; i++) _mm512_storeu_ps(y + (r + i) * N + TILE * t, f[i]);
+}
+
+/* tiles t0 .. t1 - 1 against every row of x, in passes of up to TILE_ROWS rows */
+__attribute__((target(VNNI_TARGET))) static void tiles_part(int bits, const void *q, const float *d, const float *m,
+                                                          const Quantized *qx, float *y, long M, long N, long K,
+                                                          long t0, long t1) {
+    const long G = K / 32, tile_bytes = (bits == 4 ? 256 : 512) * G;
+    for (long r = 0; r < M; r += TILE_ROWS) {
+        const long R = M - r < TILE_ROWS ? M - r : TILE_ROWS;
+        for (long t = t0; t < t1; t++) {
+            const uint8_t *qt = (const uint8_t *)q + t * tile_bytes;
+            const float *dt = d + t * TILE * G, *mt = m == NULL ? NULL : m + t * TILE * G;
+#define TILE_BLOCKS(BITS)                                                                          \
+            switch (R) { /* a constant R per call: the row loop unrolled, the sums in registers */ \
+            case 8: tile_block(8, BITS, qt, dt, mt, qx, y, N, K, G, r, t); break;                  \
+            case 7: tile_block(7, BITS, qt, dt, mt, qx, y, N, K, G, r, t); break;                  \
+            case 6: tile_block(6, BITS, qt, dt, mt, qx, y, N, K, G, r, t); break;                  \
+            case 5: tile_block(5, BITS, qt, dt, mt, qx, y, N, K, G, r, t); break;                  \
+            case 4: tile_block(4, BITS, qt, dt, mt, qx, y, N, K, G, r, t); break;                  \
+            case 3: tile_block(3, BITS, qt, dt, mt, qx, y, N, K, G, r, t); break;                  \
+            case 2: tile_block(2, BITS, qt, dt, mt, qx, y, N, K, G, r, t); break;                  \
+            default: tile_block(1, BITS, qt, dt, mt, qx, y, N, K, G, r, t); break;                 \
+            }
+            if (bits == 4) {
+                TILE_BLOCKS(4)
+            } else {
+                TILE_BLOCKS(8)
+            }
+#undef TILE_BLOCKS
+        }
+    }
+}
+
+/* 1 when this CPU runs the tiles' kernel (AVX-512 F, BW, VL and VNNI) */
+int tiles_supported(void) {
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    }
+    return known;
+}
+
 /* every block of rows against every row of W; bits constant per caller (the loops specialized) */
 /* ---------------------------------------------------------------- a pool of helper threads
  * A product's output rows n are split between the calling thread and up to threads - 1 helpers
@@ -159,13 +268,19 @@ ALWAYS_INLINE void block(int R, int bits, const void *qn, const float *dn, const
 #define MAX_HELPERS 15
 #define SPIN_NS 200000L
 
-typedef struct {
-    int bits;
+typedef struct { /* one product: what each part needs */
+    int bits, tiled;
     const void *q;
     const float *d, *m;
     const Quantized *qx;
     float *y;
-    long M, N, K, parts;
+    long M, N, K;
+} Product;
+
+typedef struct { /* a job for the pool: fn(ctx, part, parts) for part in 0 .. parts - 1 */
+    void (*fn)(const void *ctx, long part, long parts);
+    const void *ctx;
+    long parts;
 } Job;
 
 static Job job;
@@ -175,9 +290,16 @@ static int helpers_started;
 static pthread_mutex_t wake_lock = PTHREAD_MUTEX_INITIALIZER, post_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
 
-static void run_part(const Job *jb, long part) {
+static void product_part(const void *ctx, long part, long parts) {
+    const Product *jb = ctx;
+    if (jb->tiled) { /* part p of T: tiles [T' p / T, T' (p + 1) / T) of the T' = N / 16 */
+        const long tiles = jb->N / TILE;
+        tiles_part(jb->bits, jb->q, jb->d, jb->m, jb->qx, jb->y, jb->M, jb->N, jb->K, tiles * part / parts,
+                   tiles * (part + 1) / parts);
+        return;
+    }
     const long G = jb->K / 32, row_bytes = jb->bits == 4 ? jb->K / 2 : jb->K;
-    const long n0 = jb->N * part / jb->parts, n1 = jb->N * (part + 1) / jb->parts;
+    const long n0 = jb->N * part / parts, n1 = jb->N * (part + 1) / parts;
     for (long r = 0; r < jb->M; r += 4) {
         const long R = jb->M - r < 4 ? jb->M - r : 4;
         for (long n = n0; n < n1; n++) {
@@ -226,7 +348,7 @@ static void *helper(void *arg) {
         }
         seen = seq;
         if (index + 1 < job.parts) {
-            run_part(&job, index + 1);
+            job.fn(job.ctx, index + 1, job.parts);
             atomic_fetch_add_explicit(&parts_done, 1, memory_order_release);
         }
     }
@@ -256,42 +378,51 @@ static int ensure_helpers(int count) {
     return helpers_started;
 }
 
-ALWAYS_INLINE int matmul(int bits, const void *q, const float *d, const float *m, const float *x, float *y, long M,
-                         long N, long K, long threads) {
-    Quantized qx;
-    if (quantize(x, M, K, &qx)) return -1;
-    Job jb = {bits, q, d, m, &qx, y, M, N, K, 1};
-    if (threads > 1 && N >= 64 * threads) {
-        pthread_mutex_lock(&post_lock);
-        long parts = 1 + ensure_helpers((int)threads - 1);
-        if (parts > threads) parts = threads;
-        jb.parts = parts;
-        job = jb;
-        atomic_store(&parts_done, 0);
-        atomic_fetch_add_explicit(&job_seq, 1, memory_order_release);
-        if (atomic_load(&sleeping)) {
-            pthread_mutex_lock(&wake_lock);
-            pthread_cond_broadcast(&wake);
-            pthread_mutex_unlock(&wake_lock);
-        }
-        run_part(&jb, 0);
-        while (atomic_load_explicit(&parts_done, memory_order_acquire) < parts - 1) _mm_pause();
-        pthread_mutex_unlock(&post_lock);
-    } else {
-        run_part(&jb, 0);
+/* fn(ctx, part, parts) for every part, split between the caller and threads - 1 helpers (parts:
+ * at most threads; fewer when helpers could not be started) */
+static void run_job(void (*fn)(const void *, long, long), const void *ctx, long threads) {
+    if (threads <= 1) {
+        fn(ctx, 0, 1);
+        return;
     }
+    pthread_mutex_lock(&post_lock);
+    long parts = 1 + ensure_helpers((int)threads - 1);
+    if (parts > threads) parts = threads;
+    job = (Job){fn, ctx, parts};
+    atomic_store(&parts_done, 0);
+    atomic_fetch_add_explicit(&job_seq, 1, memory_order_release);
+    if (atomic_load(&sleeping)) {
+        pthread_mutex_lock(&wake_lock);
+        pthread_cond_broadcast(&wake);
+        pthread_mutex_unlock(&wake_lock);
+    }
+    fn(ctx, 0, parts);
+    while (atomic_load_explicit(&parts_done, memory_order_acquire) < parts - 1) _mm_pause();
+    pthread_mutex_unlock(&post_lock);
+}
+
+ALWAYS_INLINE int matmul(int bits, int tiled, const void *q, const float *d, const float *m, const float *x, float *y,
+                         long M, long N, long K, long threads) {
+    Quantized qx;
+    if (tiled && (N % TILE || !tiles_supported())) return -2;
+    if (quantize(x, M, K, &qx)) return -1;
+    const Product product = {bits, tiled, q, d, m, &qx, y, M, N, K};
+    run_job(product_part, &product, N >= 64 * threads ? threads : 1);
     release(&qx);
     return 0;
 }
 
-/* 0: done; -1: out of memory (y untouched) */
+/* tiled: 0 for W's rows in order, 1 for tiles of 16 rows (the layouts above).
+ * 0: done; -1: out of memory; -2: tiles with N not a multiple of 16, or on a CPU without their kernel
+ * (y untouched on an error) */
 int int4_matmul(const uint8_t *q, const float *d, const float *m, const float *x, float *y, long M, long N, long K,
-                long threads) {
-    return matmul(4, q, d, m, x, y, M, N, K, threads);
+                long threads, long tiled) {
+    return matmul(4, (int)tiled, q, d, m, x, y, M, N, K, threads);
 }
 
-int int8_matmul(const int8_t *q, const float *d, const float *x, float *y, long M, long N, long K, long threads) {
-    return matmul(8, q, d, NULL, x, y, M, N, K, threads);
+int int8_matmul(const int8_t *q, const float *d, const float *x, float *y, long M, long N, long K, long threads,
+                long tiled) {
+    return matmul(8, (int)tiled, q, d, NULL, x, y, M, N, K, threads);
 }
 
 /* ---------------------------------------------------------------- a whole decode step of int4w layers
@@ -312,6 +443,7 @@ typedef struct {
     long hidden, heads, kv_heads, head_dim, inter;
     float eps, scaling;
     long num_pages, page_size, max_pages;
+    long tiled; /* the products' weights in tiles of 16 rows (int4_matmul's tiled) */
 } Dims;
 
 static void rms_norm(const float *x, const float *w, float *out, long n, float eps) {
@@ -327,16 +459,58 @@ static inline float dot(const float *a, const float *b, long n) {
     return hsum(s);
 }
 
-/* 0: done; -1: out of memory */
+typedef struct { /* one layer's attention for the step's B sequences: what each part needs */
+    const Dims *dm;
+    const float *qkv;
+    float *att;
+    const float *lpool;
+    const long *tables, *lengths;
+    long B;
+    float *scores; /* longest floats per part */
+    long longest;
+} Attention;
+
+/* the (sequence, query head) pairs [B H part / parts, B H (part + 1) / parts): softmax(q K^T * scaling) V */
+static void attention_part(const void *ctx, long part, long parts) {
+    const Attention *a = ctx;
+    const Dims *dm = a->dm;
+    const long H = dm->heads, Hkv = dm->kv_heads, D = dm->head_dim, S = dm->page_size, group = H / Hkv;
+    const long qkv_n = (H + 2 * Hkv) * D, page_floats = 2 * Hkv * S * D, pairs = a->B * H;
+    float *scores = a->scores + part * a->longest;
+    for (long p = pairs * part / parts; p < pairs * (part + 1) / parts; p++) {
+        const long b = p / H, hq = p % H, len = a->lengths[b], kh = hq / group;
+        const long *table = a->tables + b * dm->max_pages;
+        const float *q = a->qkv + b * qkv_n + hq * D;
+        float top = -INFINITY;
+        for (long t = 0; t < len; t++) {
+            const float *k = a->lpool + table[t / S] * page_floats + (kh * S + t % S) * D;
+            scores[t] = dot(q, k, D) * dm->scaling;
+            top = scores[t] > top ? scores[t] : top;
+        }
+        float total = 0.f;
+        for (long t = 0; t < len; t++) total += (scores[t] = expf(scores[t] - top));
+        __m256 o[64];
+        for (long j = 0; j < D / 8; j++) o[j] = _mm256_setzero_ps();
+        for (long t = 0; t < len; t++) {
+            const float *v = a->lpool + table[t / S] * page_floats + ((Hkv + kh) * S + t % S) * D;
+            __m256 w = _mm256_set1_ps(scores[t] / total);
+            for (long j = 0; j < D / 8; j++) o[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * j), o[j]);
+        }
+        float *out = a->att + b * H * D + hq * D;
+        for (long j = 0; j < D / 8; j++) _mm256_storeu_ps(out + 8 * j, o[j]);
+    }
+}
+
+/* 0: done; -1: out of memory; -2: as int4_matmul's */
 int decode_layers(const Layer *layers, long num_layers, const Dims *dm, float *h, long B, const float *cos,
                   const float *sin, float *pool, const long *tables, const long *lengths, const long *write_page,
                   const long *write_offset, long threads) {
     const long hd = dm->hidden, H = dm->heads, Hkv = dm->kv_heads, D = dm->head_dim, I = dm->inter, S = dm->page_size;
-    const long qkv_n = (H + 2 * Hkv) * D, half = D / 2, group = H / Hkv;
+    const long qkv_n = (H + 2 * Hkv) * D, half = D / 2;
     const long page_floats = 2 * Hkv * S * D, layer_floats = dm->num_pages * page_floats;
     long longest = 1;
     for (long b = 0; b < B; b++) longest = lengths[b] > longest ? lengths[b] : longest;
-    float *x = malloc(sizeof(float) * (size_t)(B * (hd + qkv_n + H * D + hd + 2 * I + I) + longest));
+    float *x = malloc(sizeof(float) * (size_t)(B * (hd + qkv_n + H * D + hd + 2 * I + I) + (MAX_HELPERS + 1) * longest));
     if (x == NULL) return -1;
     float *qkv = x + B * hd, *att = qkv + B * qkv_n, *tmp = att + B * H * D, *gu = tmp + B * hd, *act = gu + B * 2 * I;
     float *scores = act + B * I;
@@ -345,7 +519,7 @@ int decode_layers(const Layer *layers, long num_layers, const Dims *dm, float *h
         const Layer *ly = &layers[l];
         float *lpool = pool + l * layer_floats;
         for (long b = 0; b < B; b++) rms_norm(h + b * hd, ly->norm1, x + b * hd, hd, dm->eps);
-        if ((rc = int4_matmul(ly->qkv_q, ly->qkv_d, ly->qkv_m, x, qkv, B, qkv_n, hd, threads))) break;
+        if ((rc = int4_matmul(ly->qkv_q, ly->qkv_d, ly->qkv_m, x, qkv, B, qkv_n, hd, threads, dm->tiled))) break;
         for (long b = 0; b < B; b++) {
             float *row = qkv + b * qkv_n;
             const float *c = cos + b * D, *s = sin + b * D;
@@ -361,41 +535,18 @@ int decode_layers(const Layer *layers, long num_layers, const Dims *dm, float *h
                 for (long j = 0; j < D; j++) kdst[j] = ksrc[j], vdst[j] = vsrc[j];
             }
         }
-        for (long b = 0; b < B; b++) {
-            const long len = lengths[b];
-            const long *table = tables + b * dm->max_pages;
-            for (long hq = 0; hq < H; hq++) {
-                const float *q = qkv + b * qkv_n + hq * D;
-                const long kh = hq / group;
-                float top = -INFINITY;
-                for (long t = 0; t < len; t++) {
-                    const float *k = lpool + table[t / S] * page_floats + (kh * S + t % S) * D;
-                    scores[t] = dot(q, k, D) * dm->scaling;
-                    top = scores[t] > top ? scores[t] : top;
-                }
-                float total = 0.f;
-                for (long t = 0; t < len; t++) total += (scores[t] = expf(scores[t] - top));
-                __m256 o[64];
-                for (long j = 0; j < D / 8; j++) o[j] = _mm256_setzero_ps();
-                for (long t = 0; t < len; t++) {
-                    const float *v = lpool + table[t / S] * page_floats + ((Hkv + kh) * S + t % S) * D;
-                    __m256 p = _mm256_set1_ps(scores[t] / total);
-                    for (long j = 0; j < D / 8; j++) o[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * j), o[j]);
-                }
-                float *out = att + b * H * D + hq * D;
-                for (long j = 0; j < D / 8; j++) _mm256_storeu_ps(out + 8 * j, o[j]);
-            }
-        }
-        if ((rc = int4_matmul(ly->o_q, ly->o_d, ly->o_m, att, tmp, B, hd, H * D, threads))) break;
+        const Attention attention = {dm, qkv, att, lpool, tables, lengths, B, scores, longest};
+        run_job(attention_part, &attention, B * H >= 2 * threads ? threads : 1);
+        if ((rc = int4_matmul(ly->o_q, ly->o_d, ly->o_m, att, tmp, B, hd, H * D, threads, dm->tiled))) break;
         for (long i = 0; i < B * hd; i++) h[i] += tmp[i];
         for (long b = 0; b < B; b++) rms_norm(h + b * hd, ly->norm2, x + b * hd, hd, dm->eps);
-        if ((rc = int4_matmul(ly->gu_q, ly->gu_d, ly->gu_m, x, gu, B, 2 * I, hd, threads))) break;
+        if ((rc = int4_matmul(ly->gu_q, ly->gu_d, ly->gu_m, x, gu, B, 2 * I, hd, threads, dm->tiled))) break;
         for (long b = 0; b < B; b++)
             for (long i = 0; i < I; i++) {
                 float g = gu[b * 2 * I + i];
                 act[b * I + i] = g / (1.f + expf(-g)) * gu[b * 2 * I + I + i];
             }
-        if ((rc = int4_matmul(ly->down_q, ly->down_d, ly->down_m, act, tmp, B, hd, I, threads))) break;
+        if ((rc = int4_matmul(ly->down_q, ly->down_d, ly->down_m, act, tmp, B, hd, I, threads, dm->tiled))) break;
         for (long i = 0; i < B * hd; i++) h[i] += tmp[i];
     }
     free(x);
