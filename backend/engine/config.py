@@ -46,8 +46,8 @@ CPU_FORMATS = {
     "int8": "fbgemm's int8 kernels",
     "fp16w": "fbgemm's fp16-weight GEMM",
     "fp16w-bf16": "fbgemm's fp16-weight GEMM, oneDNN's AMX-BF16",
-    "int4w": "our group kernel (AVX2 and FMA; AVX-512 VNNI tiles where the CPU has them), fbgemm's fp16-weight GEMM",
-    "int4w-bf16": "our group kernel (AVX2 and FMA; AVX-512 VNNI tiles where the CPU has them), oneDNN's AMX-BF16",
+    "int4w": "our group kernel (AVX2 and FMA; AVX-512 VNNI where the CPU has it), fbgemm's fp16-weight GEMM",
+    "int4w-bf16": "our group kernel (AVX2 and FMA; AVX-512 VNNI where the CPU has it), oneDNN's AMX-BF16",
 }
 # auto: the lean layer loop (backend/engine/lean_decoder.py) where the checkpoint's layers fit it
 # and the model runs in one process, and with int4w weights its decode steps of up to 16 sequences

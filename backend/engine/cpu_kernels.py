@@ -38,9 +38,9 @@ FP16W_BF16_FLAGS = (*FP16W_FLAGS, "amx_bf16")
 # The CPU features each CPU-only format needs (EngineConfig refuses the format without them).
 # ``int4w``: our group kernel (AVX2, FMA) for the decoder layers' 4-bit groups and the LM head's 8-bit ones.
 INT4W_FLAGS = (*FP16W_FLAGS, "fma")
-# The group kernel's tiles of 16 rows (``group_matmul.c``: vpdpwssd on 512-bit registers); without
-# them it takes its AVX2 kernel over rows in order.
-GROUP_TILES_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+# The group kernel's AVX-512 VNNI version (``group_matmul.c``: vpdpwssd on 512-bit registers);
+# without them it takes its AVX2 version.
+GROUP_VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 FORMAT_FLAGS = {
     "fp16w": FP16W_FLAGS,
     "fp16w-bf16": FP16W_BF16_FLAGS,
@@ -79,14 +79,14 @@ def missing_flags(required: Iterable[str]) -> list[str]:
     return [flag for flag in required if flag not in flags]
 
 
-def group_tiles() -> bool:
-    """Whether int4w's group kernel takes its tiles of 16 rows (AVX-512 VNNI): the CPU has
-    :data:`GROUP_TILES_FLAGS` and ``TRITON_DISAGG_KERNELS`` is not ``avx2`` (``avx2`` keeps the
-    AVX2 kernel on any CPU, to compare the two paths; ``auto``, the default, chooses by the CPU)."""
+def group_kernel() -> str:
+    """Which version of int4w's group kernel runs: ``avx512_vnni`` where the CPU has
+    :data:`GROUP_VNNI_FLAGS`, else ``avx2``; ``TRITON_DISAGG_KERNELS=avx2`` keeps the AVX2 one on
+    any CPU (to compare the two; ``auto``, the default, chooses by the CPU)."""
     forced = os.environ.get("TRITON_DISAGG_KERNELS", "auto")
     if forced not in ("auto", "avx2"):
         raise ValueError(f"TRITON_DISAGG_KERNELS={forced!r}: expected auto or avx2")
-    return forced == "auto" and not missing_flags(GROUP_TILES_FLAGS)
+    return "avx512_vnni" if forced == "auto" and not missing_flags(GROUP_VNNI_FLAGS) else "avx2"
 
 
 def cpu_model() -> str:
@@ -107,7 +107,7 @@ class KernelPath:
     isa: tuple[str, ...]  # the ISA_FLAGS this CPU has
     torch_capability: str  # ATen's vectorized-kernel level: "AVX2", "AVX512", ...
     int8_full_range: bool  # fbgemm's int8 product is exact with 8-bit activations
-    group_tiles: bool = False  # group_tiles(): int4w's kernel takes its AVX-512 VNNI tiles
+    group_kernel: str = "avx2"  # group_kernel(): int4w's kernel version
 
     @property
     def int8_path(self) -> str:
@@ -124,8 +124,8 @@ class KernelPath:
 
     @property
     def int4w_path(self) -> str:
-        kernel = "AVX-512 VNNI kernel, tiles of 16 rows" if self.group_tiles else "AVX2+FMA kernel, rows in order"
-        return f"int4 groups of 32 (the LM head int8 groups), int16 activations per group (our {kernel})"
+        kernel = "AVX-512 VNNI" if self.group_kernel == "avx512_vnni" else "AVX2+FMA"
+        return f"int4 groups of 32 (the LM head int8 groups), int16 activations per group (our {kernel} kernel)"
 
     @property
     def bf16_path(self) -> str:
@@ -170,5 +170,5 @@ def kernel_path() -> KernelPath:
         isa=tuple(f for f in ISA_FLAGS if f in flags),
         torch_capability=str(torch.backends.cpu.get_cpu_capability()),
         int8_full_range=full_range_is_exact(),
-        group_tiles=group_tiles(),
+        group_kernel=group_kernel(),
     )

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.engine import group_linear
-from backend.engine.group_matmul import library
+from backend.engine.group_matmul import TILE, kernel, library
 from backend.engine.int4_linear import Int4Linear
 from backend.engine.kv_pool import KVPool
 from backend.engine.lean_decoder import rotary
@@ -46,7 +46,7 @@ _DIMS: list[_Field] = [
     *((name, ctypes.c_long) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter")),
     ("eps", ctypes.c_float),
     ("scaling", ctypes.c_float),
-    *((name, ctypes.c_long) for name in ("num_pages", "page_size", "max_pages", "tiled")),
+    *((name, ctypes.c_long) for name in ("num_pages", "page_size", "max_pages", "kernel")),
 ]
 
 
@@ -64,7 +64,6 @@ def unsupported_reason(model: nn.Module, pool: KVPool) -> str | None:
         return f"the KV pool is {pool.dtype} on {pool.device} (float32 on the CPU only)"
     if pool.head_dim % 8 or pool.head_dim > 512:
         return f"head size {pool.head_dim} (a multiple of 8, at most 512)"
-    layouts: set[bool] = set()
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         for part in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
@@ -72,9 +71,8 @@ def unsupported_reason(model: nn.Module, pool: KVPool) -> str | None:
                 return f"a product in {type(part).__name__}, not 4-bit groups"
             if part.wider.bias is not None:
                 return "a product with a bias"
-            layouts.add(part.tiled)
-    if len(layouts) > 1:
-        return "products in both layouts (tiles of 16 rows and rows in order)"
+            if part.out_features % TILE:
+                return f"a product of {part.out_features} outputs (whole tiles of {TILE} only)"
     return None
 
 
@@ -101,7 +99,8 @@ class FusedDecode:
                 ("gu", layer.mlp.gate_up_proj),
                 ("down", layer.mlp.down_proj),
             ):
-                parts.update({f"{short}_q": linear._packed, f"{short}_d": linear._d, f"{short}_m": linear._m})
+                groups = linear.groups
+                parts.update({f"{short}_q": groups.q, f"{short}_d": groups.d, f"{short}_m": groups.m})
             layers.append(_Layer(**{name: tensor.data_ptr() for name, tensor in parts.items()}))
         self._layers = (_Layer * len(layers))(*layers)
         self._num_layers = len(layers)
@@ -115,7 +114,7 @@ class FusedDecode:
             scaling=head_dim**-0.5,
             num_pages=pool.num_pages,
             page_size=pool.page_size,
-            tiled=int(inner.layers[0].self_attn.qkv_proj.tiled),
+            kernel=kernel(),
         )
 
     def forward(self, batch: PagedBatch) -> torch.Tensor | None:
@@ -150,7 +149,7 @@ class FusedDecode:
             self.threads,
         )
         if rc == -2:
-            raise ValueError("fused decode: the kernel refused the weights' tiles (see group_matmul.c)")
+            raise ValueError("fused decode: the group kernel refused the products (see group_matmul.c)")
         if rc != 0:
             raise MemoryError("fused decode: no memory for the step's activations")
         return F.rms_norm(h, (h.shape[-1],), self.inner.norm.weight, self.eps)

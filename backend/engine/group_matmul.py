@@ -6,15 +6,14 @@ next one, then sleep).
 
 The kernel quantizes the activations per row and group of 32 to int16 (scale: the group's largest
 magnitude over 32767; the error of each value at most 1.5e-5 of that magnitude, finer than float16's
-rounding) and sums each group's integer products exactly in int32, scaled once in float32. Two
-layouts of the same groups, each with its kernel: rows in order (AVX2 and FMA, any CPU the format
-runs on) and tiles of 16 rows (AVX-512 VNNI: a 512-bit register sums 16 outputs at once, 16
-``vpdpwssd`` per group), chosen once per process (:func:`tiles_available`). Against converting
-every weight to float32 (the kernel before them), SmolLM2-135M's 120 layer shapes at one row took
-5.4 ms instead of 9.2 with their weights in the cache (Intel Xeon family 6 model 167, one thread,
-rows in order); on the model's own weights, read from memory, 11.7 ms: one core's memory
-bandwidth is the bound there. The tiles pay off with more rows (measurements in
-``group_linear.py``). Held-out quality as float32's (``tests/integration/test_int4w_quality.py``).
+rounding) and sums each group's integer products exactly in int32, scaled once in float32. The
+weights are held in tiles of 16 rows (:class:`Groups`; N padded to a multiple of 16), which two
+kernels read: AVX-512 VNNI (16 outputs per 512-bit register, 16 ``vpdpwssd`` per group) and AVX2
+(two halves of 8 rows, ``vpmaddwd``), chosen once per process (:func:`kernel`). Measured on
+SmolLM2-135M's 121 decode-step products (its own weights, read from memory; Intel Xeon family 6
+model 167, 2 threads): 1 row 5.7 ms (VNNI) / 6.4 (AVX2), 8 rows 13.8 / 20.0, against 8.2 and
+30.8 for the AVX2 kernel over rows in order that they replaced (``perf`` history, 2026-12-05).
+Held-out quality as float32's (``tests/integration/test_int4w_quality.py``).
 
 The kernel is compiled once per source and CPU (``cc -O3 -mavx2 -mfma``) into the user's cache
 (``TRITON_DISAGG_CACHE``, default ``~/.cache/triton-disagg``) and loaded with ctypes (the GIL is
@@ -32,16 +31,18 @@ import os
 import platform
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from backend.engine.cpu_kernels import group_tiles
+from backend.engine.cpu_kernels import group_kernel
 
 log = logging.getLogger("triton_disagg.engine")
 
 GROUP = 32
-TILE = 16  # rows of W per tile (the AVX-512 VNNI kernel)
+TILE = 16  # rows of W per tile
+KERNELS = {"avx2": 1, "avx512_vnni": 2}  # the library's kernel numbers
 SOURCE = Path(__file__).with_name("kernels") / "group_matmul.c"
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
 LIBS = ("-lm", "-lpthread")
@@ -85,68 +86,91 @@ def library() -> ctypes.CDLL:
 
 
 @functools.cache
-def tiles_available() -> bool:
-    """Whether this process's products take the tiles of 16 rows (``cpu_kernels.group_tiles``: the
-    CPU's AVX-512 VNNI, unless ``TRITON_DISAGG_KERNELS=avx2``; the compiled library agrees)."""
-    return group_tiles() and bool(library().tiles_supported())
+def kernel() -> int:
+    """The library's kernel for this process's products (:data:`KERNELS`): as
+    ``cpu_kernels.group_kernel`` says (AVX-512 VNNI where the CPU has it, unless
+    ``TRITON_DISAGG_KERNELS=avx2``), AVX2 where the compiled library cannot run VNNI's."""
+    name = group_kernel()
+    if name == "avx512_vnni" and not library().tiles_supported():
+        log.info("group kernels: the library does not run AVX-512 VNNI here; AVX2")
+        name = "avx2"
+    return KERNELS[name]
+
+
+@dataclass(frozen=True)
+class Groups:
+    """A weight [n, k] held in groups of 32 along k, in the kernels' tiles of 16 rows (rows past n,
+    up to a multiple of 16, are zeros): ``q`` the tiles' bytes, ``d`` (and ``m``, 4 bits only) the
+    groups' constants [tiles, k / 32, 16], ``error`` the largest rounding error relative to its
+    group's range (4 bits) or largest magnitude (8 bits): 0.0 when every group is exact."""
+
+    bits: int
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None
+    n: int
+    k: int
+    error: float
+
+    @property
+    def padded(self) -> int:
+        return self.d.shape[0] * TILE
 
 
 def _checked(rc: int) -> None:
     if rc == -2:
-        raise ValueError("group kernels: tiles of 16 rows need N a multiple of 16 and a CPU with AVX-512 VNNI")
+        raise ValueError("group kernels: N not a multiple of 16, or a kernel this CPU does not run")
     if rc != 0:
         raise MemoryError("group kernels: no memory for the activations' int16 copy")
 
 
-def int4_product(
-    packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, rows: torch.Tensor, threads: int = 1, tiled: bool = False
-) -> torch.Tensor:
-    """``rows`` [M, K] float32 (contiguous) times the 4-bit groups (:func:`quantize_int4`, in the
-    layout ``tiled`` names): [M, N]."""
-    n, k = d.numel() * GROUP // rows.shape[1], rows.shape[1]
-    out = torch.empty(rows.shape[0], n)
-    _checked(
-        library().int4_matmul(
-            packed.data_ptr(),
-            d.data_ptr(),
-            m.data_ptr(),
-            rows.data_ptr(),
-            out.data_ptr(),
-            rows.shape[0],
-            n,
-            k,
-            threads,
-            int(tiled),
-        )
-    )
-    return out
+def product(groups: Groups, rows: torch.Tensor, threads: int = 1) -> torch.Tensor:
+    """``rows`` [M, k] float32 (contiguous) times the weight in ``groups``: [M, n]."""
+    if rows.shape[1] != groups.k:
+        raise ValueError(f"group product: rows of {rows.shape[1]} values against groups of {groups.k}")
+    lib, count, padded = library(), rows.shape[0], groups.padded
+    out = torch.empty(count, padded)
+    ptrs = (groups.q.data_ptr(), groups.d.data_ptr(), rows.data_ptr(), out.data_ptr())
+    if groups.bits == 4:
+        assert groups.m is not None
+        rc = lib.int4_matmul(*ptrs[:2], groups.m.data_ptr(), *ptrs[2:], count, padded, groups.k, threads, kernel())
+    else:
+        rc = lib.int8_matmul(*ptrs, count, padded, groups.k, threads, kernel())
+    _checked(rc)
+    return out if padded == groups.n else out[:, : groups.n]
 
 
-def int8_product(
-    q: torch.Tensor, d: torch.Tensor, rows: torch.Tensor, threads: int = 1, tiled: bool = False
-) -> torch.Tensor:
-    """``rows`` [M, K] float32 (contiguous) times the 8-bit groups (:func:`quantize_int8`, in the
-    layout ``tiled`` names): [M, N]."""
-    k = rows.shape[1]
-    n = q.numel() // k
-    out = torch.empty(rows.shape[0], n)
-    _checked(
-        library().int8_matmul(
-            q.data_ptr(), d.data_ptr(), rows.data_ptr(), out.data_ptr(), rows.shape[0], n, k, threads, int(tiled)
-        )
-    )
-    return out
+def dequantize(groups: Groups) -> torch.Tensor:
+    """The weight that ``groups`` holds, [n, k] float32 (what the kernels multiply by)."""
+    tiles, g = groups.d.shape[0], groups.k // GROUP
+    if groups.bits == 4:
+        row, index = _tile_nibbles()
+        packed = groups.q.view(tiles, g, 4, 64)
+        values = torch.stack([packed & 0x0F, packed >> 4], dim=-1)  # [tiles, G, 4, 64, 2]
+        q = torch.empty(tiles, g, TILE, GROUP, dtype=torch.uint8)
+        q[:, :, row, index] = values
+    else:
+        q = groups.q.view(tiles, g, GROUP // 2, TILE, 2).permute(0, 1, 3, 2, 4).reshape(tiles, g, TILE, GROUP)
+    d = groups.d.transpose(1, 2)[..., None]  # [tiles, 16, G, 1]
+    w = q.transpose(1, 2).float() * d
+    if groups.m is not None:
+        w = w + groups.m.transpose(1, 2)[..., None]
+    return w.reshape(groups.padded, groups.k)[: groups.n]
 
 
 def _groups(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     n, k = weight.shape
     if k % GROUP:
         raise ValueError(f"{fmt}: in_features {k} is not a multiple of {GROUP}")
-    return weight.detach().float().reshape(n, k // GROUP, GROUP)
+    weight = weight.detach().float()
+    padded = -(-n // TILE) * TILE
+    if padded != n:  # whole tiles: zero rows (their groups: zero constants and values)
+        weight = torch.cat([weight, weight.new_zeros(padded - n, k)])
+    return weight.reshape(padded, k // GROUP, GROUP)
 
 
 def _tile_scales(scales: torch.Tensor) -> torch.Tensor:
-    """[N, G] -> the tiles' [N / 16, G, 16]: a group's scales for a tile's 16 rows side by side."""
+    """[N, G] -> the tiles' [N / 16, G, 16]: a group's constants for a tile's 16 rows side by side."""
     n, g = scales.shape
     return scales.view(n // TILE, TILE, g).transpose(1, 2).contiguous()
 
@@ -166,51 +190,35 @@ def _tile_nibbles() -> tuple[torch.Tensor, torch.Tensor]:
     return row.expand(4, 64, 2).contiguous(), weight.expand(4, 64, 2).contiguous()
 
 
-def quantize_int4(weight: torch.Tensor, tiled: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
-    """``weight`` [N, K] (K a multiple of 32) as (packed nibbles, d, m, the largest error relative
-    to its group's range: 0.0 when every group is exact). Per group: ``m`` its minimum, ``d`` the
-    range over 15 rounded to float16 (as GGUF's Q4_1). Rows in order (``tiled`` False): nibbles
-    [N, K/2] (group g's 16 bytes: weight j in the low nibble of byte j, weight j + 16 in its high
-    one), d and m [N, K/32]; tiles of 16 rows (N a multiple of 16): the kernel's tile layout."""
+def quantize_int4(weight: torch.Tensor) -> Groups:
+    """``weight`` [N, K] (K a multiple of 32) as 4-bit groups: per group, ``m`` its minimum and
+    ``d`` the range over 15 rounded to float16 (as GGUF's Q4_1), values ``d * q + m``."""
     n, k = weight.shape
     groups = _groups(weight, "int4w")
     low, high = groups.amin(-1), groups.amax(-1)
     d = ((high - low) / 15).half().float()
     q = torch.round((groups - low[..., None]) / torch.where(d == 0, 1.0, d)[..., None]).clamp(0, 15)
     error = ((q * d[..., None] + low[..., None]) - groups).abs().amax(-1) / (high - low).clamp_min(1e-30)
-    worst = float(error.max()) if error.numel() else 0.0
-    nibbles = q.to(torch.uint8)
-    if not tiled:
-        packed = (nibbles[..., :16] | (nibbles[..., 16:] << 4)).reshape(n, k // 2).contiguous()
-        return packed, d.contiguous(), low.contiguous(), worst
-    _tile_rows(n)
+    padded = groups.shape[0]
     row, index = _tile_nibbles()
-    by_tile = nibbles.view(n // TILE, TILE, k // GROUP, GROUP).transpose(1, 2)  # [tiles, G, 16, 32]
+    by_tile = q.to(torch.uint8).view(padded // TILE, TILE, k // GROUP, GROUP).transpose(1, 2)  # [tiles, G, 16, 32]
     values = by_tile[:, :, row, index]  # [tiles, G, 4, 64, 2]
-    packed = (values[..., 0] | (values[..., 1] << 4)).reshape(n, k // 2).contiguous()
-    return packed, _tile_scales(d), _tile_scales(low), worst
+    packed = (values[..., 0] | (values[..., 1] << 4)).reshape(padded, k // 2).contiguous()
+    worst = float(error[:n].max()) if n and k else 0.0
+    return Groups(4, packed, _tile_scales(d), _tile_scales(low), n, k, worst)
 
 
-def _tile_rows(n: int) -> None:
-    if n % TILE:
-        raise ValueError(f"group tiles: {n} output rows is not a multiple of {TILE}")
-
-
-def quantize_int8(weight: torch.Tensor, tiled: bool = False) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """``weight`` [N, K] (K a multiple of 32) as (q, d, the largest error relative to its group's
-    largest magnitude: 0.0 when every group is exact). Per group: ``d`` the largest magnitude over
-    127 (as GGUF's Q8_0, whose values this recovers exactly). Rows in order: q [N, K] int8, d
-    [N, K/32]; tiles of 16 rows (N a multiple of 16): the kernel's tile layout."""
+def quantize_int8(weight: torch.Tensor) -> Groups:
+    """``weight`` [N, K] (K a multiple of 32) as 8-bit groups: per group, ``d`` the largest
+    magnitude over 127 (as GGUF's Q8_0, whose values this recovers exactly), values ``d * q``."""
     n, k = weight.shape
     groups = _groups(weight, "int8 groups")
     amax = groups.abs().amax(-1)
     d = amax / 127
     q = torch.round(groups / torch.where(d == 0, 1.0, d)[..., None]).clamp(-127, 127).to(torch.int8)
     error = (q * d[..., None] - groups).abs().amax(-1) / amax.clamp_min(1e-30)
-    worst = float(error.max()) if error.numel() else 0.0
-    if not tiled:
-        return q.reshape(n, k).contiguous(), d.contiguous(), worst
-    _tile_rows(n)
+    padded = groups.shape[0]
     # [tiles, 16 rows, G, 16 pair steps, 2] -> [tiles, G, steps, rows, 2]
-    tiles = q.view(n // TILE, TILE, k // GROUP, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
-    return tiles.reshape(n, k).contiguous(), _tile_scales(d), worst
+    tiles = q.view(padded // TILE, TILE, k // GROUP, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
+    worst = float(error[:n].max()) if n and k else 0.0
+    return Groups(8, tiles.reshape(padded, k).contiguous(), _tile_scales(d), None, n, k, worst)

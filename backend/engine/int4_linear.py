@@ -1,8 +1,8 @@
 """``weights_dtype=int4w``: the decoder layers' linear weights held as 4-bit groups (32 values
 along the input dimension, each ``d * q + m`` with ``q`` in 0..15 and float32 ``d`` and ``m``:
 the layout of a GGUF Q4_1 block), multiplied by our own kernel (``group_matmul.py``: the
-activations as int16 per group, exact int32 sums per group, float32 beyond; AVX-512 VNNI over
-tiles of 16 rows or AVX2 over rows in order, on the instance's threads) for products of up to
+activations as int16 per group, exact int32 sums per group, float32 beyond; the weights in tiles
+of 16 rows, AVX-512 VNNI or AVX2, on the instance's threads) for products of up to
 ``group_linear.MAX_ROWS`` rows (a decode step of up to 16 sequences); products of more rows take
 fp16w's (float16 weights through fbgemm where its limit is above the kernel's, float32 beyond:
 prefill chunks). The LM head takes 8-bit groups (``int8_group_linear.py``) the same way.
@@ -30,8 +30,8 @@ import logging
 import torch
 from torch import nn
 
-from backend.engine.group_linear import GroupLinear, uses_tiles
-from backend.engine.group_matmul import GROUP, int4_product, library, quantize_int4
+from backend.engine.group_linear import GroupLinear
+from backend.engine.group_matmul import GROUP, library, quantize_int4
 
 log = logging.getLogger("triton_disagg.engine")
 
@@ -40,16 +40,8 @@ class Int4Linear(GroupLinear):
     """A linear layer whose products of at most ``group_linear.MAX_ROWS`` rows read its 4-bit
     groups (:class:`GroupLinear`)."""
 
-    bits = 4
-
     def __init__(self, linear: nn.Linear, max_rows: int, many_rows: torch.dtype = torch.float32, threads: int = 1):
-        tiled = uses_tiles(linear.out_features)
-        # not buffers: .to() or a state dict must not move or copy them
-        self._packed, self._d, self._m, error = quantize_int4(linear.weight, tiled)
-        super().__init__(linear, max_rows, many_rows, error, threads, tiled)
-
-    def rows_product(self, rows: torch.Tensor, threads: int) -> torch.Tensor:
-        return int4_product(self._packed, self._d, self._m, rows, threads, self.tiled)
+        super().__init__(linear, max_rows, many_rows, quantize_int4(linear.weight), threads)
 
 
 def quantize_linear_int4(

@@ -14,8 +14,8 @@ import logging
 import torch
 from torch import nn
 
-from backend.engine.group_linear import GroupLinear, uses_tiles
-from backend.engine.group_matmul import GROUP, int8_product, library, quantize_int8
+from backend.engine.group_linear import GroupLinear
+from backend.engine.group_matmul import GROUP, library, quantize_int8
 
 log = logging.getLogger("triton_disagg.engine")
 
@@ -24,16 +24,8 @@ class Int8GroupLinear(GroupLinear):
     """A linear layer whose products of at most ``group_linear.MAX_ROWS`` rows read its 8-bit
     groups (:class:`GroupLinear`)."""
 
-    bits = 8
-
     def __init__(self, linear: nn.Linear, max_rows: int, many_rows: torch.dtype = torch.float32, threads: int = 1):
-        tiled = uses_tiles(linear.out_features)
-        # not buffers: .to() or a state dict must not move or copy them
-        self._q, self._d, error = quantize_int8(linear.weight, tiled)
-        super().__init__(linear, max_rows, many_rows, error, threads, tiled)
-
-    def rows_product(self, rows: torch.Tensor, threads: int) -> torch.Tensor:
-        return int8_product(self._q, self._d, rows, threads, self.tiled)
+        super().__init__(linear, max_rows, many_rows, quantize_int8(linear.weight), threads)
 
 
 def quantize_lm_head_int8(

@@ -74,21 +74,21 @@ def fabric() -> Iterator[fake_nixl.Fabric]:
         _unblock(hidden)
 
 
-@pytest.fixture(params=["avx2", "tiles"])
+@pytest.fixture(params=["avx2", "avx512_vnni"])
 def kernels(request, monkeypatch):
-    """The group kernel's path for the test: ``avx2`` (rows in order, forced) or ``tiles`` (AVX-512
-    VNNI, the default where the CPU has it; skipped where it does not)."""
+    """The group kernel's version for the test: ``avx2`` (forced, runs on any CPU the format runs
+    on) or ``avx512_vnni`` (the default where the CPU has it; skipped, with the reason, where not)."""
     from backend.engine import cpu_kernels, group_matmul
 
-    if request.param == "tiles":
-        missing = cpu_kernels.missing_flags(cpu_kernels.GROUP_TILES_FLAGS)
+    if request.param == "avx512_vnni":
+        missing = cpu_kernels.missing_flags(cpu_kernels.GROUP_VNNI_FLAGS)
         if missing:
-            pytest.skip(f"the tiles' kernel needs {', '.join(missing)}, which this CPU lacks")
+            pytest.skip(f"the AVX-512 VNNI kernel needs {', '.join(missing)}, which this CPU lacks")
         monkeypatch.setenv("TRITON_DISAGG_KERNELS", "auto")
     else:
         monkeypatch.setenv("TRITON_DISAGG_KERNELS", "avx2")
-    group_matmul.tiles_available.cache_clear()
-    assert group_matmul.tiles_available() == (request.param == "tiles")
-    print(f"int4w kernel path: {request.param}")
+    group_matmul.kernel.cache_clear()
+    assert group_matmul.kernel() == group_matmul.KERNELS[request.param]
+    print(f"int4w kernel: {request.param}")
     yield request.param
-    group_matmul.tiles_available.cache_clear()
+    group_matmul.kernel.cache_clear()

@@ -2,10 +2,10 @@
 (GGUF Q8_0's), our kernel's products against float64's within the bound of its int16 activations,
 the row limit, rows that do not depend on each other, a refused shape, a compiler that fails, the
 refusal on a CPU without the kernel's features, and the engine's greedy tokens against
-transformers' on the same (grouped) weights. Each on both kernel paths, where the CPU has them:
-the AVX2 kernel over rows in order (any CPU, ``TRITON_DISAGG_KERNELS=avx2``) and the AVX-512
-VNNI kernel over tiles of 16 rows (skipped, with the reason, on a CPU without AVX-512 VNNI). The
-real checkpoint's quality: ``tests/integration/test_int4w_quality.py``."""
+transformers' on the same (grouped) weights. Each on both versions of the kernel, which read the
+same tiles of 16 rows, where the CPU has them (the ``kernels`` fixture): AVX2 (any CPU,
+``TRITON_DISAGG_KERNELS=avx2``) and AVX-512 VNNI (skipped, with the reason, on a CPU without it).
+The real checkpoint's quality: ``tests/integration/test_int4w_quality.py``."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from torch.nn import functional as F
 from backend.engine import cpu_kernels, fp16_linear, group_linear, group_matmul, model_runner
 from backend.engine.config import EngineConfig
 from backend.engine.cpu_kernels import kernel_path
-from backend.engine.group_matmul import quantize_int4, quantize_int8
+from backend.engine.group_matmul import dequantize, product, quantize_int4, quantize_int8
 from backend.engine.int4_linear import Int4Linear
 from backend.engine.int8_group_linear import Int8GroupLinear
 from backend.engine.sampling_params import SamplingParams
@@ -32,12 +32,14 @@ def tiny(tmp_path_factory):
 
 
 def grouped(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` rounded to its 4-bit groups (what int4w multiplies by)."""
-    packed, d, m, _ = quantize_int4(weight)
-    low, high = packed & 0x0F, packed >> 4
+    """``weight`` rounded to its 4-bit groups (what int4w multiplies by), computed here from Q4_1's
+    definition (minimum, range over 15 in float16), apart from the kernel's layout."""
     n, k = weight.shape
-    q = torch.cat([low.view(n, k // 32, 16), high.view(n, k // 32, 16)], dim=-1).float()
-    return (q * d[..., None] + m[..., None]).view(n, k)
+    g = weight.detach().float().view(n, k // 32, 32)
+    low = g.amin(-1, keepdim=True)
+    d = ((g.amax(-1, keepdim=True) - low) / 15).half().float()
+    q = torch.round((g - low) / torch.where(d == 0, 1.0, d)).clamp(0, 15)
+    return (q * d + low).view(n, k)
 
 
 def layer(n: int = 96, k: int = 192, exact: bool = True, max_rows: int = 8) -> tuple[Int4Linear, torch.Tensor]:
@@ -65,7 +67,7 @@ def test_exact_groups_multiply_within_the_int16_activations_bound(rows, kernels)
     print(f"kernel path: {kernel_path().short('int4w')}")
     int4, weight = layer()
     assert int4.group_error == 0.0  # every group exact: a Q4_1 checkpoint's weights
-    assert int4.tiled == (kernels == "tiles")
+    assert torch.equal(dequantize(int4.groups), weight)
     torch.manual_seed(rows)
     x = torch.randn(rows, 192) * torch.where(torch.rand(192) < 0.05, 20.0, 1.0)  # a few outlier channels
     want = x.double() @ weight.double().t()
@@ -81,13 +83,12 @@ def test_the_lm_heads_8_bit_groups_hold_q8_0_exactly_and_multiply_within_the_bou
     q[:, ::32] = 127  # every group holds its largest magnitude, as Q8_0's do
     d = (torch.rand(64, 3) * 0.01).half().float()  # Q8_0's scales are float16
     weight = (q.view(64, 3, 32) * d[..., None]).view(64, 96)
-    packed, scales, error = quantize_int8(weight)
-    assert error == 0.0 and torch.equal(packed.float(), q) and torch.equal(scales, d)
+    groups = quantize_int8(weight)
+    assert groups.error == 0.0 and torch.equal(dequantize(groups), weight)
     linear = torch.nn.Linear(96, 64, bias=False)
     with torch.no_grad():
         linear.weight.copy_(weight)
     head = Int8GroupLinear(linear, max_rows=8)
-    assert head.tiled == (kernels == "tiles")
     x = torch.randn(11, 96)
     got = head(x)
     assert ((got.double() - x.double() @ weight.double().t()).abs() <= int16_bound(x, weight)).all()
@@ -125,29 +126,50 @@ def test_more_rows_take_fp16ws_products(kernels):
     assert narrow.wider._packed_weight is None and torch.equal(narrow(x[:17]), F.linear(x[:17], weight))
 
 
-def test_the_tiles_compute_the_rows_products():
-    """The two layouts hold the same groups: their products differ only in the order of the float32
-    sums (here at most 2e-6 of the largest output)."""
-    if not group_matmul.tiles_available():
-        pytest.skip(f"no tiles on this CPU or path (kernel path: {kernel_path().int4w_path})")
+def test_both_kernels_compute_the_same_products():
+    """The AVX-512 VNNI kernel and the AVX2 one read the same tiles: their products differ only in
+    the order of the float32 sums (here at most 2e-6 of the largest output)."""
+    from backend.engine import cpu_kernels
+
+    missing = cpu_kernels.missing_flags(cpu_kernels.GROUP_VNNI_FLAGS)
+    if missing:
+        pytest.skip(f"the AVX-512 VNNI kernel needs {', '.join(missing)}, which this CPU lacks")
     torch.manual_seed(3)
     w = torch.randn(160, 320) * 0.05
     x = torch.randn(12, 320)
+    four, eight = quantize_int4(w), quantize_int8(w)
+    lib = group_matmul.library()
     for rows in (1, 5, 12):
-        a = group_matmul.int4_product(*quantize_int4(w)[:3], x[:rows], 1, tiled=False)
-        b = group_matmul.int4_product(*quantize_int4(w, tiled=True)[:3], x[:rows], 1, tiled=True)
-        assert (a - b).abs().max() <= 2e-6 * a.abs().max(), (a - b).abs().max()
-        q, d, _ = quantize_int8(w)
-        qt, dt, _ = quantize_int8(w, tiled=True)
-        a8, b8 = group_matmul.int8_product(q, d, x[:rows], 1), group_matmul.int8_product(qt, dt, x[:rows], 1, True)
-        assert (a8 - b8).abs().max() <= 2e-6 * a8.abs().max()
-    with pytest.raises(ValueError, match="not a multiple of 16"):
-        quantize_int4(torch.randn(40, 64), tiled=True)
+        for groups in (four, eight):
+            outs = []
+            for code in (1, 2):
+                out = torch.empty(rows, 160)
+                args = (groups.q.data_ptr(), groups.d.data_ptr())
+                if groups.m is not None:
+                    args += (groups.m.data_ptr(),)
+                call = lib.int4_matmul if groups.m is not None else lib.int8_matmul
+                assert call(*args, x[:rows].data_ptr(), out.data_ptr(), rows, 160, 320, 1, code) == 0
+                outs.append(out)
+            assert (outs[0] - outs[1]).abs().max() <= 2e-6 * outs[0].abs().max()
+
+
+def test_outputs_not_in_whole_tiles_are_padded():
+    """A weight of 40 rows is held as 48 (three tiles, the last 8 rows zeros); products and the
+    dequantized weight have its 40."""
+    torch.manual_seed(4)
+    w = grouped(torch.randn(40, 64) * 0.05)
+    groups = quantize_int4(w)
+    assert groups.padded == 48 and groups.n == 40 and torch.equal(dequantize(groups), w)
+    x = torch.randn(3, 64)
+    got = product(groups, x)
+    assert got.shape == (3, 40)
+    assert ((got.double() - x.double() @ w.double().t()).abs() <= int16_bound(x, w)).all()
 
 
 def test_weights_that_are_not_groups_report_their_error_and_multiply_their_groups():
     int4, weight = layer(exact=False)
     assert 0 < int4.group_error < 0.034  # half a step of a group's range (1/30), d rounded to float16
+    assert torch.equal(dequantize(int4.groups), grouped(weight))
     x = torch.randn(2, 192)
     want = x.double() @ grouped(weight).double().t()
     assert ((int4(x).double() - want).abs() <= int16_bound(x, grouped(weight))).all()
@@ -198,8 +220,9 @@ def test_int4w_tokens_equal_transformers_on_the_grouped_weights(tiny, decoder, k
         for m in reference.model.layers.modules():
             if isinstance(m, torch.nn.Linear):
                 m.weight.copy_(grouped(m.weight))
-        q, d, _ = quantize_int8(reference.lm_head.weight)
-        head = (q.float().view(*d.shape, 32) * d[..., None]).view(reference.lm_head.weight.shape)
+        q8 = reference.lm_head.weight.view(-1, 32)
+        d8 = q8.abs().amax(-1, keepdim=True) / 127  # Q8_0's rounding, from its definition
+        head = (torch.round(q8 / torch.where(d8 == 0, 1.0, d8)).clamp(-127, 127) * d8).view_as(reference.lm_head.weight)
         reference.lm_head.weight = torch.nn.Parameter(head, requires_grad=False)
     want = _hf_greedy(reference, PROMPT, 12)
     engine.add_request("r", PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))
@@ -238,18 +261,11 @@ def test_auto_takes_int4w_only_for_a_checkpoint_of_q4_1_layers(tiny, tmp_path, m
 def test_products_split_between_threads_equal_one_threads(rows, kernels):
     """The kernel splits a product's output rows between the caller and helper threads: every
     output is computed as on one thread, bit for bit."""
-    tiled = kernels == "tiles"
-    packed, d, m, _ = quantize_int4(torch.randn(256, 192) * 0.05, tiled)
-    q8, d8, _ = quantize_int8(torch.randn(256, 192) * 0.05, tiled)
+    four, eight = quantize_int4(torch.randn(256, 192) * 0.05), quantize_int8(torch.randn(256, 192) * 0.05)
     x = torch.randn(rows, 192)
     for threads in (2, 3):
-        assert torch.equal(
-            group_matmul.int4_product(packed, d, m, x, threads, tiled),
-            group_matmul.int4_product(packed, d, m, x, 1, tiled),
-        )
-        assert torch.equal(
-            group_matmul.int8_product(q8, d8, x, threads, tiled), group_matmul.int8_product(q8, d8, x, 1, tiled)
-        )
+        assert torch.equal(product(four, x, threads), product(four, x, 1))
+        assert torch.equal(product(eight, x, threads), product(eight, x, 1))
 
 
 def test_a_forked_child_gets_its_own_helper_threads():
@@ -257,12 +273,12 @@ def test_a_forked_child_gets_its_own_helper_threads():
     their own (with the parent's count it would wait for them forever)."""
     import os
 
-    packed, d, m, _ = quantize_int4(torch.randn(256, 192) * 0.05)
+    four = quantize_int4(torch.randn(256, 192) * 0.05)
     x = torch.randn(1, 192)
-    want = group_matmul.int4_product(packed, d, m, x, 2)  # the parent's helper exists now
+    want = product(four, x, 2)  # the parent's helper exists now
     pid = os.fork()
     if pid == 0:  # the child: exit 0 when the product is right, 1 otherwise; a hang fails the wait below
-        ok = torch.equal(group_matmul.int4_product(packed, d, m, x, 2), want)
+        ok = torch.equal(product(four, x, 2), want)
         os._exit(0 if ok else 1)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

@@ -1,21 +1,30 @@
-/* group_matmul: y = x W^T for W held in groups of 32 along K (AVX2 + FMA; the output rows split
- * between the calling thread and threads - 1 helpers). Built and loaded by
+/* group_matmul: y = x W^T for W held in groups of 32 along K, in tiles of 16 rows of W (the output
+ * rows split between the calling thread and threads - 1 helpers). Built and loaded by
  * backend/engine/group_matmul.py.
  *
  * The activations are quantized per row and group of 32 to int16 with the scale max|x| / 32767
  * (their relative error about 1.5e-5 of the group's largest value, below float16's rounding),
- * so each group's sum of products is an exact int32 sum of integer products (vpmaddwd), scaled
- * once in float32: half the instructions of converting every weight to float32.
+ * so each group's sum of products is an exact int32 sum of integer products (pairs of int16
+ * products summed into int32: vpdpwssd or vpmaddwd), scaled once in float32.
  *
  * int4_matmul: 4-bit groups, each value d * q + m (q in 0..15; d, m float32: a GGUF Q4_1 block).
- *   q: N rows of K/2 bytes; in group g (16 bytes), byte j holds element j in its low nibble and
- *   element j + 16 in its high one. d, m: [N][G] (G = K / 32).
  *   y[r][n] = sum_g d[n][g] * s[r][g] * (sum_j q[n][g][j] * xq[r][g][j]) + m[n][g] * xs[r][g]
  *   (s: the activations' group scales, xs: their float32 group sums).
  * int8_matmul: 8-bit groups, each value d * q (q in -127..127; a GGUF Q8_0 block).
- *   q: N rows of K bytes (int8); d: [N][G].
- * x: [M][K] float32; y: [M][N] float32. Rows of x are taken in blocks of up to 4, each group of
- * weights loaded and widened once per block.
+ * x: [M][K] float32; y: [M][N] float32; N a multiple of 16.
+ *
+ * A tile's lanes: each lane of a register sums one of the tile's rows, so a group's products for
+ * 16 outputs are 16 pair steps (pair p: the activations 2p, 2p + 1 broadcast to every lane, times
+ * each row's weights 2p, 2p + 1), and the float32 scaling is done once per group for the tile's
+ * rows at once, in the lanes where the results are stored. Layouts (made by group_matmul.py):
+ *   4 bits: for tile t and group g, 256 bytes: 4 chunks of 64; chunk c's bytes widen (low nibbles,
+ *     then high ones; bytes 0-7 of each 128-bit lane, then 8-15) to the pair steps 4c .. 4c + 3:
+ *     int16 element e of step p = weight 2p + e % 2 of the tile's row e / 2.
+ *   8 bits: for tile t and group g, 512 bytes: 16 steps of 32 bytes, byte e of step p = weight
+ *     2p + e % 2 of the tile's row e / 2.
+ *   d, m: [N / 16][G][16] float32.
+ * Two kernels read them: AVX-512 VNNI (kernel 2: a tile per 512-bit register, vpdpwssd) and AVX2
+ * (kernel 1: a tile as two halves of 8 rows, vpmaddwd and vpaddd).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -85,84 +94,7 @@ static void release(Quantized *qx) {
     free(qx->s);
 }
 
-/* group g of a 4-bit row, widened to int16: elements 0-15 (lo) and 16-31 (hi) */
-ALWAYS_INLINE void widen4(const uint8_t *qn, long g, __m256i *lo, __m256i *hi) {
-    const __m128i low = _mm_set1_epi8(0x0F);
-    __m128i b = _mm_loadu_si128((const __m128i *)(qn + 16 * g));
-    *lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, low));
-    *hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low));
-}
-
-/* group g of an 8-bit row, widened to int16 */
-ALWAYS_INLINE void widen8(const int8_t *qn, long g, __m256i *lo, __m256i *hi) {
-    *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qn + 32 * g)));
-    *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qn + 32 * g + 16)));
-}
-
-/* acc += (group g's integer sum of products with row i of the block) * d * s */
-ALWAYS_INLINE __m256 group_fma(__m256i lo, __m256i hi, const Quantized *qx, long row, long K, long G, long g, float d,
-                               __m256 acc) {
-    const __m256i *xv = (const __m256i *)(qx->xq + row * K + 32 * g);
-    __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_load_si256(xv)), _mm256_madd_epi16(hi, _mm256_load_si256(xv + 1)));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * qx->s[row * G + g]), acc);
-}
-
-/* the products of rows r .. r + R - 1 of x with row n of W (bits 4 or 8), two groups at a time
- * (two chains of sums: an FMA's latency does not stall the next group); with m (4 bits), each
- * group's m times the row's group sum is added */
-ALWAYS_INLINE void block(int R, int bits, const void *qn, const float *dn, const float *mn, const Quantized *qx,
-                         float *y, long N, long K, long G, long r, long n) {
-    __m256 a[4], b[4];
-    for (int i = 0; i < R; i++) a[i] = b[i] = _mm256_setzero_ps();
-    __m256i lo, hi, lo2, hi2;
-    long g = 0;
-    for (; g + 2 <= G; g += 2) {
-        if (bits == 4) {
-            widen4(qn, g, &lo, &hi);
-            widen4(qn, g + 1, &lo2, &hi2);
-        } else {
-            widen8(qn, g, &lo, &hi);
-            widen8(qn, g + 1, &lo2, &hi2);
-        }
-        for (int i = 0; i < R; i++) {
-            a[i] = group_fma(lo, hi, qx, r + i, K, G, g, dn[g], a[i]);
-            b[i] = group_fma(lo2, hi2, qx, r + i, K, G, g + 1, dn[g + 1], b[i]);
-        }
-    }
-    if (g < G) {
-        if (bits == 4)
-            widen4(qn, g, &lo, &hi);
-        else
-            widen8(qn, g, &lo, &hi);
-        for (int i = 0; i < R; i++) a[i] = group_fma(lo, hi, qx, r + i, K, G, g, dn[g], a[i]);
-    }
-    for (int i = 0; i < R; i++) {
-        __m256 t = _mm256_add_ps(a[i], b[i]);
-        float tail = 0.f;
-        if (bits == 4) {
-            const float *xs = qx->xs + (r + i) * G;
-            long h = 0;
-            for (; h + 8 <= G; h += 8) t = _mm256_fmadd_ps(_mm256_loadu_ps(mn + h), _mm256_loadu_ps(xs + h), t);
-            for (; h < G; h++) tail += mn[h] * xs[h];
-        }
-        y[(r + i) * N + n] = hsum(t) + tail;
-    }
-}
-
-/* ---------------------------------------------------------------- tiles of 16 rows (AVX-512 VNNI)
- * The same products with W's rows taken 16 at a time (a tile), for CPUs with AVX-512 BW and VNNI:
- * each lane of a 512-bit register sums one of the tile's 16 rows, so a group's products for 16
- * output values take 16 vpdpwssd (each: the pair of int16 activations 2p, 2p + 1 broadcast to
- * every lane, times the tile's 16 rows' weights 2p, 2p + 1, summed into int32), and the float32
- * scaling is done once per group for the 16 at once, in the lanes where the results are stored.
- * Layouts (made by backend/engine/group_matmul.py; N a multiple of 16):
- *   4 bits: for tile t and group g, 256 bytes: 4 chunks of 64; chunk c's bytes widen (low nibbles,
- *     then high ones; bytes 0-7 of each 128-bit lane, then 8-15) to the pair steps 4c .. 4c + 3:
- *     int16 element e of step p = weight 2p + e % 2 of the tile's row e / 2.
- *   8 bits: for tile t and group g, 512 bytes: 16 steps of 32 bytes, byte e of step p = weight
- *     2p + e % 2 of the tile's row e / 2.
- *   d, m: [N / 16][G][16] float32.
- */
+/* ---------------------------------------------------------------- kernel 2: AVX-512 VNNI */
 #define TILE 16
 #define TILE_ROWS 8 /* rows of x per pass over the weights */
 #define VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma"
@@ -247,7 +179,81 @@ __attribute__((target(VNNI_TARGET))) static void tiles_part(int bits, const void
     }
 }
 
-/* 1 when this CPU runs the tiles' kernel (AVX-512 F, BW, VL and VNNI) */
+/* ---------------------------------------------------------------- kernel 1: AVX2
+ * Each tile as two halves of 8 rows, whose bytes are the first and the second 32 of each 64-byte
+ * chunk (4 bits; the 128-bit lanes 0-1 and 2-3 of kernel 2's registers) or 16 of each step's 32
+ * (8 bits); each pair step is a vpmaddwd into 8 lanes and a vpaddd. */
+#define HALF_ROWS 4 /* rows of x per pass (16 ymm registers: the sums of 4 rows, their scaled sums, 4 steps) */
+
+/* rows r .. r + R - 1 of x times rows 8 h .. 8 h + 7 of tile t */
+ALWAYS_INLINE void half_block(int R, int bits, const uint8_t *qt, const float *dt, const float *mt, const Quantized *qx,
+                              float *y, long N, long K, long G, long r, long t, int h) {
+    const __m256i low = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+    __m256 f[HALF_ROWS];
+    for (int i = 0; i < R; i++) f[i] = _mm256_setzero_ps();
+    for (long g = 0; g < G; g++) {
+        __m256i a[HALF_ROWS];
+        const int32_t *xp[HALF_ROWS];
+        for (int i = 0; i < R; i++) {
+            a[i] = _mm256_setzero_si256();
+            xp[i] = (const int32_t *)(qx->xq + (r + i) * K + 32 * g);
+        }
+        if (bits == 4) {
+            const uint8_t *tg = qt + 256 * g + 32 * h;
+            for (int c = 0; c < 4; c++) {
+                const __m256i b = _mm256_loadu_si256((const __m256i *)(tg + 64 * c));
+                const __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+                const __m256i w[4] = {_mm256_unpacklo_epi8(lo, zero), _mm256_unpackhi_epi8(lo, zero),
+                                      _mm256_unpacklo_epi8(hi, zero), _mm256_unpackhi_epi8(hi, zero)};
+                for (int k = 0; k < 4; k++)
+                    for (int i = 0; i < R; i++)
+                        a[i] = _mm256_add_epi32(a[i], _mm256_madd_epi16(w[k], _mm256_set1_epi32(xp[i][4 * c + k])));
+            }
+        } else {
+            const int8_t *tg = (const int8_t *)qt + 512 * g + 16 * h;
+            for (int p = 0; p < 16; p++) {
+                const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(tg + 32 * p)));
+                for (int i = 0; i < R; i++) a[i] = _mm256_add_epi32(a[i], _mm256_madd_epi16(w, _mm256_set1_epi32(xp[i][p])));
+            }
+        }
+        const __m256 dv = _mm256_loadu_ps(dt + TILE * g + 8 * h);
+        for (int i = 0; i < R; i++) {
+            const long at = (r + i) * G + g;
+            f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[i]), _mm256_mul_ps(dv, _mm256_set1_ps(qx->s[at])), f[i]);
+            if (bits == 4) f[i] = _mm256_fmadd_ps(_mm256_loadu_ps(mt + TILE * g + 8 * h), _mm256_set1_ps(qx->xs[at]), f[i]);
+        }
+    }
+    for (int i = 0; i < R; i++) _mm256_storeu_ps(y + (r + i) * N + TILE * t + 8 * h, f[i]);
+}
+
+static void tiles_part_avx2(int bits, const void *q, const float *d, const float *m, const Quantized *qx, float *y,
+                            long M, long N, long K, long t0, long t1) {
+    const long G = K / 32, tile_bytes = (bits == 4 ? 256 : 512) * G;
+    for (long r = 0; r < M; r += HALF_ROWS) {
+        const long R = M - r < HALF_ROWS ? M - r : HALF_ROWS;
+        for (long t = t0; t < t1; t++) {
+            const uint8_t *qt = (const uint8_t *)q + t * tile_bytes;
+            const float *dt = d + t * TILE * G, *mt = m == NULL ? NULL : m + t * TILE * G;
+            for (int h = 0; h < 2; h++) {
+#define HALF_BLOCKS(BITS)                                                                     \
+                switch (R) {                                                                  \
+                case 4: half_block(4, BITS, qt, dt, mt, qx, y, N, K, G, r, t, h); break;       \
+                case 3: half_block(3, BITS, qt, dt, mt, qx, y, N, K, G, r, t, h); break;       \
+                case 2: half_block(2, BITS, qt, dt, mt, qx, y, N, K, G, r, t, h); break;       \
+                default: half_block(1, BITS, qt, dt, mt, qx, y, N, K, G, r, t, h); break;      \
+                }
+                if (bits == 4) {
+                    HALF_BLOCKS(4)
+                } else {
+                    HALF_BLOCKS(8)
+                }
+#undef HALF_BLOCKS
+            }
+        }
+    }
+}
+
+/* 1 when this CPU runs kernel 2 (AVX-512 F, BW, VL and VNNI) */
 int tiles_supported(void) {
     static int known = -1;
     if (known < 0) {
@@ -258,10 +264,9 @@ int tiles_supported(void) {
     return known;
 }
 
-/* every block of rows against every row of W; bits constant per caller (the loops specialized) */
 /* ---------------------------------------------------------------- a pool of helper threads
- * A product's output rows n are split between the calling thread and up to threads - 1 helpers
- * (part p of T: n in [N p / T, N (p + 1) / T)). A helper spins on the job counter for a while
+ * A job's parts (a product's tiles, an attention's (sequence, head) pairs) are split between the
+ * calling thread and up to threads - 1 helpers. A helper spins on the job counter for a while
  * after each part (the next product of a step follows within microseconds), then sleeps on a
  * condition variable until the next job. Jobs are posted by one thread at a time (an engine's
  * step thread); the caller's lock makes that so. */
@@ -269,7 +274,7 @@ int tiles_supported(void) {
 #define SPIN_NS 200000L
 
 typedef struct { /* one product: what each part needs */
-    int bits, tiled;
+    int bits, kernel;
     const void *q;
     const float *d, *m;
     const Quantized *qx;
@@ -290,36 +295,14 @@ static int helpers_started;
 static pthread_mutex_t wake_lock = PTHREAD_MUTEX_INITIALIZER, post_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
 
+/* part p of T: tiles [T' p / T, T' (p + 1) / T) of the T' = N / 16 */
 static void product_part(const void *ctx, long part, long parts) {
     const Product *jb = ctx;
-    if (jb->tiled) { /* part p of T: tiles [T' p / T, T' (p + 1) / T) of the T' = N / 16 */
-        const long tiles = jb->N / TILE;
-        tiles_part(jb->bits, jb->q, jb->d, jb->m, jb->qx, jb->y, jb->M, jb->N, jb->K, tiles * part / parts,
-                   tiles * (part + 1) / parts);
-        return;
-    }
-    const long G = jb->K / 32, row_bytes = jb->bits == 4 ? jb->K / 2 : jb->K;
-    const long n0 = jb->N * part / parts, n1 = jb->N * (part + 1) / parts;
-    for (long r = 0; r < jb->M; r += 4) {
-        const long R = jb->M - r < 4 ? jb->M - r : 4;
-        for (long n = n0; n < n1; n++) {
-            const uint8_t *qn = (const uint8_t *)jb->q + n * row_bytes;
-            const float *dn = jb->d + n * G, *mn = jb->m == NULL ? NULL : jb->m + n * G;
-#define BLOCKS(BITS)                                                                                       \
-            switch (R) { /* a constant R per call: the row loop unrolled, the sums in registers */   \
-            case 4: block(4, BITS, qn, dn, mn, jb->qx, jb->y, jb->N, jb->K, G, r, n); break;           \
-            case 3: block(3, BITS, qn, dn, mn, jb->qx, jb->y, jb->N, jb->K, G, r, n); break;           \
-            case 2: block(2, BITS, qn, dn, mn, jb->qx, jb->y, jb->N, jb->K, G, r, n); break;           \
-            default: block(1, BITS, qn, dn, mn, jb->qx, jb->y, jb->N, jb->K, G, r, n); break;          \
-            }
-            if (jb->bits == 4) {
-                BLOCKS(4)
-            } else {
-                BLOCKS(8)
-            }
-#undef BLOCKS
-        }
-    }
+    const long tiles = jb->N / TILE, t0 = tiles * part / parts, t1 = tiles * (part + 1) / parts;
+    if (jb->kernel == 2)
+        tiles_part(jb->bits, jb->q, jb->d, jb->m, jb->qx, jb->y, jb->M, jb->N, jb->K, t0, t1);
+    else
+        tiles_part_avx2(jb->bits, jb->q, jb->d, jb->m, jb->qx, jb->y, jb->M, jb->N, jb->K, t0, t1);
 }
 
 static long now_ns(void) {
@@ -401,28 +384,28 @@ static void run_job(void (*fn)(const void *, long, long), const void *ctx, long 
     pthread_mutex_unlock(&post_lock);
 }
 
-ALWAYS_INLINE int matmul(int bits, int tiled, const void *q, const float *d, const float *m, const float *x, float *y,
-                         long M, long N, long K, long threads) {
+ALWAYS_INLINE int matmul(int bits, int kernel, const void *q, const float *d, const float *m, const float *x,
+                         float *y, long M, long N, long K, long threads) {
     Quantized qx;
-    if (tiled && (N % TILE || !tiles_supported())) return -2;
+    if (N % TILE || (kernel != 1 && kernel != 2) || (kernel == 2 && !tiles_supported())) return -2;
     if (quantize(x, M, K, &qx)) return -1;
-    const Product product = {bits, tiled, q, d, m, &qx, y, M, N, K};
+    const Product product = {bits, kernel, q, d, m, &qx, y, M, N, K};
     run_job(product_part, &product, N >= 64 * threads ? threads : 1);
     release(&qx);
     return 0;
 }
 
-/* tiled: 0 for W's rows in order, 1 for tiles of 16 rows (the layouts above).
- * 0: done; -1: out of memory; -2: tiles with N not a multiple of 16, or on a CPU without their kernel
+/* kernel: 1 (AVX2) or 2 (AVX-512 VNNI).
+ * 0: done; -1: out of memory; -2: N not a multiple of 16, or a kernel this CPU does not run
  * (y untouched on an error) */
 int int4_matmul(const uint8_t *q, const float *d, const float *m, const float *x, float *y, long M, long N, long K,
-                long threads, long tiled) {
-    return matmul(4, (int)tiled, q, d, m, x, y, M, N, K, threads);
+                long threads, long kernel) {
+    return matmul(4, (int)kernel, q, d, m, x, y, M, N, K, threads);
 }
 
 int int8_matmul(const int8_t *q, const float *d, const float *x, float *y, long M, long N, long K, long threads,
-                long tiled) {
-    return matmul(8, (int)tiled, q, d, NULL, x, y, M, N, K, threads);
+                long kernel) {
+    return matmul(8, (int)kernel, q, d, NULL, x, y, M, N, K, threads);
 }
 
 /* ---------------------------------------------------------------- a whole decode step of int4w layers
@@ -443,7 +426,7 @@ typedef struct {
     long hidden, heads, kv_heads, head_dim, inter;
     float eps, scaling;
     long num_pages, page_size, max_pages;
-    long tiled; /* the products' weights in tiles of 16 rows (int4_matmul's tiled) */
+    long kernel; /* the products' kernel (int4_matmul's) */
 } Dims;
 
 static void rms_norm(const float *x, const float *w, float *out, long n, float eps) {
@@ -519,7 +502,7 @@ int decode_layers(const Layer *layers, long num_layers, const Dims *dm, float *h
         const Layer *ly = &layers[l];
         float *lpool = pool + l * layer_floats;
         for (long b = 0; b < B; b++) rms_norm(h + b * hd, ly->norm1, x + b * hd, hd, dm->eps);
-        if ((rc = int4_matmul(ly->qkv_q, ly->qkv_d, ly->qkv_m, x, qkv, B, qkv_n, hd, threads, dm->tiled))) break;
+        if ((rc = int4_matmul(ly->qkv_q, ly->qkv_d, ly->qkv_m, x, qkv, B, qkv_n, hd, threads, dm->kernel))) break;
         for (long b = 0; b < B; b++) {
             float *row = qkv + b * qkv_n;
             const float *c = cos + b * D, *s = sin + b * D;
@@ -537,16 +520,16 @@ int decode_layers(const Layer *layers, long num_layers, const Dims *dm, float *h
         }
         const Attention attention = {dm, qkv, att, lpool, tables, lengths, B, scores, longest};
         run_job(attention_part, &attention, B * H >= 2 * threads ? threads : 1);
-        if ((rc = int4_matmul(ly->o_q, ly->o_d, ly->o_m, att, tmp, B, hd, H * D, threads, dm->tiled))) break;
+        if ((rc = int4_matmul(ly->o_q, ly->o_d, ly->o_m, att, tmp, B, hd, H * D, threads, dm->kernel))) break;
         for (long i = 0; i < B * hd; i++) h[i] += tmp[i];
         for (long b = 0; b < B; b++) rms_norm(h + b * hd, ly->norm2, x + b * hd, hd, dm->eps);
-        if ((rc = int4_matmul(ly->gu_q, ly->gu_d, ly->gu_m, x, gu, B, 2 * I, hd, threads, dm->tiled))) break;
+        if ((rc = int4_matmul(ly->gu_q, ly->gu_d, ly->gu_m, x, gu, B, 2 * I, hd, threads, dm->kernel))) break;
         for (long b = 0; b < B; b++)
             for (long i = 0; i < I; i++) {
                 float g = gu[b * 2 * I + i];
                 act[b * I + i] = g / (1.f + expf(-g)) * gu[b * 2 * I + I + i];
             }
-        if ((rc = int4_matmul(ly->down_q, ly->down_d, ly->down_m, act, tmp, B, hd, I, threads, dm->tiled))) break;
+        if ((rc = int4_matmul(ly->down_q, ly->down_d, ly->down_m, act, tmp, B, hd, I, threads, dm->kernel))) break;
         for (long i = 0; i < B * hd; i++) h[i] += tmp[i];
     }
     free(x);
