@@ -88,13 +88,15 @@ def test_serve_generate_and_ctrl_c(tmp_path, model_dir):
         streams = [None, None]
 
         def stream(i):
+            # 900 tokens: still streaming 3 s after they start at several hundred tokens/s (250 were not,
+            # at 120 tokens/s each)
             streams[i] = stream_generate(
-                f"127.0.0.1:{ports[1]}", "Tell me a long story.", 250, ignore_eos=True, timeout_s=120
+                f"127.0.0.1:{ports[1]}", "Tell me a long story.", 900, ignore_eos=True, timeout_s=120
             )
 
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
         [t.start() for t in threads]
-        time.sleep(3)  # both streaming
+        time.sleep(1.5)  # both streaming
         t_stop = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: a drain begins
         time.sleep(1.5)
