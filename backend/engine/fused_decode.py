@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.engine import group_linear
-from backend.engine.group_matmul import TILE, kernel, library
+from backend.engine.group_matmul import TILE, kernel, library, profiled
 from backend.engine.int4_linear import Int4Linear
 from backend.engine.kv_pool import KVPool
 from backend.engine.lean_decoder import rotary
@@ -133,21 +133,22 @@ class FusedDecode:
         tables = batch.decode_pages
         lengths = torch.tensor(batch.decode_lengths, dtype=torch.long)
         dims = _Dims(**self._dims, max_pages=tables.numel() // count)
-        rc = self._kernel(
-            self._layers,
-            self._num_layers,
-            ctypes.byref(dims),
-            h.data_ptr(),
-            count,
-            cos.data_ptr(),
-            sin.data_ptr(),
-            self.pool.tensor.data_ptr(),
-            tables.data_ptr(),
-            lengths.data_ptr(),
-            batch.write_pages.data_ptr(),
-            batch.write_offsets.data_ptr(),
-            self.threads,
-        )
+        with profiled("group_kernel::decode_layers"):
+            rc = self._kernel(
+                self._layers,
+                self._num_layers,
+                ctypes.byref(dims),
+                h.data_ptr(),
+                count,
+                cos.data_ptr(),
+                sin.data_ptr(),
+                self.pool.tensor.data_ptr(),
+                tables.data_ptr(),
+                lengths.data_ptr(),
+                batch.write_pages.data_ptr(),
+                batch.write_offsets.data_ptr(),
+                self.threads,
+            )
         if rc == -2:
             raise ValueError("fused decode: the group kernel refused the products (see group_matmul.c)")
         if rc != 0:

@@ -3,7 +3,8 @@ torch's profiler (CPU), each op's own time (``self_cpu_time_total``: its childre
 nothing counts twice) summed by op class, the op calls per step, and the rest of the step, the
 wall time minus the ops' own time: Python, dispatch and the scheduler between the ops.
 
-The classes go by op name (first match): linear products (MKL's, fbgemm's int8 and fp16-weight),
+The classes go by op name (first match): our group kernel (int4w's products and its fused decode
+steps, named by ``group_matmul.profiled``), linear products (MKL's, fbgemm's int8 and fp16-weight),
 attention (scaled dot product), KV pages (gathering and storing), sampling, int8 row scaling
 (the per-row activation scales: ``abs``, ``amax``, ``clamp``, ``div``), norms / rotary /
 activations (the elementwise ops), views and other ops."""
@@ -16,6 +17,9 @@ from collections.abc import Callable
 from perf.lib.stats import median
 
 CLASSES: list[tuple[str, Callable[[str], bool]]] = [
+    # int4w's products and fused decode steps: calls into our kernel library, which names them
+    # for the profiler (``group_matmul.profiled``)
+    ("group kernel (int4w)", lambda n: n.startswith("group_kernel::")),
     (
         "linear products",
         lambda n: (
