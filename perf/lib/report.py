@@ -30,6 +30,8 @@ def machine_line(m: dict) -> str:
     gpu = f", GPU {m['gpu']}" if m.get("gpu") else ", no GPU"
     path = m.get("kernel_path")  # runs before 2026-12-03 did not record it
     kernels = f"; kernels: torch {path['torch_capability']}, {path['int8_path']}" if path else ""
+    if path and path.get("int4w_path"):  # recorded since 2026-12-05
+        kernels += f"; {path['int4w_path']}"
     return (
         f"{m.get('cpu', '?')} ({m.get('cpu_id', '?')}), {m.get('cores', '?')} cores, "
         f"{m.get('memory_gib', '?')} GiB, torch {m.get('torch', '?')}{gpu}{kernels}"
