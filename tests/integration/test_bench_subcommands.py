@@ -45,6 +45,7 @@ pytestmark = pytest.mark.timeout(1500)
 TINY: dict[str, list[str]] = {
     "transfer": ["--reps", "1", "--tokens", "256", "--layers", "4"],
     "int8-kernels": ["--batches", "1"],
+    "group-kernels": ["--rows", "1,3", "--threads", "1,2", "--repeats", "1", "--layers", "2"],
     "spec": ["--max-tokens", "16", "--repeats", "1", "--decoders", "transformers,auto"],
     "engine": ["--repeats", "1", "--decode-tokens", "4", "--profile-formats", "float32,fp16w", "--profile-steps", "4"],
     "formats": ["--formats", "float32,int8", "--decoders", "auto", "--windows", "1", "--greedy-tokens", "8"],
@@ -234,6 +235,19 @@ def _int8_kernels(run: Run) -> None:
         assert set(by_batch) == {"1"}, by_batch
         positive(*by_batch.values())
     assert "| int8, per-row activations, fbgemm (weights_dtype=int8) |" in run.stdout  # the table printed
+
+
+@check("group-kernels")
+def _group_kernels(run: Run) -> None:
+    from backend.engine import cpu_kernels
+
+    figure = run.figure("group_kernels_*.json")
+    want = {"avx2"} | (set() if cpu_kernels.missing_flags(cpu_kernels.GROUP_VNNI_FLAGS) else {"avx512_vnni"})
+    assert set(figure["ms_per_step"]) == want, figure["ms_per_step"]
+    for by_threads in figure["ms_per_step"].values():
+        assert set(by_threads) == {"1", "2"} and all(set(by_rows) == {"1", "3"} for by_rows in by_threads.values())
+        positive(*(ms for by_rows in by_threads.values() for ms in by_rows.values()))
+    assert "| avx2, 2 |" in run.stdout  # the table printed
 
 
 @check("spec")

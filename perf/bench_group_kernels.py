@@ -1,0 +1,102 @@
+"""Benchmark: int4w's group kernel (``backend/engine/kernels/group_matmul.c``), each version this
+CPU runs (AVX2 always, AVX-512 VNNI where the CPU has it) side by side, on the products of one
+SmolLM2-135M decode step (per layer q/k/v, o, gate/up and down as int4w fuses them, 30 layers,
+and the LM head's 8-bit groups; random weights of those shapes, read from memory as in serving:
+80 MB of 4-bit tiles and 32 MB of LM head), for a few rows (decode steps of that many sequences)
+and thread counts. Best of ``--repeats`` per cell, the versions alternated. This is how
+``group_linear.MAX_ROWS`` and the two versions were measured. Prints a table and writes
+``group_kernels_<stamp>.json`` (ms per step by version, threads and rows) to the results folder.
+
+    python -m perf.bench_group_kernels [--rows 1,2,4,8,16] [--threads 1,2] [--repeats 5] [--layers 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from backend.engine import cpu_kernels, group_matmul
+from perf.lib.machine import cpu_model
+from perf.lib.results import results_dir
+
+# SmolLM2-135M's products per layer (out, in): q/k/v fused, o, gate/up fused, down; its LM head
+LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+HEAD_SHAPE = (49152, 576)
+
+
+def versions() -> list[str]:
+    """The kernel versions this CPU runs (``group_matmul.KERNELS``' names)."""
+    vnni = not cpu_kernels.missing_flags(cpu_kernels.GROUP_VNNI_FLAGS) and group_matmul.library().tiles_supported()
+    return ["avx2", "avx512_vnni"] if vnni else ["avx2"]
+
+
+def step_products(layers: int) -> list[group_matmul.Groups]:
+    torch.manual_seed(0)
+    weights = [group_matmul.quantize_int4(torch.randn(n, k) * 0.05) for _ in range(layers) for n, k in LAYER_SHAPES]
+    return weights + [group_matmul.quantize_int8(torch.randn(*HEAD_SHAPE) * 0.05)]
+
+
+def time_step(products: list[group_matmul.Groups], inputs: dict[int, torch.Tensor], rows: int, threads: int, code: int):
+    lib = group_matmul.library()
+    out = torch.empty(rows, HEAD_SHAPE[0])
+    start = time.perf_counter()
+    for g in products:
+        x = inputs[g.k][:rows]
+        ptrs = (g.q.data_ptr(), g.d.data_ptr())
+        if g.m is not None:
+            rc = lib.int4_matmul(
+                *ptrs, g.m.data_ptr(), x.data_ptr(), out.data_ptr(), rows, g.padded, g.k, threads, code
+            )
+        else:
+            rc = lib.int8_matmul(*ptrs, x.data_ptr(), out.data_ptr(), rows, g.padded, g.k, threads, code)
+        if rc != 0:
+            raise RuntimeError(f"group kernel {code} refused a product ({rc})")
+    return time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default="1,2,4,8,16")
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--layers", type=int, default=30)
+    args = p.parse_args(argv)
+    rows = [int(r) for r in args.rows.split(",")]
+    threads = [int(t) for t in args.threads.split(",")]
+    if min(rows) < 1 or min(threads) < 1 or args.repeats < 1 or args.layers < 1:
+        p.error("--rows, --threads, --repeats and --layers must be positive")
+    names = versions()
+    products = step_products(args.layers)
+    inputs = {k: torch.randn(max(rows), k).contiguous() for k in {g.k for g in products}}
+    ms: dict[str, dict[str, dict[str, float]]] = {n: {str(t): {} for t in threads} for n in names}
+    for t in threads:
+        for r in rows:
+            best = {n: float("inf") for n in names}
+            for _ in range(args.repeats + 1):  # the first round warms up (page faults, helper threads)
+                for n in names:
+                    best[n] = min(best[n], time_step(products, inputs, r, t, group_matmul.KERNELS[n]))
+            for n in names:
+                ms[n][str(t)][str(r)] = 1e3 * best[n]
+    path = cpu_kernels.kernel_path()
+    result = {"cpu": cpu_model(), "kernel_path": path.as_dict(), "layers": args.layers, "ms_per_step": ms}
+    out = results_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"group_kernels_{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(json.dumps(result, indent=1))
+    megabytes = sum(g.q.numel() + 4 * (g.d.numel() + (g.m.numel() if g.m is not None else 0)) for g in products) / 1e6
+    print(
+        f"\n{args.layers} layers' products and the LM head ({megabytes:.0f} MB of groups), ms per step, best of "
+        f"{args.repeats}; {path.cpu} ({path.cpu_id})\n"
+    )
+    print("| version, threads | " + " | ".join(f"{r} rows" for r in rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    for n in names:
+        for t in threads:
+            print(f"| {n}, {t} | " + " | ".join(f"{ms[n][str(t)][str(r)]:.1f}" for r in rows) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
