@@ -442,6 +442,53 @@ static inline float dot(const float *a, const float *b, long n) {
     return hsum(s);
 }
 
+/* e^x for 8 floats (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, e^r by its degree-7 polynomial,
+ * 2^n in the exponent bits; within 2 ulp of expf over [-87.3, 88.3], x clamped to that range:
+ * e^-87.3 is 1.2e-38, never a denormal or an inf) */
+ALWAYS_INLINE __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* out[i] = e^(x[i] - shift) for i < n; their sum */
+static float exp_shifted(const float *x, float *out, long n, float shift) {
+    const __m256 s = _mm256_set1_ps(shift);
+    __m256 sum = _mm256_setzero_ps();
+    long i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), s));
+        _mm256_storeu_ps(out + i, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    float total = hsum(sum);
+    for (; i < n; i++) total += (out[i] = expf(x[i] - shift));
+    return total;
+}
+
+/* act[i] = SiLU(gate[i]) * up[i] = gate / (1 + e^-gate) * up for i < n */
+static void silu_mul(const float *gate, const float *up, float *act, long n) {
+    long i = 0;
+    const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 e = exp8(_mm256_xor_ps(g, sign));
+        _mm256_storeu_ps(act + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+    }
+    for (; i < n; i++) act[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
+}
+
 typedef struct { /* one layer's attention for the step's B sequences: what each part needs */
     const Dims *dm;
     const float *qkv;
@@ -470,8 +517,7 @@ static void attention_part(const void *ctx, long part, long parts) {
             scores[t] = dot(q, k, D) * dm->scaling;
             top = scores[t] > top ? scores[t] : top;
         }
-        float total = 0.f;
-        for (long t = 0; t < len; t++) total += (scores[t] = expf(scores[t] - top));
+        const float total = exp_shifted(scores, scores, len, top);
         __m256 o[64];
         for (long j = 0; j < D / 8; j++) o[j] = _mm256_setzero_ps();
         for (long t = 0; t < len; t++) {
@@ -524,11 +570,7 @@ int decode_layers(const Layer *layers, long num_layers, const Dims *dm, float *h
         for (long i = 0; i < B * hd; i++) h[i] += tmp[i];
         for (long b = 0; b < B; b++) rms_norm(h + b * hd, ly->norm2, x + b * hd, hd, dm->eps);
         if ((rc = int4_matmul(ly->gu_q, ly->gu_d, ly->gu_m, x, gu, B, 2 * I, hd, threads, dm->kernel))) break;
-        for (long b = 0; b < B; b++)
-            for (long i = 0; i < I; i++) {
-                float g = gu[b * 2 * I + i];
-                act[b * I + i] = g / (1.f + expf(-g)) * gu[b * 2 * I + I + i];
-            }
+        for (long b = 0; b < B; b++) silu_mul(gu + b * 2 * I, gu + b * 2 * I + I, act + b * I, I);
         if ((rc = int4_matmul(ly->down_q, ly->down_d, ly->down_m, act, tmp, B, hd, I, threads, dm->kernel))) break;
         for (long i = 0; i < B * hd; i++) h[i] += tmp[i];
     }
