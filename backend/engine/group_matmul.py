@@ -45,7 +45,7 @@ GROUP = 32
 TILE = 16  # rows of W per tile
 KERNELS = {"avx2": 1, "avx512_vnni": 2}  # the library's kernel numbers
 SOURCE = Path(__file__).with_name("kernels") / "group_matmul.c"
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-shared", "-fPIC")
 LIBS = ("-lm", "-lpthread")
 
 
@@ -102,8 +102,9 @@ def kernel() -> int:
 class Groups:
     """A weight [n, k] held in groups of 32 along k, in the kernels' tiles of 16 rows (rows past n,
     up to a multiple of 16, are zeros): ``q`` the tiles' bytes, ``d`` (and ``m``, 4 bits only) the
-    groups' constants [tiles, k / 32, 16], ``error`` the largest rounding error relative to its
-    group's range (4 bits) or largest magnitude (8 bits): 0.0 when every group is exact."""
+    groups' constants [tiles, k / 32, 16] in float16 (as GGUF's blocks hold them), ``error`` the
+    largest rounding error relative to its group's range (4 bits) or largest magnitude (8 bits):
+    0.0 when every group is exact."""
 
     bits: int
     q: torch.Tensor
@@ -159,10 +160,10 @@ def dequantize(groups: Groups) -> torch.Tensor:
         q[:, :, row, index] = values
     else:
         q = groups.q.view(tiles, g, GROUP // 2, TILE, 2).permute(0, 1, 3, 2, 4).reshape(tiles, g, TILE, GROUP)
-    d = groups.d.transpose(1, 2)[..., None]  # [tiles, 16, G, 1]
+    d = groups.d.float().transpose(1, 2)[..., None]  # [tiles, 16, G, 1]
     w = q.transpose(1, 2).float() * d
     if groups.m is not None:
-        w = w + groups.m.transpose(1, 2)[..., None]
+        w = w + groups.m.float().transpose(1, 2)[..., None]
     return w.reshape(groups.padded, groups.k)[: groups.n]
 
 
@@ -200,10 +201,10 @@ def _tile_nibbles() -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_int4(weight: torch.Tensor) -> Groups:
     """``weight`` [N, K] (K a multiple of 32) as 4-bit groups: per group, ``m`` its minimum and
-    ``d`` the range over 15 rounded to float16 (as GGUF's Q4_1), values ``d * q + m``."""
+    ``d`` the range over 15, both rounded to float16 (as GGUF's Q4_1), values ``d * q + m``."""
     n, k = weight.shape
     groups = _groups(weight, "int4w")
-    low, high = groups.amin(-1), groups.amax(-1)
+    low, high = groups.amin(-1).half().float(), groups.amax(-1)
     d = ((high - low) / 15).half().float()
     q = torch.round((groups - low[..., None]) / torch.where(d == 0, 1.0, d)[..., None]).clamp(0, 15)
     error = ((q * d[..., None] + low[..., None]) - groups).abs().amax(-1) / (high - low).clamp_min(1e-30)
@@ -213,20 +214,21 @@ def quantize_int4(weight: torch.Tensor) -> Groups:
     values = by_tile[:, :, row, index]  # [tiles, G, 4, 64, 2]
     packed = (values[..., 0] | (values[..., 1] << 4)).reshape(padded, k // 2).contiguous()
     worst = float(error[:n].max()) if n and k else 0.0
-    return Groups(4, packed, _tile_scales(d), _tile_scales(low), n, k, worst)
+    return Groups(4, packed, _tile_scales(d.half()), _tile_scales(low.half()), n, k, worst)
 
 
 def quantize_int8(weight: torch.Tensor) -> Groups:
     """``weight`` [N, K] (K a multiple of 32) as 8-bit groups: per group, ``d`` the largest
-    magnitude over 127 (as GGUF's Q8_0, whose values this recovers exactly), values ``d * q``."""
+    magnitude over 127 rounded to float16 (as GGUF's Q8_0, whose values this recovers exactly),
+    values ``d * q``."""
     n, k = weight.shape
     groups = _groups(weight, "int8 groups")
     amax = groups.abs().amax(-1)
-    d = amax / 127
+    d = (amax / 127).half().float()
     q = torch.round(groups / torch.where(d == 0, 1.0, d)[..., None]).clamp(-127, 127).to(torch.int8)
     error = (q * d[..., None] - groups).abs().amax(-1) / amax.clamp_min(1e-30)
     padded = groups.shape[0]
     # [tiles, 16 rows, G, 16 pair steps, 2] -> [tiles, G, steps, rows, 2]
     tiles = q.view(padded // TILE, TILE, k // GROUP, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
     worst = float(error[:n].max()) if n and k else 0.0
-    return Groups(8, tiles.reshape(padded, k).contiguous(), _tile_scales(d), None, n, k, worst)
+    return Groups(8, tiles.reshape(padded, k).contiguous(), _tile_scales(d.half()), None, n, k, worst)

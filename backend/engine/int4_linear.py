@@ -1,5 +1,5 @@
 """``weights_dtype=int4w``: the decoder layers' linear weights held as 4-bit groups (32 values
-along the input dimension, each ``d * q + m`` with ``q`` in 0..15 and float32 ``d`` and ``m``:
+along the input dimension, each ``d * q + m`` with ``q`` in 0..15 and float16 ``d`` and ``m``:
 the layout of a GGUF Q4_1 block), multiplied by our own kernel (``group_matmul.py``: the
 activations as int16 per group, exact int32 sums per group, float32 beyond; the weights in tiles
 of 16 rows, AVX-512 VNNI or AVX2, on the instance's threads) for products of up to
@@ -8,7 +8,7 @@ fp16w's (float16 weights through fbgemm where its limit is above the kernel's, f
 prefill chunks). The LM head takes 8-bit groups (``int8_group_linear.py``) the same way.
 ``int4w-bf16``: the same, with fp16w-bf16's bfloat16 products on AMX tiles for the many-row ones.
 
-What it reads per weight: half a byte plus a quarter of a byte of group constants (against
+What it reads per weight: half a byte plus an eighth of a byte of group constants (against
 float16's two).
 
 Quality: the groups are found from the float32 weights (``group_matmul.quantize_int4``); for a

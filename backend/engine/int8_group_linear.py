@@ -1,10 +1,10 @@
 """int4w's LM head: its weights held as 8-bit groups of 32 along the input dimension (each value
-``d * q``, ``q`` in -127..127, float32 ``d``: GGUF Q8_0's block, which a checkpoint converted from
+``d * q``, ``q`` in -127..127, float16 ``d``: GGUF Q8_0's block, which a checkpoint converted from
 a GGUF with a Q8_0 token embedding, the project's SmolLM2, holds exactly), multiplied by our own
 kernel (``group_matmul.py``) for products of up to ``group_linear.MAX_ROWS`` rows, by fp16w's beyond.
 
 The LM head is the largest single product of a small model's decode step (SmolLM2-135M: 28 M of its
-135 M weights): float16's two bytes per weight were 57 MB read per step, 8-bit groups' 1.125 are 32.
+135 M weights): float16's two bytes per weight were 57 MB read per step, 8-bit groups' 1.0625 are 30.
 """
 
 from __future__ import annotations

@@ -51,11 +51,15 @@ def test_fused_steps_give_the_lean_loops_tokens_hidden_states_and_kv(tiny, kerne
     entries = [
         BatchEntry([7 + i], start=len(p), page_table=list(range(4 * i, 4 * i + 4))) for i, p in enumerate(PROMPTS)
     ]
+    torch.manual_seed(0)
     fused.runner.pool.tensor.copy_(torch.randn_like(fused.runner.pool.tensor))
     lean.runner.pool.tensor.copy_(fused.runner.pool.tensor)
     a, b = fused.runner.run(entries), lean.runner.run(entries)
-    assert torch.allclose(a.hidden, b.hidden, rtol=1e-4, atol=1e-4), (a.hidden - b.hidden).abs().max()
-    assert torch.allclose(a.logits, b.logits, rtol=1e-4, atol=1e-3)
+    # float32's rounding through 2 layers over random K/V (softmax, norms and sums in another order,
+    # e^x within 1.3 ulp): 0.5e-4 to 2e-4 on these unit-scale hidden states; a wrong page, position
+    # or head would be off by units
+    assert torch.allclose(a.hidden, b.hidden, rtol=5e-4, atol=5e-4), (a.hidden - b.hidden).abs().max()
+    assert torch.allclose(a.logits, b.logits, rtol=5e-4, atol=2e-3)
     diff = (fused.runner.pool.tensor - lean.runner.pool.tensor).abs().max()
     print("largest K/V difference", float(diff), "hidden", float((a.hidden - b.hidden).abs().max()))
     assert torch.allclose(fused.runner.pool.tensor, lean.runner.pool.tensor, rtol=1e-4, atol=1e-4), diff

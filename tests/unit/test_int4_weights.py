@@ -33,10 +33,10 @@ def tiny(tmp_path_factory):
 
 def grouped(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` rounded to its 4-bit groups (what int4w multiplies by), computed here from Q4_1's
-    definition (minimum, range over 15 in float16), apart from the kernel's layout."""
+    definition (minimum and range over 15, both in float16), apart from the kernel's layout."""
     n, k = weight.shape
     g = weight.detach().float().view(n, k // 32, 32)
-    low = g.amin(-1, keepdim=True)
+    low = g.amin(-1, keepdim=True).half().float()
     d = ((g.amax(-1, keepdim=True) - low) / 15).half().float()
     q = torch.round((g - low) / torch.where(d == 0, 1.0, d)).clamp(0, 15)
     return (q * d + low).view(n, k)
@@ -221,7 +221,7 @@ def test_int4w_tokens_equal_transformers_on_the_grouped_weights(tiny, decoder, k
             if isinstance(m, torch.nn.Linear):
                 m.weight.copy_(grouped(m.weight))
         q8 = reference.lm_head.weight.view(-1, 32)
-        d8 = q8.abs().amax(-1, keepdim=True) / 127  # Q8_0's rounding, from its definition
+        d8 = (q8.abs().amax(-1, keepdim=True) / 127).half().float()  # Q8_0's rounding, from its definition
         head = (torch.round(q8 / torch.where(d8 == 0, 1.0, d8)).clamp(-127, 127) * d8).view_as(reference.lm_head.weight)
         reference.lm_head.weight = torch.nn.Parameter(head, requires_grad=False)
     want = _hf_greedy(reference, PROMPT, 12)

@@ -7,10 +7,10 @@
  * so each group's sum of products is an exact int32 sum of integer products (pairs of int16
  * products summed into int32: vpdpwssd or vpmaddwd), scaled once in float32.
  *
- * int4_matmul: 4-bit groups, each value d * q + m (q in 0..15; d, m float32: a GGUF Q4_1 block).
+ * int4_matmul: 4-bit groups, each value d * q + m (q in 0..15; d, m float16: a GGUF Q4_1 block).
  *   y[r][n] = sum_g d[n][g] * s[r][g] * (sum_j q[n][g][j] * xq[r][g][j]) + m[n][g] * xs[r][g]
  *   (s: the activations' group scales, xs: their float32 group sums).
- * int8_matmul: 8-bit groups, each value d * q (q in -127..127; a GGUF Q8_0 block).
+ * int8_matmul: 8-bit groups, each value d * q (q in -127..127, d float16; a GGUF Q8_0 block).
  * x: [M][K] float32; y: [M][N] float32; N a multiple of 16.
  *
  * A tile's lanes: each lane of a register sums one of the tile's rows, so a group's products for
@@ -22,7 +22,7 @@
  *     int16 element e of step p = weight 2p + e % 2 of the tile's row e / 2.
  *   8 bits: for tile t and group g, 512 bytes: 16 steps of 32 bytes, byte e of step p = weight
  *     2p + e % 2 of the tile's row e / 2.
- *   d, m: [N / 16][G][16] float32.
+ *   d, m: [N / 16][G][16] float16 (as GGUF's blocks hold them), widened in registers (F16C).
  * Two kernels read them: AVX-512 VNNI (kernel 2: a tile per 512-bit register, vpdpwssd) and AVX2
  * (kernel 1: a tile as two halves of 8 rows, vpmaddwd and vpaddd).
  */
@@ -112,7 +112,7 @@ VNNI_INLINE void widen4_tile(const uint8_t *chunk, __m512i w[4]) {
 }
 
 /* rows r .. r + R - 1 of x times the 16 rows of tile t: y[r + i][16 t .. 16 t + 15] */
-VNNI_INLINE void tile_block(int R, int bits, const uint8_t *qt, const float *dt, const float *mt, const Quantized *qx,
+VNNI_INLINE void tile_block(int R, int bits, const uint8_t *qt, const uint16_t *dt, const uint16_t *mt, const Quantized *qx,
                             float *y, long N, long K, long G, long r, long t) {
     __m512 f[TILE_ROWS];
     for (int i = 0; i < R; i++) f[i] = _mm512_setzero_ps();
@@ -138,18 +138,19 @@ VNNI_INLINE void tile_block(int R, int bits, const uint8_t *qt, const float *dt,
                 for (int i = 0; i < R; i++) a[i] = _mm512_dpwssd_epi32(a[i], w, _mm512_set1_epi32(xp[i][p]));
             }
         }
-        const __m512 dv = _mm512_loadu_ps(dt + TILE * g);
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dt + TILE * g)));
+        const __m512 mv = bits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mt + TILE * g))) : dv;
         for (int i = 0; i < R; i++) {
             const long at = (r + i) * G + g;
             f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[i]), _mm512_mul_ps(dv, _mm512_set1_ps(qx->s[at])), f[i]);
-            if (bits == 4) f[i] = _mm512_fmadd_ps(_mm512_loadu_ps(mt + TILE * g), _mm512_set1_ps(qx->xs[at]), f[i]);
+            if (bits == 4) f[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(qx->xs[at]), f[i]);
         }
     }
     for (int i = 0; i < R; i++) _mm512_storeu_ps(y + (r + i) * N + TILE * t, f[i]);
 }
 
 /* tiles t0 .. t1 - 1 against every row of x, in passes of up to TILE_ROWS rows */
-__attribute__((target(VNNI_TARGET))) static void tiles_part(int bits, const void *q, const float *d, const float *m,
+__attribute__((target(VNNI_TARGET))) static void tiles_part(int bits, const void *q, const uint16_t *d, const uint16_t *m,
                                                           const Quantized *qx, float *y, long M, long N, long K,
                                                           long t0, long t1) {
     const long G = K / 32, tile_bytes = (bits == 4 ? 256 : 512) * G;
@@ -157,7 +158,7 @@ __attribute__((target(VNNI_TARGET))) static void tiles_part(int bits, const void
         const long R = M - r < TILE_ROWS ? M - r : TILE_ROWS;
         for (long t = t0; t < t1; t++) {
             const uint8_t *qt = (const uint8_t *)q + t * tile_bytes;
-            const float *dt = d + t * TILE * G, *mt = m == NULL ? NULL : m + t * TILE * G;
+            const uint16_t *dt = d + t * TILE * G, *mt = m == NULL ? NULL : m + t * TILE * G;
 #define TILE_BLOCKS(BITS)                                                                          \
             switch (R) { /* a constant R per call: the row loop unrolled, the sums in registers */ \
             case 8: tile_block(8, BITS, qt, dt, mt, qx, y, N, K, G, r, t); break;                  \
@@ -186,7 +187,7 @@ __attribute__((target(VNNI_TARGET))) static void tiles_part(int bits, const void
 #define HALF_ROWS 4 /* rows of x per pass (16 ymm registers: the sums of 4 rows, their scaled sums, 4 steps) */
 
 /* rows r .. r + R - 1 of x times rows 8 h .. 8 h + 7 of tile t */
-ALWAYS_INLINE void half_block(int R, int bits, const uint8_t *qt, const float *dt, const float *mt, const Quantized *qx,
+ALWAYS_INLINE void half_block(int R, int bits, const uint8_t *qt, const uint16_t *dt, const uint16_t *mt, const Quantized *qx,
                               float *y, long N, long K, long G, long r, long t, int h) {
     const __m256i low = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
     __m256 f[HALF_ROWS];
@@ -216,24 +217,25 @@ ALWAYS_INLINE void half_block(int R, int bits, const uint8_t *qt, const float *d
                 for (int i = 0; i < R; i++) a[i] = _mm256_add_epi32(a[i], _mm256_madd_epi16(w, _mm256_set1_epi32(xp[i][p])));
             }
         }
-        const __m256 dv = _mm256_loadu_ps(dt + TILE * g + 8 * h);
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dt + TILE * g + 8 * h)));
+        const __m256 mv = bits == 4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mt + TILE * g + 8 * h))) : dv;
         for (int i = 0; i < R; i++) {
             const long at = (r + i) * G + g;
             f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[i]), _mm256_mul_ps(dv, _mm256_set1_ps(qx->s[at])), f[i]);
-            if (bits == 4) f[i] = _mm256_fmadd_ps(_mm256_loadu_ps(mt + TILE * g + 8 * h), _mm256_set1_ps(qx->xs[at]), f[i]);
+            if (bits == 4) f[i] = _mm256_fmadd_ps(mv, _mm256_set1_ps(qx->xs[at]), f[i]);
         }
     }
     for (int i = 0; i < R; i++) _mm256_storeu_ps(y + (r + i) * N + TILE * t + 8 * h, f[i]);
 }
 
-static void tiles_part_avx2(int bits, const void *q, const float *d, const float *m, const Quantized *qx, float *y,
+static void tiles_part_avx2(int bits, const void *q, const uint16_t *d, const uint16_t *m, const Quantized *qx, float *y,
                             long M, long N, long K, long t0, long t1) {
     const long G = K / 32, tile_bytes = (bits == 4 ? 256 : 512) * G;
     for (long r = 0; r < M; r += HALF_ROWS) {
         const long R = M - r < HALF_ROWS ? M - r : HALF_ROWS;
         for (long t = t0; t < t1; t++) {
             const uint8_t *qt = (const uint8_t *)q + t * tile_bytes;
-            const float *dt = d + t * TILE * G, *mt = m == NULL ? NULL : m + t * TILE * G;
+            const uint16_t *dt = d + t * TILE * G, *mt = m == NULL ? NULL : m + t * TILE * G;
             for (int h = 0; h < 2; h++) {
 #define HALF_BLOCKS(BITS)                                                                     \
                 switch (R) {                                                                  \
@@ -276,7 +278,7 @@ int tiles_supported(void) {
 typedef struct { /* one product: what each part needs */
     int bits, kernel;
     const void *q;
-    const float *d, *m;
+    const uint16_t *d, *m;
     const Quantized *qx;
     float *y;
     long M, N, K;
@@ -384,7 +386,7 @@ static void run_job(void (*fn)(const void *, long, long), const void *ctx, long 
     pthread_mutex_unlock(&post_lock);
 }
 
-ALWAYS_INLINE int matmul(int bits, int kernel, const void *q, const float *d, const float *m, const float *x,
+ALWAYS_INLINE int matmul(int bits, int kernel, const void *q, const uint16_t *d, const uint16_t *m, const float *x,
                          float *y, long M, long N, long K, long threads) {
     Quantized qx;
     if (N % TILE || (kernel != 1 && kernel != 2) || (kernel == 2 && !tiles_supported())) return -2;
@@ -398,12 +400,12 @@ ALWAYS_INLINE int matmul(int bits, int kernel, const void *q, const float *d, co
 /* kernel: 1 (AVX2) or 2 (AVX-512 VNNI).
  * 0: done; -1: out of memory; -2: N not a multiple of 16, or a kernel this CPU does not run
  * (y untouched on an error) */
-int int4_matmul(const uint8_t *q, const float *d, const float *m, const float *x, float *y, long M, long N, long K,
+int int4_matmul(const uint8_t *q, const uint16_t *d, const uint16_t *m, const float *x, float *y, long M, long N, long K,
                 long threads, long kernel) {
     return matmul(4, (int)kernel, q, d, m, x, y, M, N, K, threads);
 }
 
-int int8_matmul(const int8_t *q, const float *d, const float *x, float *y, long M, long N, long K, long threads,
+int int8_matmul(const int8_t *q, const uint16_t *d, const float *x, float *y, long M, long N, long K, long threads,
                 long kernel) {
     return matmul(8, (int)kernel, q, d, NULL, x, y, M, N, K, threads);
 }
@@ -419,7 +421,7 @@ int int8_matmul(const int8_t *q, const float *d, const float *x, float *y, long 
 typedef struct {
     const float *norm1, *norm2;
     const uint8_t *qkv_q, *o_q, *gu_q, *down_q;
-    const float *qkv_d, *qkv_m, *o_d, *o_m, *gu_d, *gu_m, *down_d, *down_m;
+    const uint16_t *qkv_d, *qkv_m, *o_d, *o_m, *gu_d, *gu_m, *down_d, *down_m; /* float16 */
 } Layer;
 
 typedef struct {
