@@ -83,7 +83,7 @@ def kernels(request, monkeypatch):
     if request.param == "avx512_vnni":
         missing = cpu_kernels.missing_flags(cpu_kernels.GROUP_VNNI_FLAGS)
         if missing:
-            pytest.skip(f"the AVX-512 VNNI kernel needs {', '.join(missing)}, which this CPU lacks")
+            pytest.skip(reason=f"the AVX-512 VNNI kernel needs {', '.join(missing)}, which this CPU lacks")
         monkeypatch.setenv("TRITON_DISAGG_KERNELS", "auto")
     else:
         monkeypatch.setenv("TRITON_DISAGG_KERNELS", "avx2")

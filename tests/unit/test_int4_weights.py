@@ -133,7 +133,7 @@ def test_both_kernels_compute_the_same_products():
 
     missing = cpu_kernels.missing_flags(cpu_kernels.GROUP_VNNI_FLAGS)
     if missing:
-        pytest.skip(f"the AVX-512 VNNI kernel needs {', '.join(missing)}, which this CPU lacks")
+        pytest.skip(reason=f"the AVX-512 VNNI kernel needs {', '.join(missing)}, which this CPU lacks")
     torch.manual_seed(3)
     w = torch.randn(160, 320) * 0.05
     x = torch.randn(12, 320)
