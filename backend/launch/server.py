@@ -174,7 +174,7 @@ class TritonServer:
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(
-                    f"tritonserver exited with code {self.proc.returncode} before it was ready" + self._log_tail()
+                    f"tritonserver exited with code {self.proc.returncode} before it was ready" + self.log_tail()
                 )
             if self.is_ready():
                 assert self.proc is not None
@@ -182,7 +182,7 @@ class TritonServer:
                 return
             time.sleep(0.5)
         self.dump_stub_stacks()
-        raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f}s" + self._log_tail(200))
+        raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f}s" + self.log_tail(200))
 
     def stub_pids(self) -> list[int]:
         """The Python-backend stub processes of this server (its process group, but itself)."""
@@ -227,8 +227,9 @@ class TritonServer:
         if pids:
             time.sleep(1.0)
 
-    def _log_tail(self, lines: int = 60) -> str:
-        """The last lines of the server's log, for an error that says why it failed to start."""
+    def log_tail(self, lines: int = 60) -> str:
+        """The last lines of the server's log, for an error that says why it failed to start (or
+        why a stub died)."""
         if not self.log_file:
             return ""
         try:
@@ -321,6 +322,18 @@ class TritonServer:
             if args and args[0].endswith("triton_python_backend_stub") and len(args) > 8:
                 out[args[-2]] = child.pid
         return out
+
+    @staticmethod
+    def stub_alive(pid: int) -> bool:
+        """Whether the stub process ``pid`` still runs (a zombie Triton has not reaped does not)."""
+        import psutil
+
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:  # a zombie too
+            return False
+        except psutil.AccessDenied:  # it exists
+            return True
 
     def __enter__(self):
         return self.start()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import requests
 
 log = logging.getLogger("triton_disagg.supervisor")
+LOG_LINES = 40  # of the server's log, logged with a death: a stub's fatal error is printed there
 
 
 def model_of(instance: str) -> str:
@@ -73,13 +74,23 @@ class Supervisor:
         with self._lock:
             for instance, pid in self._expected.items():
                 model = model_of(instance)
-                if live.get(instance) != pid and model not in self._busy:
-                    dead.setdefault(model, []).append(instance)
+                if live.get(instance) == pid or model in self._busy:
+                    continue
+                # a scan of /proc can miss a process that runs: only the pid's own end counts
+                if self.server.stub_alive(pid):
+                    log.debug("instance %s (pid %d) missing from a scan but alive", instance, pid)
+                    continue
+                dead.setdefault(model, []).append(instance)
             self._busy.update(dead)
         for model, instances in dead.items():
             restart = Restart(model, instances, time.monotonic())
             self.restarts.append(restart)
-            log.error("model %s: instance(s) %s died; reloading the model", model, ", ".join(instances))
+            log.error(
+                "model %s: instance(s) %s died; reloading the model%s",
+                model,
+                ", ".join(instances),
+                self.server.log_tail(LOG_LINES),
+            )
             threading.Thread(target=self._reload, args=(restart,), name=f"reload-{model}", daemon=True).start()
 
     def _reload(self, restart: Restart) -> None:

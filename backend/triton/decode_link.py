@@ -3,14 +3,18 @@ request there (the client's tensors in, each response out as a :class:`Reply`: a
 or the output arrays) and sends its health probe. Two kinds, one interface, so one relay and one
 prober serve both:
 
-- :class:`BlsLink`: a decode model of this Triton server, by a decoupled BLS call; a client's
-  cancellation reaches it as a control request (``cancel_request_id``; this Triton's BLS response
-  iterator has no cancel()).
-- :class:`GrpcLink`: a decode model of another server of the deployment (its membership record's
-  ``grpc_url``), by a tritonclient gRPC stream per attempt; cancelling stops the stream with
-  Triton's request cancellation, which frees the request's pages there. A finished attempt's
-  stream is closed without cancelling (cancelling a call whose final response Triton still
-  writes leaves that response in Triton's gRPC handler, holding the model).
+- :class:`GrpcLink`: a decode model at a known gRPC address (its membership record's
+  ``grpc_url``; this server's own, from the launcher), by a tritonclient gRPC stream per
+  attempt; cancelling stops the stream with Triton's request cancellation, which frees the
+  request's pages there. A finished attempt's stream is closed without cancelling (cancelling a
+  call whose final response Triton still writes leaves that response in Triton's gRPC handler,
+  holding the model). When the front's stub dies, its streams' connections close and Triton
+  cancels the requests there.
+- :class:`BlsLink`: a decode model of this server when the server's address is unknown (a
+  repository started without the launcher), by a decoupled BLS call; a client's cancellation
+  reaches it as a control request (``cancel_request_id``; this Triton's BLS response iterator
+  has no cancel()). A decode model's response to a BLS caller whose stub died never returns
+  (Triton's Python backend waits on the dead stub): that decode instance stops serving.
 
 A broken call (the server died: connection reset, unavailable) is a :class:`Reply` whose error
 has no kind of ours, like Triton's answer for a dead stub: the request may move.

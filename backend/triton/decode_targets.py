@@ -28,6 +28,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from backend.cluster.etcd import EtcdClient
 from backend.cluster.membership import Membership
@@ -105,6 +106,8 @@ class DecodeTargets:
         target = self.table.target(name)
         if target is None:
             return None
+        if not target.grpc_url and self._own_url:
+            target = replace(target, grpc_url=self._own_url)  # a decode model of this server
         with self._lock:
             link = self._links.get(name)
             if link is None or link.target != target:
@@ -112,7 +115,12 @@ class DecodeTargets:
         return link
 
     def _make_link(self, target: Target) -> DecodeLink:
-        if not target.grpc_url or target.grpc_url == self._own_url:
+        """gRPC wherever the target's server address is known, this server's too: a decode
+        model's responses to a BLS caller whose stub died block its sending thread for good (the
+        decode instance stops), while a gRPC stream whose client is gone is cancelled; BLS only
+        for this server's decode models when its address is unknown (a repository started
+        without the launcher)."""
+        if not target.grpc_url:
             return BlsLink(self.pb, target, self._outputs)
         return GrpcLink(target, self.config.health_probe_timeout_s)
 

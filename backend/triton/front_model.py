@@ -3,15 +3,16 @@
 Clients call it with the same tensors as the aggregated ``llm`` model. It tokenizes the prompt
 as the decode models do and sends each request to one decode target, streaming the responses
 back as they arrive. The targets (``backend/triton/decode_targets.py``): every decode instance
-of the deployment's membership, on every server (this server's by a decoupled BLS call, the
-others' by a gRPC stream: ``backend/triton/decode_link.py``), or, with ``decode_models``, a
-fixed list of this server's decode models. Which one, and where a request goes when its target
+of the deployment's membership, on every server, or, with ``decode_models``, a fixed list of
+this server's decode models; each by a gRPC stream (``backend/triton/decode_link.py``), this
+server's too: a decode model answering a BLS caller whose stub died blocks for good, while a
+gRPC stream whose client is gone is cancelled there. Which one, and where a request goes when its target
 fails it, is the routing core's (``backend/serving/routing.py``, the same as the OpenAI
 frontend's): among the serving ones, the lowest KV-aware routing cost (prompt pages it does not
 cache, and load). A response whose ``finish_reason`` is set is the last one. A client that
-cancels gets its request cancelled on the target (a control request, ``cancel_request_id``,
-through BLS; Triton's request cancellation over gRPC), so the decode instance (and the prefill
-instance working for it) stop and free their pages.
+cancels gets its request cancelled on the target (Triton's request cancellation over gRPC; a
+control request, ``cancel_request_id``, over BLS), so the decode instance (and the prefill
+instance working for it) stop and free their pages; so does a front model whose stub dies.
 
 Request migration: when a target goes down (its health probes fail) or leaves the membership,
 answers a request as out of service, fails in a way that is not the request's fault (Triton's

@@ -2,7 +2,8 @@
 prefill or decode stub is detected, taken out of routing, reloaded through Triton's
 model-control API by the supervisor, and serves again; requests streaming from a dead decode
 instance move to the other one (request migration), new ones are routed around it; readiness
-says "not ready" while a reload runs."""
+says "not ready" while a reload runs; a killed front model's requests are cancelled on the
+decode instances (their pages freed) and the reloaded front serves."""
 
 from __future__ import annotations
 
@@ -163,5 +164,47 @@ def test_killed_decode_instance_moves_its_requests_and_comes_back(server):
     assert all(r.error is None for r in back), [r.error for r in back]
     assert sum(metric_values(url, "triton_disagg_requests_total", model="decode_0")) > before
     print(f"decode back {time.monotonic() - t_kill:.1f}s after the kill")
+    for m in MODELS:
+        wait_pool_free(url, m, timeout_s=30)
+
+
+def test_killed_front_model_frees_its_requests_and_comes_back(server):
+    """kill -9 of the front model's stub while it relays 2 streams: the decode instances see
+    their clients gone (the front reaches them over gRPC, its own server's too) and cancel the
+    requests, freeing every page; the supervisor reloads the front and requests succeed again.
+    (Its clients' own streams get nothing more: Triton does not end a dead stub's streams, so
+    they end at the client's timeout, a short one here. Before, the decode instances answered a
+    dead BLS caller: their sending thread blocked for good and they served nobody again.)"""
+    url = server.metrics_url
+    received = [0, 0]
+    results: dict = {}
+
+    def run(i):
+        def on_text(_t, i=i):
+            received[i] += 1
+
+        results[i] = stream_generate(
+            server.grpc_url, LONG, 400, model="llm", timeout_s=20, ignore_eos=True, on_text=on_text
+        )
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    [t.start() for t in threads]
+    deadline = time.monotonic() + 60
+    while min(received) < 5:
+        assert time.monotonic() < deadline, received
+        time.sleep(0.05)
+    old = server.instance_pids()["llm_0_0"]
+    os.kill(old, signal.SIGKILL)
+    t_kill = time.monotonic()
+    for m in ("decode_0", "decode_1"):  # cancelled there long before 400 tokens
+        wait_pool_free(url, m, timeout_s=30)
+    freed_s = time.monotonic() - t_kill
+    wait_reloaded(server, "llm", old)
+    serves_again(server)
+    results_after = [generate(server) for _ in range(3)]
+    assert all(r.error is None and r.token_ids for r in results_after), [r.error for r in results_after]
+    [t.join(60) for t in threads]
+    assert all(len(r.token_ids) < 400 for r in results.values()), [len(r.token_ids) for r in results.values()]
+    print(f"pages free {freed_s:.1f}s after the front's kill; it serves again {time.monotonic() - t_kill:.1f}s after")
     for m in MODELS:
         wait_pool_free(url, m, timeout_s=30)
