@@ -1,12 +1,14 @@
-"""The bfloat16 product on AMX tiles (oneDNN) that ``weights_dtype=fp16w-bf16`` uses for its
-many-row products (prefill chunks).
+"""The bfloat16 product (oneDNN: on AMX tiles, or with AVX512-BF16's pair dot products) that
+``weights_dtype=fp16w-bf16`` and ``int4w-bf16`` use for their many-row products (prefill chunks).
 
 The weights are rounded to bfloat16 and packed once, at load, in oneDNN's blocked layout
 (``mkldnn._reorder_linear_weight``); each product rounds its input to bfloat16, multiplies on AMX
-tiles with float32 sums, and returns bfloat16 (torch's oneDNN linear returns its input's dtype),
-widened to float32 before the bias and the residual add. Needs AMX-BF16 (``EngineConfig`` refuses
-the format without it, naming the feature): oneDNN also has bfloat16 kernels for AVX512-BF16 and
-an emulation below that, neither measured here.
+tiles (or AVX512-BF16) with float32 sums, and returns bfloat16 (torch's oneDNN linear returns its
+input's dtype), widened to float32 before the bias and the residual add. Needs AMX-BF16 or
+AVX512-BF16 (``EngineConfig`` refuses the format with neither, naming them; oneDNN's emulation
+below that is not measured). With AVX512-BF16 alone (an AMD EPYC, family 25 model 17, 2 threads):
+a 512-token prefill of SmolLM2-135M 1.6x float32's; quality as on AMX tiles
+(``tests/integration/test_fp16w_quality.py``).
 
 Tried and not adopted: every product in bfloat16, decode steps included. In the engine alone (an
 Intel Xeon with AMX, 2 threads) a decode step at batch 1 ran 45.2 tokens/s against fp16w's 32.6,

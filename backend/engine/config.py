@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from backend.engine.checkpoint_source import layers_in_int4w_groups
-from backend.engine.cpu_kernels import FORMAT_FLAGS, missing_flags
+from backend.engine.cpu_kernels import FORMAT_FLAGS, missing_flags, requirement
 
 if TYPE_CHECKING:
     import torch
@@ -32,22 +32,26 @@ def _torch():
 # rotated residual stream (backend/engine/int8_linear.py), everything else in float32; fp16w: the
 # linear layers' weights in float16 through fbgemm's fp16-weight GEMM, float32 activations and sums
 # (CPU with AVX2 and F16C; backend/engine/fp16_linear.py), everything else in float32;
-# fp16w-bf16: fp16w for few-row products, bfloat16 weights and activations (oneDNN, AMX-BF16) for
+# fp16w-bf16: fp16w for few-row products, bfloat16 weights and activations (oneDNN, AMX-BF16 or
+# AVX512-BF16) for
 # products of more rows (prefill chunks) instead of float32 ones (backend/engine/bf16_linear.py)
 # auto (the default): the measured best, see choose_weights_format
 # int4w: the decoder layers' weights in 4-bit groups of 32 (GGUF Q4_1's layout, exact for a
 # checkpoint converted from one) through our own AVX2 kernel (activations as int16 per group, exact
 # integer sums per group, float32 beyond) for few-row products, float32 for many; the LM head the
 # same way in 8-bit groups (GGUF Q8_0's layout) (backend/engine/int4_linear.py, group_matmul.py)
-# int4w-bf16: int4w with fp16w-bf16's bfloat16 products (AMX tiles) for many rows
+# int4w-bf16: int4w with fp16w-bf16's bfloat16 products (AMX tiles or AVX512-BF16) for many rows
 WEIGHT_FORMATS = ("auto", *DTYPES, "int8", "fp16w", "fp16w-bf16", "int4w", "int4w-bf16")
 # the formats that run on the CPU only, in one process, and their kernels (named in refusals)
 CPU_FORMATS = {
     "int8": "fbgemm's int8 kernels",
     "fp16w": "fbgemm's fp16-weight GEMM",
-    "fp16w-bf16": "fbgemm's fp16-weight GEMM, oneDNN's AMX-BF16",
+    "fp16w-bf16": "fbgemm's fp16-weight GEMM, oneDNN's bfloat16 (AMX-BF16 or AVX512-BF16)",
     "int4w": "our group kernel (AVX2 and FMA; AVX-512 VNNI where the CPU has it), fbgemm's fp16-weight GEMM",
-    "int4w-bf16": "our group kernel (AVX2 and FMA; AVX-512 VNNI where the CPU has it), oneDNN's AMX-BF16",
+    "int4w-bf16": (
+        "our group kernel (AVX2 and FMA; AVX-512 VNNI where the CPU has it), "
+        "oneDNN's bfloat16 (AMX-BF16 or AVX512-BF16)"
+    ),
 }
 # auto: the lean layer loop (backend/engine/lean_decoder.py) where the checkpoint's layers fit it
 # and the model runs in one process, and with int4w weights its decode steps of up to 16 sequences
@@ -153,7 +157,7 @@ class EngineConfig:
         missing = missing_flags(needs)
         if missing:
             raise ValueError(
-                f"EngineConfig.weights_dtype {self.weights_format} needs the CPU features {' and '.join(needs)} "
+                f"EngineConfig.weights_dtype {self.weights_format} needs the CPU features {requirement(needs)} "
                 f"({CPU_FORMATS[self.weights_format]}); this CPU lacks {', '.join(missing)}"
             )
 
@@ -234,10 +238,10 @@ def choose_weights_format(
     kernel path measured) whose kernels this CPU has: int4w-bf16 or int4w where the checkpoint at
     ``model_path`` was converted from a GGUF whose decoder layers were Q4_1 blocks (its
     ``gguf_source.json``: int4w's groups hold those weights exactly), on a CPU with AMX-BF16 or
-    with AVX2, FMA and F16C; otherwise fp16w-bf16 (fp16w's decode products, prefill chunks in
-    bfloat16 on AMX tiles) on a CPU with AMX-BF16, else fp16w (float16 weights, float32 sums) on
-    one with AVX2 and F16C; one process, ``dtype`` float32. int8 is faster but not within.
-    Otherwise ``dtype`` itself."""
+    AVX512-BF16 (its prefill chunks in bfloat16) or with AVX2, FMA and F16C; otherwise fp16w-bf16
+    (fp16w's decode products, prefill chunks in bfloat16) on a CPU with AMX-BF16 or AVX512-BF16,
+    else fp16w (float16 weights, float32 sums) on one with AVX2 and F16C; one process, ``dtype``
+    float32. int8 is faster but not within. Otherwise ``dtype`` itself."""
     if dtype != "float32":
         return dtype, f"dtype {dtype}"
     if device_type != "cpu":
@@ -254,7 +258,7 @@ def choose_weights_format(
     runnable = [f for f in within if not missing_flags(FORMAT_FLAGS[f])]
     if not runnable:
         needs = FORMAT_FLAGS[within[-1]]
-        return dtype, f"fp16w needs {' and '.join(needs)}; this CPU lacks {', '.join(missing_flags(needs))}"
+        return dtype, f"fp16w needs {requirement(needs)}; this CPU lacks {', '.join(missing_flags(needs))}"
     rest = ", ".join(
         f"{f} {ppl:.3f}x, {100 * agree:.1f}%"
         for f, (ppl, agree) in FAST_FORMAT_QUALITY.items()

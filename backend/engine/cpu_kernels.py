@@ -2,7 +2,7 @@
 extensions that choose a kernel (AVX2, F16C, AVX-512, VNNI, AMX), torch's CPU capability,
 fbgemm's int8 path (8-bit activations where its kernel computes them exactly, with VNNI; 7-bit
 where int16 pair sums could saturate), its fp16-weight path (AVX2 and F16C required) and oneDNN's
-bfloat16 path for ``fp16w-bf16``'s many-row products (AMX-BF16 required). Figures
+bfloat16 path for ``fp16w-bf16``'s many-row products (AMX-BF16 or AVX512-BF16 required). Figures
 and tests name it beside what they measured, since a result or a bound can depend on it
 (``perf/lib/machine.py``, the test run's header)."""
 
@@ -32,9 +32,12 @@ ISA_FLAGS = (
 )
 # What fbgemm's fp16-weight GEMM (``weights_dtype=fp16w``) needs: it refuses to run without them.
 FP16W_FLAGS = ("avx2", "f16c")
-# ``fp16w-bf16`` adds oneDNN's bfloat16 products for many rows, measured faster than float32 on
-# AMX tiles (perf/REPORT.md); without AMX (AVX512-BF16 alone, or emulated) it is not measured.
-FP16W_BF16_FLAGS = (*FP16W_FLAGS, "amx_bf16")
+# ``fp16w-bf16`` adds oneDNN's bfloat16 products for many rows (float32 sums), on AMX tiles or
+# with AVX512-BF16's pair dot products: a 512-token prefill of SmolLM2-135M, 2 threads, 1.6x
+# float32's on an AMD EPYC (family 25, model 17: AVX512-BF16, no AMX) and faster than float32 on
+# an Intel Xeon's AMX tiles (perf/REPORT.md). An entry "a|b" of a requirement: either will do.
+BF16_PRODUCTS = "amx_bf16|avx512_bf16"
+FP16W_BF16_FLAGS = (*FP16W_FLAGS, BF16_PRODUCTS)
 # The CPU features each CPU-only format needs (EngineConfig refuses the format without them).
 # ``int4w``: our group kernel (AVX2, FMA) for the decoder layers' 4-bit groups and the LM head's 8-bit ones.
 INT4W_FLAGS = (*FP16W_FLAGS, "fma")
@@ -45,7 +48,7 @@ FORMAT_FLAGS = {
     "fp16w": FP16W_FLAGS,
     "fp16w-bf16": FP16W_BF16_FLAGS,
     "int4w": INT4W_FLAGS,
-    "int4w-bf16": (*INT4W_FLAGS, "amx_bf16"),
+    "int4w-bf16": (*INT4W_FLAGS, BF16_PRODUCTS),
 }
 
 
@@ -74,9 +77,15 @@ def cpu_flags() -> frozenset[str]:
 
 
 def missing_flags(required: Iterable[str]) -> list[str]:
-    """Those of ``required`` (in /proc/cpuinfo's spelling) this CPU lacks, in their order."""
+    """Those of ``required`` (in /proc/cpuinfo's spelling; "a|b": either) this CPU lacks, in
+    their order (an alternative as "a or b")."""
     flags = cpu_flags()
-    return [flag for flag in required if flag not in flags]
+    return [flag.replace("|", " or ") for flag in required if not flags & set(flag.split("|"))]
+
+
+def requirement(required: Iterable[str]) -> str:
+    """``required`` for a message: "avx2 and f16c and (amx_bf16 or avx512_bf16)"."""
+    return " and ".join(f"({f.replace('|', ' or ')})" if "|" in f else f for f in required)
 
 
 def group_kernel() -> str:
@@ -129,7 +138,13 @@ class KernelPath:
 
     @property
     def bf16_path(self) -> str:
-        tiles = "AMX tiles" if "amx_bf16" in self.isa else "no AMX-BF16: not fp16w-bf16's path"
+        tiles = (
+            "AMX tiles"
+            if "amx_bf16" in self.isa
+            else "AVX512-BF16"
+            if "avx512_bf16" in self.isa
+            else "neither AMX-BF16 nor AVX512-BF16: not fp16w-bf16's path"
+        )
         return f"oneDNN bfloat16 weights and activations, float32 sums ({tiles})"
 
     def short(self, weights: str = "int8") -> str:

@@ -24,8 +24,9 @@ compute what float32 computes, decode steps read float16. A row's result depends
 share its product (fewer than the limit or not), never on the other rows' values.
 
 ``fp16w-bf16`` multiplies those many-row products in bfloat16 instead (``bf16_linear.py``'s
-product: oneDNN's AMX-BF16 kernel over weights packed once at load, the input rounded to bfloat16,
-float32 sums, the output rounded to bfloat16 and widened back to float32 before the residual add).
+product: oneDNN's bfloat16 kernel, AMX tiles or AVX512-BF16, over weights packed once at load,
+the input rounded to bfloat16, float32 sums, the output rounded to bfloat16 and widened back to
+float32 before the residual add).
 Measured with SmolLM2-135M's shapes on an Intel Xeon with AMX, 2 threads: 512 rows through all 121
 products 81 ms against float32's 280 (3.5x), a product's relative error 2.9e-3 (float32's 3.5e-7);
 held-out perplexity 1.0007x float32's on the prompt, 0.9995x on the decode steps that follow it,

@@ -112,7 +112,7 @@ def test_serve_generate_and_ctrl_c(tmp_path, model_dir):
         assert "Exit timeout expired" not in log and "successfully unloaded 'llm'" in log
         # serve's default weights format, chosen at start and said in the log with its reason
         want = EngineConfig(model_path=str(model_dir)).weights_format  # the choice: tests/unit/test_*_weights.py
-        print(f"auto on this CPU ({sorted(cpu_flags() & {'avx2', 'f16c', 'fma', 'amx_bf16'})}): {want}")
+        print(f"auto on this CPU ({sorted(cpu_flags() & {'avx2', 'f16c', 'fma', 'amx_bf16', 'avx512_bf16'})}): {want}")
         assert f"weights={want} (auto: " in log, [line for line in log.splitlines() if "weights=" in line]
         assert stop_s < 10, f"stop took {stop_s:.1f}s"
         time.sleep(1)

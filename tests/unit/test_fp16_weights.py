@@ -4,7 +4,8 @@ compute), through both decoders; an fp16w product of up to ``max_rows`` rows is 
 product with float16-rounded weights, of more rows exactly float32's product; the row limit
 follows the thread count; the format is refused by name on a CPU without the features fbgemm's
 kernel needs and with tensor parallelism. ``fp16w-bf16``: the same few-row products, bfloat16
-ones (oneDNN, AMX) beyond the limit; auto picks it where the CPU has AMX-BF16."""
+ones (oneDNN: AMX tiles or AVX512-BF16) beyond the limit; auto picks it where the CPU has
+either."""
 
 from __future__ import annotations
 
@@ -20,8 +21,11 @@ from backend.engine.small_batch_linear import SmallBatchLinear
 from tests.engine_helpers import assert_pool_idle, build_tiny_llama, make_engine, run_to_completion, tokens_of
 from tests.unit.test_weight_formats import PROMPT, _hf_greedy, _relative_error
 
-NEEDS_AMX = "fp16w-bf16's products need AMX-BF16, which this CPU lacks (its refusal and auto's choice are tested)"
-NO_AMX = pytest.mark.skipif(bool(cpu_kernels.missing_flags(["amx_bf16"])), reason=NEEDS_AMX)
+NEEDS_AMX = (
+    "fp16w-bf16's products need AMX-BF16 or AVX512-BF16, which this CPU lacks "
+    "(its refusal and auto's choice are tested)"
+)
+NO_AMX = pytest.mark.skipif(bool(cpu_kernels.missing_flags([cpu_kernels.BF16_PRODUCTS])), reason=NEEDS_AMX)
 
 
 @pytest.fixture(scope="module")
@@ -150,14 +154,14 @@ def test_fp16w_is_refused_on_a_cpu_without_its_features(tiny, monkeypatch, flags
 @pytest.mark.parametrize(
     ("fmt", "flags", "missing"),
     [
-        ("fp16w-bf16", {"avx2", "f16c"}, "amx_bf16"),
+        ("fp16w-bf16", {"avx2", "f16c"}, "amx_bf16 or avx512_bf16"),
         ("fp16w-bf16", {"amx_bf16"}, "avx2, f16c"),
-        ("fp16w-bf16", {"avx2", "f16c", "avx512_bf16"}, "amx_bf16"),
+        ("int4w-bf16", {"avx2", "f16c", "fma"}, "amx_bf16 or avx512_bf16"),
     ],
 )
 def test_the_bf16_formats_are_refused_on_a_cpu_without_their_features(tiny, monkeypatch, fmt, flags, missing):
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset(flags))
-    with pytest.raises(ValueError, match=f"weights_dtype {fmt} needs .*AMX-BF16.*lacks {missing}$"):
+    with pytest.raises(ValueError, match=f"weights_dtype {fmt} needs .*AMX-BF16 or AVX512-BF16.*lacks {missing}$"):
         EngineConfig(model_path=str(tiny), weights_dtype=fmt)
     with pytest.raises(ValueError, match=f"weights_dtype {fmt} is not supported with tensor_parallel_size > 1"):
         EngineConfig(model_path=str(tiny), weights_dtype=fmt, tensor_parallel_size=2)
@@ -177,7 +181,7 @@ def test_fp16w_is_checked_by_name(tiny):
 def test_auto_picks_fp16w_where_it_runs_and_says_why(tiny, monkeypatch):
     """``weights_dtype=auto`` (the default): the fastest format within float32's quality (1.01x
     held-out perplexity, 99% decode-step argmax agreement) that the CPU runs: fp16w-bf16 on a CPU
-    with AMX-BF16 (int8 is faster, not within), fp16w on one with AVX2 and F16C only
+    with AMX-BF16 or AVX512-BF16 (int8 is faster, not within), fp16w on one with AVX2 and F16C only
     (the reason names what fp16w-bf16 lacks); float32 where fbgemm's kernel cannot run
     (the reason names the missing feature) or with tensor parallelism; a float ``dtype`` other
     than float32 keeps its own weights. A format set by name is taken as it is. Both kernel paths
@@ -190,7 +194,11 @@ def test_auto_picks_fp16w_where_it_runs_and_says_why(tiny, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "f16c", "fma"}))
     config = EngineConfig(model_path=str(tiny))
     assert config.weights_format == "fp16w" and config.torch_dtype == torch.float32
-    assert "; fp16w-bf16 needs amx_bf16; int4w: not a Q4_1 checkpoint)" in config.weights_choice, config.weights_choice
+    assert "; fp16w-bf16 needs amx_bf16 or avx512_bf16; int4w: not a Q4_1 checkpoint)" in config.weights_choice, (
+        config.weights_choice
+    )
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "f16c", "fma", "avx512_bf16"}))
+    assert EngineConfig(model_path=str(tiny)).weights_format == "fp16w-bf16"  # no AMX: AVX512-BF16's products
     assert EngineConfig(model_path=str(tiny), tensor_parallel_size=2).weights_format == "float32"
     bf16 = EngineConfig(model_path=str(tiny), dtype="bfloat16")
     assert bf16.weights_format == "bfloat16" and bf16.kv_format == "bfloat16"
@@ -207,7 +215,8 @@ def test_auto_engine_runs_fp16w_and_logs_the_choice(tiny, caplog):
     caplog.set_level("INFO", logger="triton_disagg.engine")
     engine = make_engine(tiny, weights_dtype="auto")
     flags = cpu_kernels.cpu_flags()
-    want = "float32" if not {"avx2", "f16c"} <= flags else "fp16w-bf16" if "amx_bf16" in flags else "fp16w"
+    bf16 = not cpu_kernels.missing_flags([cpu_kernels.BF16_PRODUCTS])
+    want = "float32" if not {"avx2", "f16c"} <= flags else "fp16w-bf16" if bf16 else "fp16w"
     print(f"auto on this CPU ({cpu_kernels.cpu_model()}): {want}")
     head = engine.runner.model.lm_head
     assert isinstance(head, Fp16Linear) == (want != "float32")
