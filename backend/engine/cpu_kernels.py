@@ -80,12 +80,17 @@ def missing_flags(required: Iterable[str]) -> list[str]:
     """Those of ``required`` (in /proc/cpuinfo's spelling; "a|b": either) this CPU lacks, in
     their order (an alternative as "a or b")."""
     flags = cpu_flags()
-    return [flag.replace("|", " or ") for flag in required if not flags & set(flag.split("|"))]
+    return [_spelled(entry) for entry in required if not flags & set(entry.split("|"))]
+
+
+def _spelled(entry: str) -> str:
+    """A requirement's entry for a message: "amx_bf16|avx512_bf16" -> "amx_bf16 or avx512_bf16"."""
+    return entry.replace("|", " or ")
 
 
 def requirement(required: Iterable[str]) -> str:
     """``required`` for a message: "avx2 and f16c and (amx_bf16 or avx512_bf16)"."""
-    return " and ".join(f"({f.replace('|', ' or ')})" if "|" in f else f for f in required)
+    return " and ".join(f"({_spelled(e)})" if "|" in e else e for e in required)
 
 
 def group_kernel() -> str:
@@ -138,13 +143,8 @@ class KernelPath:
 
     @property
     def bf16_path(self) -> str:
-        tiles = (
-            "AMX tiles"
-            if "amx_bf16" in self.isa
-            else "AVX512-BF16"
-            if "avx512_bf16" in self.isa
-            else "neither AMX-BF16 nor AVX512-BF16: not fp16w-bf16's path"
-        )
+        units = [name for flag, name in (("amx_bf16", "AMX tiles"), ("avx512_bf16", "AVX512-BF16")) if flag in self.isa]
+        tiles = units[0] if units else "neither AMX-BF16 nor AVX512-BF16: not fp16w-bf16's path"
         return f"oneDNN bfloat16 weights and activations, float32 sums ({tiles})"
 
     def short(self, weights: str = "int8") -> str:

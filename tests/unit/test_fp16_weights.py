@@ -21,11 +21,11 @@ from backend.engine.small_batch_linear import SmallBatchLinear
 from tests.engine_helpers import assert_pool_idle, build_tiny_llama, make_engine, run_to_completion, tokens_of
 from tests.unit.test_weight_formats import PROMPT, _hf_greedy, _relative_error
 
-NEEDS_AMX = (
+NEEDS_BF16 = (
     "fp16w-bf16's products need AMX-BF16 or AVX512-BF16, which this CPU lacks "
     "(its refusal and auto's choice are tested)"
 )
-NO_AMX = pytest.mark.skipif(bool(cpu_kernels.missing_flags([cpu_kernels.BF16_PRODUCTS])), reason=NEEDS_AMX)
+NO_BF16 = pytest.mark.skipif(bool(cpu_kernels.missing_flags([cpu_kernels.BF16_PRODUCTS])), reason=NEEDS_BF16)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def test_an_fp16w_product_of_more_rows_than_its_limit_is_float32s(rows):
         assert not torch.equal(layer(x[:16]), want[:16])  # 16 rows: the float16 weights
 
 
-@NO_AMX
+@NO_BF16
 @pytest.mark.parametrize("rows", [17, 100])
 def test_an_fp16w_bf16_product_of_more_rows_than_its_limit_is_a_bfloat16_product(rows):
     """Beyond ``max_rows``: the input and the weights rounded to bfloat16, float32 sums, the output
@@ -123,7 +123,7 @@ def test_an_fp16w_bf16_product_of_more_rows_than_its_limit_is_a_bfloat16_product
         assert _relative_error(layer(x[:16]), want16).max() < 1e-5  # 16 rows: the float16 weights
 
 
-@NO_AMX
+@NO_BF16
 def test_fp16w_bf16_engine_runs_its_layers(tiny):
     """An engine with fp16w-bf16: every linear layer an Fp16Linear with bfloat16 beyond its limit;
     a prompt of 40 tokens (one many-row step) then decode steps complete and free their pages."""

@@ -35,7 +35,8 @@ class FakeServer:
         return "; the last 1 lines of tritonserver.log:\nFatal Python error: Segmentation fault"
 
 
-def supervisor(server: FakeServer) -> tuple[Supervisor, list]:
+def supervisor(server: FakeServer) -> tuple[Supervisor, list, threading.Event]:
+    """A supervisor of ``server`` whose reloads are recorded (the list; the event: one ran)."""
     sup = Supervisor(server)
     sup._expected = server.instance_pids()
     reloads: list = []
@@ -46,20 +47,19 @@ def supervisor(server: FakeServer) -> tuple[Supervisor, list]:
         done.set()
 
     sup._reload = reload  # type: ignore[method-assign]
-    sup.done = done  # type: ignore[attr-defined]
-    return sup, reloads
+    return sup, reloads, done
 
 
 def test_a_dead_stub_is_reloaded_once_with_the_log_tail(caplog):
     server = FakeServer({"llm_0_0": 10, "decode_0_0_0": 11})
-    sup, reloads = supervisor(server)
+    sup, reloads, done = supervisor(server)
     sup._check()
     assert reloads == []
     del server.scan["llm_0_0"]
     server.running.discard(10)
     with caplog.at_level(logging.ERROR, logger="triton_disagg.supervisor"):
         sup._check()
-        assert sup.done.wait(5)  # type: ignore[attr-defined]
+        assert done.wait(5)
         sup._check()  # the model is being reloaded: not a second time
     assert [(r.model, r.instances) for r in reloads] == [("llm", ["llm_0_0"])]
     (line,) = [r.getMessage() for r in caplog.records if "died" in r.getMessage()]
@@ -68,7 +68,7 @@ def test_a_dead_stub_is_reloaded_once_with_the_log_tail(caplog):
 
 def test_a_stub_missing_from_one_scan_but_running_is_not_reloaded():
     server = FakeServer({"llm_0_0": 10, "decode_0_0_0": 11})
-    sup, reloads = supervisor(server)
+    sup, reloads, _ = supervisor(server)
     del server.scan["llm_0_0"]  # the scan missed it; pid 10 still runs
     sup._check()
     server.scan["llm_0_0"] = 10
