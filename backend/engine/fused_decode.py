@@ -1,15 +1,17 @@
-"""int4w's decode steps as one call into our kernel library (``kernels/group_matmul.c``,
+"""A decode step's decoder layers as one call into our kernel library (``kernels/group_matmul.c``,
 ``decode_layers``): every decoder layer for up to ``group_linear.MAX_ROWS`` sequences of one token
-each (RMS norms, the 4-bit-group products, the rotary embedding, the K/V write into the paged HND
-pool, attention over each sequence's pages (the (sequence, head) pairs split between the threads),
-SiLU, the residual adds) without a Python call or a torch dispatch per op. The lean layer loop
+each (RMS norms, the products, the rotary embedding, the K/V write into the paged HND pool,
+attention over each sequence's pages (the (sequence, head) pairs split between the threads), SiLU,
+the residual adds) without a Python call or a torch dispatch per op. The lean layer loop
 (``lean_decoder.py``) spends most of an int4w decode step there: about 600 small ops at batch 1.
+The products' weights: int4w's 4-bit groups, or float32 (read in place through ``f32_matmul``).
 
 It takes a step only when the step is all decodes, there are at most ``MAX_ROWS`` of them, and no
 per-layer hook listens (a prefill instance's layer-wise KV streaming); anything else runs the lean
 loop. It applies to a model only when every decoder layer's products are
-:class:`~backend.engine.int4_linear.Int4Linear` without biases, the pool and the activations are
-float32 on the CPU, and the head size is a multiple of 8 (:func:`unsupported_reason` says why not).
+:class:`~backend.engine.int4_linear.Int4Linear`, or every one float32 weights on the CPU with
+inputs a multiple of 16, without biases; the pool and the activations float32 on the CPU, and the
+head size a multiple of 8 (:func:`unsupported_reason` says why not).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.engine import group_linear
-from backend.engine.group_matmul import TILE, kernel, library, profiled
+from backend.engine.group_matmul import TILE, f32_unsupported, kernel, library, profiled
 from backend.engine.int4_linear import Int4Linear
 from backend.engine.kv_pool import KVPool
 from backend.engine.lean_decoder import rotary
@@ -46,7 +48,7 @@ _DIMS: list[_Field] = [
     *((name, ctypes.c_long) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter")),
     ("eps", ctypes.c_float),
     ("scaling", ctypes.c_float),
-    *((name, ctypes.c_long) for name in ("num_pages", "page_size", "max_pages", "kernel")),
+    *((name, ctypes.c_long) for name in ("num_pages", "page_size", "max_pages", "kernel", "weights")),
 ]
 
 
@@ -64,15 +66,33 @@ def unsupported_reason(model: nn.Module, pool: KVPool) -> str | None:
         return f"the KV pool is {pool.dtype} on {pool.device} (float32 on the CPU only)"
     if pool.head_dim % 8 or pool.head_dim > 512:
         return f"head size {pool.head_dim} (a multiple of 8, at most 512)"
+    weights = _weights(layers[0].self_attn.qkv_proj) if len(layers) else None
+    if weights is None:
+        return "the first product: neither 4-bit groups nor float32 weights"
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         for part in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if not isinstance(part, Int4Linear):
+            if weights == 4 and not isinstance(part, Int4Linear):
                 return f"a product in {type(part).__name__}, not 4-bit groups"
-            if part.wider.bias is not None:
+            if weights == 32 and (_weights(part) != 32 or part.in_features % 16):
+                return f"a product in {type(part).__name__} of {part.in_features} inputs, not float32 ones (x16)"
+            if (part.wider if weights == 4 else part).bias is not None:
                 return "a product with a bias"
-            if part.out_features % TILE:
+            if weights == 4 and part.out_features % TILE:
                 return f"a product of {part.out_features} outputs (whole tiles of {TILE} only)"
+    if weights == 32 and f32_unsupported() is not None:
+        return f"float32 products: {f32_unsupported()}"
+    return None
+
+
+def _weights(part: nn.Module) -> int | None:
+    """4: 4-bit groups; 32: float32 weights on the CPU, contiguous; None: neither."""
+    if isinstance(part, Int4Linear):
+        return 4
+    weight = getattr(part, "weight", None)
+    if isinstance(part, nn.Linear) and isinstance(weight, torch.Tensor):
+        if weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous():
+            return 32
     return None
 
 
@@ -90,6 +110,7 @@ class FusedDecode:
         self._kernel.argtypes = argtypes + [_P] * 7 + [ctypes.c_long]
         self.threads = threads
         self._kernel.restype = ctypes.c_int
+        self._weights = _weights(inner.layers[0].self_attn.qkv_proj)
         layers = []
         for layer in inner.layers:
             parts = {"norm1": layer.input_layernorm.weight, "norm2": layer.post_attention_layernorm.weight}
@@ -99,8 +120,11 @@ class FusedDecode:
                 ("gu", layer.mlp.gate_up_proj),
                 ("down", layer.mlp.down_proj),
             ):
-                groups = linear.groups
-                parts.update({f"{short}_q": groups.q, f"{short}_d": groups.d, f"{short}_m": groups.m})
+                if self._weights == 4:
+                    groups = linear.groups
+                    parts.update({f"{short}_q": groups.q, f"{short}_d": groups.d, f"{short}_m": groups.m})
+                else:  # float32: the weight in the q pointer, read in place
+                    parts[f"{short}_q"] = linear.weight
             layers.append(_Layer(**{name: tensor.data_ptr() for name, tensor in parts.items()}))
         self._layers = (_Layer * len(layers))(*layers)
         self._num_layers = len(layers)
@@ -115,6 +139,7 @@ class FusedDecode:
             num_pages=pool.num_pages,
             page_size=pool.page_size,
             kernel=kernel(),
+            weights=self._weights,
         )
 
     def forward(self, batch: PagedBatch) -> torch.Tensor | None:
@@ -150,7 +175,7 @@ class FusedDecode:
                 self.threads,
             )
         if rc == -2:
-            raise ValueError("fused decode: the group kernel refused the products (see group_matmul.c)")
+            raise ValueError("fused decode: the kernel library refused the products (see group_matmul.c)")
         if rc != 0:
             raise MemoryError("fused decode: no memory for the step's activations")
         return F.rms_norm(h, (h.shape[-1],), self.inner.norm.weight, self.eps)

@@ -81,6 +81,8 @@ def library() -> ctypes.CDLL:
     lib.int4_matmul.restype = ctypes.c_int
     lib.int8_matmul.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5
     lib.int8_matmul.restype = ctypes.c_int
+    lib.f32_matmul.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5
+    lib.f32_matmul.restype = ctypes.c_int
     lib.tiles_supported.argtypes = []
     lib.tiles_supported.restype = ctypes.c_int
     return lib
@@ -141,6 +143,28 @@ def product(groups: Groups, rows: torch.Tensor, threads: int = 1) -> torch.Tenso
             rc = lib.int8_matmul(*ptrs, count, padded, groups.k, threads, kernel())
     _checked(rc)
     return out if padded == groups.n else out[:, : groups.n]
+
+
+def f32_product(weight: torch.Tensor, rows: torch.Tensor, threads: int = 1) -> torch.Tensor:
+    """``rows`` [M, k] times ``weight`` [n, k] (both float32, contiguous, k a multiple of 16): [M, n],
+    each output one dot product summed in float32 (``f32_matmul``: the weight read once per 8 rows)."""
+    count, n, k = rows.shape[0], weight.shape[0], weight.shape[1]
+    out = torch.empty(count, n)
+    with profiled("group_kernel::f32_matmul"):
+        rc = library().f32_matmul(weight.data_ptr(), rows.data_ptr(), out.data_ptr(), count, n, k, threads, kernel())
+    if rc != 0:
+        raise ValueError(f"f32 kernel: refused a product of {k} inputs (a multiple of 16 only)")
+    return out
+
+
+@functools.cache
+def f32_unsupported() -> str | None:
+    """None when :func:`f32_product` runs here; else why not (no C compiler, say)."""
+    try:
+        kernel()
+    except (RuntimeError, OSError) as e:
+        return str(e)
+    return None
 
 
 def profiled(name: str) -> contextlib.AbstractContextManager:

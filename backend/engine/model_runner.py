@@ -106,7 +106,7 @@ class ModelRunner:
         self.progress = progress if progress is not None else make_progress(self.device)
         self._lean = LeanDecoder(self.model) if self.decoder == "lean" else None
         self._fused: FusedDecode | None = None
-        if self._lean is not None and config.decoder == "auto" and fmt.startswith("int4w"):
+        if self._lean is not None and config.decoder == "auto" and (fmt.startswith("int4w") or fmt == "float32"):
             reason = fused_unsupported(self.model, self.pool)
             if reason is None:
                 self._fused = FusedDecode(self.model, self.pool, self._threads)

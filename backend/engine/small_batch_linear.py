@@ -1,60 +1,52 @@
-"""Linear layers for the few-row products of decode steps on the CPU.
+"""Linear layers for the few-row products of decode steps on the CPU (float32 weights).
 
-A decode step multiplies a handful of rows (one per running sequence) by each weight matrix.
-``F.linear(x, W)`` (x times W transposed) sends one row to MKL's matrix-vector kernel, but two to
-eight rows to its matrix-matrix kernel, which on this machine takes about twice as long as the
-matrix-vector one for the same weights: a batch of 2 decoding sequences cost ~1.5x the step of 1.
-Computing ``(W @ x.T).T`` instead reads each weight once for all rows and is as fast as the
-matrix-vector kernel for up to 4 rows (the LM head, 49152 x 576, up to 8); with more rows, the
-ordinary path is faster again. Same products, summed in another order: outputs may differ from
-``F.linear`` in the last bits (greedy tokens are unchanged in the engine's tests against
-transformers). Measured in ``perf/history/REPORT-2026-12-02.md`` (decode step at batch 2: 96 -> 49 ms, 2 threads).
+A decode step multiplies a handful of rows (one per running sequence) by each weight matrix, and
+its time is reading the weights. ``F.linear(x, W)`` sends one row to MKL's matrix-vector kernel
+and a few to its matrix-matrix one, which read SmolLM2-135M's float32 weights (its 121 decode-step
+products, 540 MB) at about 10 GB/s on 2 threads. Up to ``MAX_ROWS`` rows these layers take our
+kernel library's float32 product instead (``group_matmul.f32_product``: each weight read once per
+8 rows, in order, split between the instance's threads), which reads them at the memory's speed.
+Measured on an AMD EPYC family 25 model 17 (Zen 4), 2 threads, those 121 products: 1 row 24 ms
+(22 GB/s; MKL 50), 4 rows 31 (41), 8 rows 38 (62), 16 rows 59 (76). Same products summed in
+another order: outputs may differ from ``F.linear``'s in the last bits (greedy tokens are unchanged
+in the engine's tests against transformers). Where the library cannot be built (no C compiler) the
+layers are plain ``nn.Linear``.
 """
 
 from __future__ import annotations
 
 import torch
 
-MAX_ROWS = 4
-MAX_ROWS_LM_HEAD = 8
+from backend.engine.group_matmul import f32_product, f32_unsupported
+
+MAX_ROWS = 16
 
 
 class SmallBatchLinear(torch.nn.Linear):
-    """An ``nn.Linear`` whose products of at most ``max_rows`` rows run as ``W @ x.T``."""
-
-    max_rows = MAX_ROWS
+    """An ``nn.Linear`` whose float32 products of at most ``MAX_ROWS`` rows take our kernel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if rows > self.max_rows or x.dtype != self.weight.dtype:
+        k = x.shape[-1]
+        rows = x.numel() // k
+        weight = self.weight
+        if rows > MAX_ROWS or x.dtype != torch.float32 or weight.dtype != torch.float32 or not weight.is_contiguous():
             return super().forward(x)
-        # contiguous: callers (xgrammar's in-place token mask among them) expect row-major output
-        out = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()
+        out = f32_product(weight, x.reshape(rows, k).contiguous(), torch.get_num_threads())
         if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.weight.shape[0])
-
-
-class SmallBatchLMHead(SmallBatchLinear):
-    """The LM head: up to 8 rows; a single row is doubled, since two rows through ``W @ x.T``
-    take half the time of one through the matrix-vector kernel (measured: 5.3 vs 10.4 ms)."""
-
-    max_rows = MAX_ROWS_LM_HEAD
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == x.shape[-1] and x.dtype == self.weight.dtype:
-            row = x.reshape(1, x.shape[-1])
-            return super().forward(torch.cat([row, row]))[:1].reshape(*x.shape[:-1], self.weight.shape[0])
-        return super().forward(x)
+            out += self.bias
+        return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def use_small_batch_linears(model: torch.nn.Module) -> int:
-    """Turn the model's ``nn.Linear`` layers (CPU, float weights) into :class:`SmallBatchLinear`
-    in place (the LM head into :class:`SmallBatchLMHead`); returns how many."""
-    head = getattr(model, "lm_head", None)
+    """Turn the model's ``nn.Linear`` layers (CPU, float32 weights, inputs a multiple of 16) into
+    :class:`SmallBatchLinear` in place; returns how many (0 where the kernel library cannot run)."""
+    if f32_unsupported() is not None:
+        return 0
     n = 0
     for m in model.modules():
-        if type(m) is torch.nn.Linear and m.weight.device.type == "cpu" and m.weight.is_floating_point():
-            m.__class__ = SmallBatchLMHead if m is head else SmallBatchLinear
-            n += 1
+        weight = getattr(m, "weight", None)
+        if type(m) is torch.nn.Linear and weight is not None and weight.device.type == "cpu":
+            if weight.dtype == torch.float32 and m.in_features % 16 == 0:
+                m.__class__ = SmallBatchLinear
+                n += 1
     return n

@@ -216,19 +216,26 @@ def test_sequence_stop_conditions():
     assert seq.check_stop(max_model_len=4) == "length"
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8, 16])
-def test_small_batch_linear_computes_what_linear_computes(rows):
-    from backend.engine.small_batch_linear import SmallBatchLinear, SmallBatchLMHead, use_small_batch_linears
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8, 9, 16, 17])
+def test_small_batch_linear_computes_what_linear_computes(rows, kernels):
+    from backend.engine.small_batch_linear import MAX_ROWS, SmallBatchLinear, use_small_batch_linears
 
     torch.manual_seed(0)
     model = torch.nn.Module()
+    # 200 outputs: not a multiple of 8 (the kernel's blocks), so the last rows take its tail loop
     model.body = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32, bias=False))
     model.lm_head = torch.nn.Linear(32, 200, bias=False)
+    model.odd = torch.nn.Linear(40, 8)  # 40 inputs: not a multiple of 16, left to nn.Linear
     x = torch.randn(1, rows, 64)
     ref = model.lm_head(model.body(x))
     assert use_small_batch_linears(model) == 3
-    assert type(model.body[0]) is SmallBatchLinear and type(model.lm_head) is SmallBatchLMHead
-    out = model.lm_head(model.body(x))
+    assert all(type(m) is SmallBatchLinear for m in (*model.body, model.lm_head))
+    assert type(model.odd) is torch.nn.Linear
+    profile = torch.profiler.profile()
+    with profile:
+        out = model.lm_head(model.body(x))
+    kernel_calls = sum(e.name == "group_kernel::f32_matmul" for e in profile.events())
+    assert kernel_calls == (3 if rows <= MAX_ROWS else 0)  # more rows than that: the ordinary path
     assert out.shape == ref.shape == (1, rows, 200) and out.is_contiguous()
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError):  # another dtype than the weights': the ordinary path, which refuses it

@@ -1,9 +1,10 @@
-"""int4w's decode steps as one kernel call (``backend/engine/fused_decode.py``) against the lean
-layer loop on the same weights: the same greedy tokens for a batch of sequences of different
-lengths, the same final hidden states and the same K/V in the pool (within float32 rounding), and
-the steps it does not take (a prefill chunk, a per-layer hook, more than 16 sequences, a pool that
-is not float32). On both kernel paths where the CPU has them (the ``kernels`` fixture). The real
-checkpoint's quality through it: ``tests/integration/test_int4w_quality.py``."""
+"""Decode steps as one kernel call (``backend/engine/fused_decode.py``; int4w's 4-bit groups and
+float32 weights) against the lean layer loop on the same weights: the same greedy tokens for a
+batch of sequences of different lengths, the same final hidden states and the same K/V in the pool
+(within float32 rounding), and the steps it does not take (a prefill chunk, a per-layer hook, more
+than 16 sequences, a pool that is not float32). On both kernel paths where the CPU has them (the
+``kernels`` fixture). The real checkpoint's quality through it: ``tests/integration/test_int4w_quality.py``;
+float32's greedy tokens against transformers': ``tests/integration/test_lean_decoder_real.py``."""
 
 from __future__ import annotations
 
@@ -30,16 +31,20 @@ def tiny(tmp_path_factory):
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-fused"))
 
 
-def engines(tiny):
-    fused = make_engine(tiny, weights_dtype="int4w")
-    lean = make_engine(tiny, weights_dtype="int4w", decoder="lean")
+FORMATS = pytest.mark.parametrize("fmt", ["int4w", "float32"])
+
+
+def engines(tiny, fmt="int4w"):
+    fused = make_engine(tiny, weights_dtype=fmt)
+    lean = make_engine(tiny, weights_dtype=fmt, decoder="lean")
     assert fused.runner.decoder == "lean+fused" and isinstance(fused.runner._fused, FusedDecode)
     assert lean.runner.decoder == "lean" and lean.runner._fused is None
     return fused, lean
 
 
-def test_fused_steps_give_the_lean_loops_tokens_hidden_states_and_kv(tiny, kernels):
-    fused, lean = engines(tiny)
+@FORMATS
+def test_fused_steps_give_the_lean_loops_tokens_hidden_states_and_kv(tiny, kernels, fmt):
+    fused, lean = engines(tiny, fmt)
     results = []
     for engine in (fused, lean):
         for i, prompt in enumerate(PROMPTS):
@@ -65,8 +70,9 @@ def test_fused_steps_give_the_lean_loops_tokens_hidden_states_and_kv(tiny, kerne
     assert torch.allclose(fused.runner.pool.tensor, lean.runner.pool.tensor, rtol=1e-4, atol=1e-4), diff
 
 
-def test_steps_it_does_not_take_run_the_lean_loop(tiny, kernels):
-    fused, _ = engines(tiny)
+@FORMATS
+def test_steps_it_does_not_take_run_the_lean_loop(tiny, kernels, fmt):
+    fused, _ = engines(tiny, fmt)
     runner, steps = fused.runner, fused.runner._fused
     pool = runner.pool
 
@@ -82,14 +88,22 @@ def test_steps_it_does_not_take_run_the_lean_loop(tiny, kernels):
     assert steps.forward(hooked) is None  # a listener per layer (layer-wise KV streaming)
 
 
-def test_a_pool_that_is_not_float32_keeps_the_lean_loop(tiny):
-    engine = make_engine(tiny, weights_dtype="int4w", kv_dtype="bfloat16")
+@FORMATS
+def test_a_pool_that_is_not_float32_keeps_the_lean_loop(tiny, fmt):
+    engine = make_engine(tiny, weights_dtype=fmt, kv_dtype="bfloat16")
     assert engine.runner.decoder == "lean" and engine.runner._fused is None
 
 
-def test_fused_steps_on_two_threads_equal_one_threads(tiny, kernels):
-    one = make_engine(tiny, weights_dtype="int4w", num_threads=1)
-    two = make_engine(tiny, weights_dtype="int4w", num_threads=2)
+@pytest.mark.parametrize("fmt", ["fp16w", "int8"])
+def test_other_formats_keep_the_lean_loop(tiny, fmt):
+    engine = make_engine(tiny, weights_dtype=fmt)
+    assert engine.runner.decoder == "lean" and engine.runner._fused is None
+
+
+@FORMATS
+def test_fused_steps_on_two_threads_equal_one_threads(tiny, kernels, fmt):
+    one = make_engine(tiny, weights_dtype=fmt, num_threads=1)
+    two = make_engine(tiny, weights_dtype=fmt, num_threads=2)
     assert one.runner._fused.threads == 1 and two.runner._fused.threads == 2
     results = []
     for engine in (one, two):

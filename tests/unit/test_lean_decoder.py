@@ -37,7 +37,8 @@ def _step_states(runner: ModelRunner) -> torch.Tensor:
 
 @pytest.mark.parametrize("weights", ["float32", "int8"])
 def test_lean_loop_equals_transformers_modules(tiny, weights):
-    lean, reference = _runner(tiny, weights_dtype=weights), _runner(tiny, weights_dtype=weights, decoder="transformers")
+    lean = _runner(tiny, weights_dtype=weights, decoder="lean")
+    reference = _runner(tiny, weights_dtype=weights, decoder="transformers")
     assert lean.decoder == "lean" and reference.decoder == "transformers"
     assert not hasattr(lean.model.model.layers[0].self_attn, "q_proj")  # the weights are held once
     a, b = _step_states(lean), _step_states(reference)

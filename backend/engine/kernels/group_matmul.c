@@ -410,13 +410,125 @@ int int8_matmul(const int8_t *q, const uint16_t *d, const float *x, float *y, lo
     return matmul(8, (int)kernel, q, d, NULL, x, y, M, N, K, threads);
 }
 
-/* ---------------------------------------------------------------- a whole decode step of int4w layers
- * decode_layers: every decoder layer of a Llama-family model for B <= 4 sequences of one token each,
- * their weights in 4-bit groups, in one call: RMS norm, the fused q/k/v product, the rotary
- * embedding of q and k, the K/V write into the paged HND pool, attention over each sequence's
- * pages, the output product and residual add, RMS norm, the fused gate/up product, SiLU(gate) * up,
- * the down product and residual add. float32 activations and pool. What it computes is the lean
- * layer loop's (backend/engine/lean_decoder.py) without a dispatch per op.
+/* ---------------------------------------------------------------- float32 weights
+ * f32_matmul: y = x W^T for W float32 [N][K] as torch holds it (read in place, no copy), K a
+ * multiple of 16. Each output is one dot product: float32 lanes summed along K, then across the
+ * lanes (the order differs from MKL's, so outputs may differ from F.linear's in the last bits).
+ * A block is NR rows of W times R rows of x, NR * R sums in registers: each weight read once per
+ * pass of up to F32_ROWS rows of x. Kernel 2: 512-bit (AVX-512 F), kernel 1: 256-bit (AVX2). */
+#define F32_ROWS 8
+#define F32_TARGET "avx512f,avx2,fma"
+
+static inline __attribute__((always_inline, target(F32_TARGET))) void f32_block512(int NR, int R, const float *w,
+                                                                                      const float *x, float *y, long N,
+                                                                                      long K, long n, long r) {
+    __m512 acc[8][F32_ROWS];
+    for (int j = 0; j < NR; j++)
+        for (int i = 0; i < R; i++) acc[j][i] = _mm512_setzero_ps();
+    for (long k = 0; k < K; k += 16) {
+        __m512 xv[F32_ROWS];
+        for (int i = 0; i < R; i++) xv[i] = _mm512_loadu_ps(x + (r + i) * K + k);
+        for (int j = 0; j < NR; j++) {
+            const __m512 wv = _mm512_loadu_ps(w + (n + j) * K + k);
+            for (int i = 0; i < R; i++) acc[j][i] = _mm512_fmadd_ps(wv, xv[i], acc[j][i]);
+        }
+    }
+    for (int j = 0; j < NR; j++)
+        for (int i = 0; i < R; i++) y[(r + i) * N + n + j] = _mm512_reduce_add_ps(acc[j][i]);
+}
+
+ALWAYS_INLINE void f32_block256(int NR, int R, const float *w, const float *x, float *y, long N, long K, long n,
+                                long r) {
+    __m256 acc[4][4];
+    for (int j = 0; j < NR; j++)
+        for (int i = 0; i < R; i++) acc[j][i] = _mm256_setzero_ps();
+    for (long k = 0; k < K; k += 8) {
+        __m256 xv[4];
+        for (int i = 0; i < R; i++) xv[i] = _mm256_loadu_ps(x + (r + i) * K + k);
+        for (int j = 0; j < NR; j++) {
+            const __m256 wv = _mm256_loadu_ps(w + (n + j) * K + k);
+            for (int i = 0; i < R; i++) acc[j][i] = _mm256_fmadd_ps(wv, xv[i], acc[j][i]);
+        }
+    }
+    for (int j = 0; j < NR; j++)
+        for (int i = 0; i < R; i++) y[(r + i) * N + n + j] = hsum(acc[j][i]);
+}
+
+/* rows n0 .. n1 - 1 of W against every row of x (n0 and n1 multiples of 8, or n1 = N) */
+__attribute__((target(F32_TARGET))) static void f32_rows512(const float *w, const float *x, float *y, long M, long N,
+                                                           long K, long n0, long n1) {
+    for (long r = 0; r < M; r += F32_ROWS) {
+        const long R = M - r < F32_ROWS ? M - r : F32_ROWS;
+        long n = n0;
+        if (R <= 4) {
+            for (; n + 8 <= n1; n += 8) switch (R) { /* 8 rows of W: 8 R sums */
+                case 1: f32_block512(8, 1, w, x, y, N, K, n, r); break;
+                case 2: f32_block512(8, 2, w, x, y, N, K, n, r); break;
+                case 3: f32_block512(4, 3, w, x, y, N, K, n, r); f32_block512(4, 3, w, x, y, N, K, n + 4, r); break;
+                default: f32_block512(4, 4, w, x, y, N, K, n, r); f32_block512(4, 4, w, x, y, N, K, n + 4, r); break;
+                }
+        } else {
+            for (; n + 2 <= n1; n += 2) switch (R) { /* 2 rows of W: up to 16 sums */
+                case 5: f32_block512(2, 5, w, x, y, N, K, n, r); break;
+                case 6: f32_block512(2, 6, w, x, y, N, K, n, r); break;
+                case 7: f32_block512(2, 7, w, x, y, N, K, n, r); break;
+                default: f32_block512(2, 8, w, x, y, N, K, n, r); break;
+                }
+        }
+        for (; n < n1; n++)
+            for (long i = 0; i < R; i++) f32_block512(1, 1, w, x, y, N, K, n, r + i);
+    }
+}
+
+static void f32_rows256(const float *w, const float *x, float *y, long M, long N, long K, long n0, long n1) {
+    for (long r = 0; r < M; r += 4) {
+        const long R = M - r < 4 ? M - r : 4;
+        long n = n0;
+        for (; n + 4 <= n1; n += 4) switch (R) {
+            case 1: f32_block256(4, 1, w, x, y, N, K, n, r); break;
+            case 2: f32_block256(4, 2, w, x, y, N, K, n, r); break;
+            case 3: f32_block256(2, 3, w, x, y, N, K, n, r); f32_block256(2, 3, w, x, y, N, K, n + 2, r); break;
+            default: f32_block256(2, 4, w, x, y, N, K, n, r); f32_block256(2, 4, w, x, y, N, K, n + 2, r); break;
+            }
+        for (; n < n1; n++)
+            for (long i = 0; i < R; i++) f32_block256(1, 1, w, x, y, N, K, n, r + i);
+    }
+}
+
+typedef struct {
+    int kernel;
+    const float *w, *x;
+    float *y;
+    long M, N, K;
+} F32Product;
+
+/* part p of T: rows [8 (N / 8) p / T, ...) of W, the last part to N */
+static void f32_part(const void *ctx, long part, long parts) {
+    const F32Product *p = ctx;
+    const long blocks = p->N / 8, n0 = 8 * (blocks * part / parts);
+    const long n1 = part + 1 == parts ? p->N : 8 * (blocks * (part + 1) / parts);
+    if (p->kernel == 2)
+        f32_rows512(p->w, p->x, p->y, p->M, p->N, p->K, n0, n1);
+    else
+        f32_rows256(p->w, p->x, p->y, p->M, p->N, p->K, n0, n1);
+}
+
+/* kernel: 1 (AVX2) or 2 (AVX-512). 0: done; -2: K not a multiple of 16, or a kernel this CPU does not run */
+int f32_matmul(const float *w, const float *x, float *y, long M, long N, long K, long threads, long kernel) {
+    if (K % 16 || (kernel != 1 && kernel != 2) || (kernel == 2 && !tiles_supported())) return -2;
+    const F32Product product = {(int)kernel, w, x, y, M, N, K};
+    run_job(f32_part, &product, N >= 64 * threads ? threads : 1);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- a whole decode step
+ * decode_layers: every decoder layer of a Llama-family model for B <= 16 sequences of one token each,
+ * in one call: RMS norm, the fused q/k/v product, the rotary embedding of q and k, the K/V write into
+ * the paged HND pool, attention over each sequence's pages, the output product and residual add, RMS
+ * norm, the fused gate/up product, SiLU(gate) * up, the down product and residual add. The products'
+ * weights: 4-bit groups (Dims.weights 4: int4_matmul's q, d, m) or float32 (32: f32_matmul's W in
+ * the q pointers, d and m unused). float32 activations and pool. What it computes is the lean layer
+ * loop's (backend/engine/lean_decoder.py) without a dispatch per op.
  */
 typedef struct {
     const float *norm1, *norm2;
@@ -428,8 +540,16 @@ typedef struct {
     long hidden, heads, kv_heads, head_dim, inter;
     float eps, scaling;
     long num_pages, page_size, max_pages;
-    long kernel; /* the products' kernel (int4_matmul's) */
+    long kernel;  /* the products' kernel (int4_matmul's and f32_matmul's numbering) */
+    long weights; /* 4: the products' weights in 4-bit groups; 32: float32 */
 } Dims;
+
+/* one of a layer's products: y = x W^T, W as Dims.weights says */
+static int layer_product(const Dims *dm, const uint8_t *q, const uint16_t *d, const uint16_t *m, const float *x,
+                         float *y, long M, long N, long K, long threads) {
+    if (dm->weights == 32) return f32_matmul((const float *)q, x, y, M, N, K, threads, dm->kernel);
+    return int4_matmul(q, d, m, x, y, M, N, K, threads, dm->kernel);
+}
 
 static void rms_norm(const float *x, const float *w, float *out, long n, float eps) {
     double ss = 0.0;
@@ -532,7 +652,7 @@ static void attention_part(const void *ctx, long part, long parts) {
     }
 }
 
-/* 0: done; -1: out of memory; -2: as int4_matmul's */
+/* 0: done; -1: out of memory; -2: as int4_matmul's or f32_matmul's */
 int decode_layers(const Layer *layers, long num_layers, const Dims *dm, float *h, long B, const float *cos,
                   const float *sin, float *pool, const long *tables, const long *lengths, const long *write_page,
                   const long *write_offset, long threads) {
@@ -550,7 +670,7 @@ int decode_layers(const Layer *layers, long num_layers, const Dims *dm, float *h
         const Layer *ly = &layers[l];
         float *lpool = pool + l * layer_floats;
         for (long b = 0; b < B; b++) rms_norm(h + b * hd, ly->norm1, x + b * hd, hd, dm->eps);
-        if ((rc = int4_matmul(ly->qkv_q, ly->qkv_d, ly->qkv_m, x, qkv, B, qkv_n, hd, threads, dm->kernel))) break;
+        if ((rc = layer_product(dm, ly->qkv_q, ly->qkv_d, ly->qkv_m, x, qkv, B, qkv_n, hd, threads))) break;
         for (long b = 0; b < B; b++) {
             float *row = qkv + b * qkv_n;
             const float *c = cos + b * D, *s = sin + b * D;
@@ -568,12 +688,12 @@ int decode_layers(const Layer *layers, long num_layers, const Dims *dm, float *h
         }
         const Attention attention = {dm, qkv, att, lpool, tables, lengths, B, scores, longest};
         run_job(attention_part, &attention, B * H >= 2 * threads ? threads : 1);
-        if ((rc = int4_matmul(ly->o_q, ly->o_d, ly->o_m, att, tmp, B, hd, H * D, threads, dm->kernel))) break;
+        if ((rc = layer_product(dm, ly->o_q, ly->o_d, ly->o_m, att, tmp, B, hd, H * D, threads))) break;
         for (long i = 0; i < B * hd; i++) h[i] += tmp[i];
         for (long b = 0; b < B; b++) rms_norm(h + b * hd, ly->norm2, x + b * hd, hd, dm->eps);
-        if ((rc = int4_matmul(ly->gu_q, ly->gu_d, ly->gu_m, x, gu, B, 2 * I, hd, threads, dm->kernel))) break;
+        if ((rc = layer_product(dm, ly->gu_q, ly->gu_d, ly->gu_m, x, gu, B, 2 * I, hd, threads))) break;
         for (long b = 0; b < B; b++) silu_mul(gu + b * 2 * I, gu + b * 2 * I + I, act + b * I, I);
-        if ((rc = int4_matmul(ly->down_q, ly->down_d, ly->down_m, act, tmp, B, hd, I, threads, dm->kernel))) break;
+        if ((rc = layer_product(dm, ly->down_q, ly->down_d, ly->down_m, act, tmp, B, hd, I, threads))) break;
         for (long i = 0; i < B * hd; i++) h[i] += tmp[i];
     }
     free(x);
