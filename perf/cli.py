@@ -47,7 +47,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 # benchmark -> the flags that switch it to another measurement: the report keeps a section for each
-VARIANTS: dict[str, tuple[str, ...]] = {"multiturn": ("--routing",), "formats": ("--server",)}
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "multiturn": ("--routing",),
+    "formats": ("--server",),
+    "cpp-baseline": ("--weights",),
+}
 
 REPORT_HELP = "perf/REPORT.md from the newest successful run of each benchmark (not a benchmark)"
 

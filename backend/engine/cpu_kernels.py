@@ -142,6 +142,11 @@ class KernelPath:
         return f"int4 groups of 32 (the LM head int8 groups), int16 activations per group (our {kernel} kernel)"
 
     @property
+    def float32_path(self) -> str:
+        kernel = "AVX-512" if self.group_kernel == "avx512_vnni" else "AVX2+FMA"
+        return f"float32 weights: our float32 product ({kernel} kernel) for up to 16 rows, MKL's for more"
+
+    @property
     def bf16_path(self) -> str:
         units = [name for flag, name in (("amx_bf16", "AMX tiles"), ("avx512_bf16", "AVX512-BF16")) if flag in self.isa]
         tiles = units[0] if units else "neither AMX-BF16 nor AVX512-BF16: not fp16w-bf16's path"
@@ -149,8 +154,9 @@ class KernelPath:
 
     def short(self, weights: str = "int8") -> str:
         """One line for a table's caption or a log line, with the kernel path of the weights
-        format ``weights`` (``int8``, ``fp16w``, ``fp16w-bf16``, ``int4w`` or ``int4w-bf16``)."""
+        format ``weights`` (``int8``, ``float32``, ``fp16w``, ``fp16w-bf16``, ``int4w`` or ``int4w-bf16``)."""
         path = {
+            "float32": self.float32_path,
             "fp16w": self.fp16w_path,
             "fp16w-bf16": f"{self.fp16w_path} for few rows; {self.bf16_path} for many",
             "int4w": f"{self.int4w_path} for up to 16 rows; fp16w's products (float16, float32) for more",
@@ -168,6 +174,7 @@ class KernelPath:
             "fp16w_path": self.fp16w_path,
             "bf16_path": self.bf16_path,
             "int4w_path": self.int4w_path,
+            "float32_path": self.float32_path,
         }
 
 

@@ -95,8 +95,8 @@ class ModelRunner:
                 str(MANY_ROWS[fmt]).removeprefix("torch."),
                 self._threads,
             )
-        elif self.device.type == "cpu":
-            use_small_batch_linears(self.model)
+        elif self.device.type == "cpu" and use_small_batch_linears(self.model):
+            log.info("%s", kernel_path().short("float32"))
         hf_config = model.config
         self.hf_config = hf_config
         self.vocab_size = hf_config.vocab_size

@@ -32,6 +32,8 @@ def machine_line(m: dict) -> str:
     kernels = f"; kernels: torch {path['torch_capability']}, {path['int8_path']}" if path else ""
     if path and path.get("int4w_path"):  # recorded since 2026-12-05
         kernels += f"; {path['int4w_path']}"
+    if path and path.get("float32_path"):  # recorded since 2026-12-05 afternoon
+        kernels += f"; {path['float32_path']}"
     return (
         f"{m.get('cpu', '?')} ({m.get('cpu_id', '?')}), {m.get('cores', '?')} cores, "
         f"{m.get('memory_gib', '?')} GiB, torch {m.get('torch', '?')}{gpu}{kernels}"
