@@ -55,28 +55,60 @@ def cache_dir() -> Path:
 
 @functools.cache
 def library() -> ctypes.CDLL:
-    """The compiled kernel library (built on first use, then loaded from the cache)."""
+    """The compiled kernel library (built on first use, then loaded from the cache). A cached build
+    is named by its source, compiler, flags and architecture and by the SHA-256 of its own bytes:
+    one whose bytes do not hash to its name (truncated, altered) or that does not load is logged,
+    removed and built again, never loaded."""
     source = SOURCE.read_bytes()
     compiler = os.environ.get("CC", "cc")
     key = hashlib.sha256(source + " ".join((compiler, *CFLAGS, *LIBS, platform.machine())).encode()).hexdigest()[:16]
-    lib_path = cache_dir() / f"group_matmul-{key}.so"
-    if not lib_path.is_file():
-        lib_path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib_path.parent)
-        os.close(fd)
-        try:
-            done = subprocess.run(
-                [compiler, *CFLAGS, "-o", tmp, str(SOURCE), *LIBS], capture_output=True, text=True, timeout=120
-            )
-        except (OSError, subprocess.TimeoutExpired) as e:
-            os.unlink(tmp)
-            raise RuntimeError(f"group kernels: cannot compile {SOURCE.name} with {compiler!r}: {e}") from None
-        if done.returncode != 0:
-            os.unlink(tmp)
-            raise RuntimeError(f"group kernels: compiling {SOURCE.name} failed: {done.stderr.strip()[-500:]}")
-        os.replace(tmp, lib_path)  # atomic: processes that build at once load a whole file
-        log.info("group kernels: compiled %s into %s", SOURCE.name, lib_path)
-    lib = ctypes.CDLL(str(lib_path))
+    folder = cache_dir()
+    for cached in sorted(folder.glob(f"group_matmul-{key}-*.so")):
+        lib = _load_cached(cached)
+        if lib is not None:
+            return _typed(lib)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [compiler, *CFLAGS, "-o", tmp, str(SOURCE), *LIBS], capture_output=True, text=True, timeout=120
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        os.unlink(tmp)
+        raise RuntimeError(f"group kernels: cannot compile {SOURCE.name} with {compiler!r}: {e}") from None
+    if done.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"group kernels: compiling {SOURCE.name} failed: {done.stderr.strip()[-500:]}")
+    lib_path = folder / f"group_matmul-{key}-{_digest(Path(tmp))}.so"
+    os.replace(tmp, lib_path)  # atomic: processes that build at once load a whole file
+    log.info("group kernels: compiled %s into %s", SOURCE.name, lib_path)
+    return _typed(ctypes.CDLL(str(lib_path)))
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def _load_cached(path: Path) -> ctypes.CDLL | None:
+    """``path`` loaded, or None (and the file removed) when its bytes do not hash to its name or
+    it does not load."""
+    why = None
+    try:
+        if _digest(path) != path.stem.rsplit("-", 1)[-1]:
+            why = "its bytes do not match its name's checksum"
+        else:
+            return ctypes.CDLL(str(path))
+    except OSError as e:
+        why = f"it does not load: {e}"
+    log.warning("group kernels: cached build %s is damaged (%s); removed, building again", path, why)
+    with contextlib.suppress(OSError):
+        path.unlink()
+    return None
+
+
+def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` with its functions' argument and result types set."""
     lib.int4_matmul.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 5
     lib.int4_matmul.restype = ctypes.c_int
     lib.int8_matmul.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5

@@ -9,6 +9,8 @@ The real checkpoint's quality: ``tests/integration/test_int4w_quality.py``."""
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import time
 
 import pytest
@@ -192,6 +194,41 @@ def test_a_compiler_that_fails_fails_the_load_with_its_reason(tmp_path, monkeypa
     finally:
         group_matmul.library.cache_clear()
     assert not list(tmp_path.rglob("*.so"))  # nothing half-built left to load
+
+
+def test_a_damaged_cached_build_is_built_again_never_loaded(tmp_path, monkeypatch, caplog):
+    """A cached library whose bytes no longer hash to its name (truncated, altered), or that names
+    its own checksum but is no library, is removed and built again; the rebuilt one computes."""
+    monkeypatch.setenv("TRITON_DISAGG_CACHE", str(tmp_path))
+    group_matmul.library.cache_clear()
+    try:
+        group_matmul.library()
+        (built,) = tmp_path.rglob("group_matmul-*.so")
+        good = built.read_bytes()
+        fake = built.with_name(built.name.rsplit("-", 1)[0] + "-" + hashlib.sha256(b"junk").hexdigest()[:16] + ".so")
+        for damage in ("truncated", "no library"):
+            built.unlink()  # a new file: this process maps the old one (truncating it in place: SIGBUS)
+            if damage == "truncated":
+                built.write_bytes(good[: len(good) // 2])
+            else:
+                fake.write_bytes(b"junk")
+            group_matmul.library.cache_clear()
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="triton_disagg.engine"):
+                lib = group_matmul.library()
+            assert "is damaged" in caplog.text, (damage, caplog.text)
+            assert lib.tiles_supported() in (0, 1)
+            (rebuilt,) = tmp_path.rglob("group_matmul-*.so")
+            assert (
+                rebuilt.read_bytes() != b"junk"
+                and hashlib.sha256(rebuilt.read_bytes()).hexdigest()[:16] in rebuilt.name
+            )
+            built = rebuilt
+            good = built.read_bytes()
+        x, w = torch.randn(2, 64), torch.randn(16, 64)
+        torch.testing.assert_close(group_matmul.f32_product(w, x), x @ w.t(), rtol=1e-5, atol=1e-5)
+    finally:
+        group_matmul.library.cache_clear()
 
 
 def test_int4w_is_refused_on_a_cpu_without_its_features(tiny, monkeypatch):
