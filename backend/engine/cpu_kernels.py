@@ -133,8 +133,8 @@ class KernelPath:
 
     @property
     def fp16w_path(self) -> str:
-        kernel = "AVX-512" if {"avx512f", "avx512bw"} <= set(self.isa) else "AVX2"
-        return f"fbgemm fp16 weights, float32 activations and sums ({kernel} kernel, F16C)"
+        ours = "AVX-512" if self.group_kernel == "avx512_vnni" else "AVX2+FMA"
+        return f"fp16 weights, float32 activations and sums (our {ours} kernel, F16C; fbgemm's on one thread beyond)"
 
     @property
     def int4w_path(self) -> str:

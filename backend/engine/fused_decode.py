@@ -4,13 +4,15 @@ each (RMS norms, the products, the rotary embedding, the K/V write into the page
 attention over each sequence's pages (the (sequence, head) pairs split between the threads), SiLU,
 the residual adds) without a Python call or a torch dispatch per op. The lean layer loop
 (``lean_decoder.py``) spends most of an int4w decode step there: about 600 small ops at batch 1.
-The products' weights: int4w's 4-bit groups, or float32 (read in place through ``f32_matmul``).
+The products' weights: int4w's 4-bit groups, float32 (read in place through ``f32_matmul``) or
+fp16w's float16 (``f16_matmul`` over :class:`~backend.engine.fp16_linear.Fp16Linear`'s ``half``).
 
 It takes a step only when the step is all decodes, there are at most ``MAX_ROWS`` of them, and no
 per-layer hook listens (a prefill instance's layer-wise KV streaming); anything else runs the lean
 loop. It applies to a model only when every decoder layer's products are
 :class:`~backend.engine.int4_linear.Int4Linear`, or every one float32 weights on the CPU with
-inputs a multiple of 16, without biases; the pool and the activations float32 on the CPU, and the
+inputs a multiple of 16, or every one an ``Fp16Linear`` whose float16 weights our product takes,
+without biases; the pool and the activations float32 on the CPU, and the
 head size a multiple of 8 (:func:`unsupported_reason` says why not).
 """
 
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.engine import group_linear
+from backend.engine.fp16_linear import Fp16Linear
 from backend.engine.group_matmul import TILE, f32_unsupported, kernel, library, profiled
 from backend.engine.int4_linear import Int4Linear
 from backend.engine.kv_pool import KVPool
@@ -68,27 +71,28 @@ def unsupported_reason(model: nn.Module, pool: KVPool) -> str | None:
         return f"head size {pool.head_dim} (a multiple of 8, at most 512)"
     weights = _weights(layers[0].self_attn.qkv_proj) if len(layers) else None
     if weights is None:
-        return "the first product: neither 4-bit groups nor float32 weights"
+        return "the first product: neither 4-bit groups nor float32 nor float16 weights our kernels take"
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         for part in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if weights == 4 and not isinstance(part, Int4Linear):
-                return f"a product in {type(part).__name__}, not 4-bit groups"
-            if weights == 32 and (_weights(part) != 32 or part.in_features % 16):
-                return f"a product in {type(part).__name__} of {part.in_features} inputs, not float32 ones (x16)"
+            if _weights(part) != weights or (weights == 32 and part.in_features % 16):
+                return f"a product in {type(part).__name__} of {part.in_features} inputs, not as the first one's"
             if (part.wider if weights == 4 else part).bias is not None:
                 return "a product with a bias"
             if weights == 4 and part.out_features % TILE:
                 return f"a product of {part.out_features} outputs (whole tiles of {TILE} only)"
-    if weights == 32 and f32_unsupported() is not None:
-        return f"float32 products: {f32_unsupported()}"
+    if weights != 4 and f32_unsupported() is not None:
+        return f"float products: {f32_unsupported()}"
     return None
 
 
 def _weights(part: nn.Module) -> int | None:
-    """4: 4-bit groups; 32: float32 weights on the CPU, contiguous; None: neither."""
+    """4: 4-bit groups; 32: float32 weights on the CPU, contiguous; 16: an ``Fp16Linear`` whose
+    float16 weights our product takes; None: none of these."""
     if isinstance(part, Int4Linear):
         return 4
+    if isinstance(part, Fp16Linear):
+        return 16 if part.half_weight is not None else None
     weight = getattr(part, "weight", None)
     if isinstance(part, nn.Linear) and isinstance(weight, torch.Tensor):
         if weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous():
@@ -123,8 +127,8 @@ class FusedDecode:
                 if self._weights == 4:
                     groups = linear.groups
                     parts.update({f"{short}_q": groups.q, f"{short}_d": groups.d, f"{short}_m": groups.m})
-                else:  # float32: the weight in the q pointer, read in place
-                    parts[f"{short}_q"] = linear.weight
+                else:  # float32 or float16: the weight in the q pointer, read in place
+                    parts[f"{short}_q"] = linear.weight if self._weights == 32 else linear.half_weight
             layers.append(_Layer(**{name: tensor.data_ptr() for name, tensor in parts.items()}))
         self._layers = (_Layer * len(layers))(*layers)
         self._num_layers = len(layers)

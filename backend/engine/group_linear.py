@@ -45,7 +45,7 @@ class GroupLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.max_rows = linear.in_features, linear.out_features, max_rows
         self.groups, self.group_error, self.threads = groups, groups.error, threads
-        self.wider = Fp16Linear(linear, max_rows if max_rows > MAX_ROWS else 0, many_rows)
+        self.wider = Fp16Linear(linear, max_rows if max_rows > MAX_ROWS else 0, many_rows, ours=False)
         self._forward = self.product()
 
     def product(self) -> Callable[[torch.Tensor], torch.Tensor]:

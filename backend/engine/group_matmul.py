@@ -113,8 +113,9 @@ def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.int4_matmul.restype = ctypes.c_int
     lib.int8_matmul.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5
     lib.int8_matmul.restype = ctypes.c_int
-    lib.f32_matmul.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5
-    lib.f32_matmul.restype = ctypes.c_int
+    for name in ("f32_matmul", "f16_matmul"):
+        getattr(lib, name).argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5
+        getattr(lib, name).restype = ctypes.c_int
     lib.tiles_supported.argtypes = []
     lib.tiles_supported.restype = ctypes.c_int
     return lib
@@ -178,14 +179,17 @@ def product(groups: Groups, rows: torch.Tensor, threads: int = 1) -> torch.Tenso
 
 
 def f32_product(weight: torch.Tensor, rows: torch.Tensor, threads: int = 1) -> torch.Tensor:
-    """``rows`` [M, k] times ``weight`` [n, k] (both float32, contiguous, k a multiple of 16): [M, n],
-    each output one dot product summed in float32 (``f32_matmul``: the weight read once per 8 rows)."""
+    """``rows`` [M, k] (float32, contiguous) times ``weight`` [n, k] (float32, or float16 widened
+    in registers; contiguous; k a multiple of 16): [M, n], each output one dot product summed in
+    float32 (``f32_matmul`` / ``f16_matmul``: the weight read once per 8 rows)."""
     count, n, k = rows.shape[0], weight.shape[0], weight.shape[1]
     out = torch.empty(count, n)
-    with profiled("group_kernel::f32_matmul"):
-        rc = library().f32_matmul(weight.data_ptr(), rows.data_ptr(), out.data_ptr(), count, n, k, threads, kernel())
+    name = "f16_matmul" if weight.dtype == torch.float16 else "f32_matmul"
+    with profiled(f"group_kernel::{name}"):
+        call = getattr(library(), name)
+        rc = call(weight.data_ptr(), rows.data_ptr(), out.data_ptr(), count, n, k, threads, kernel())
     if rc != 0:
-        raise ValueError(f"f32 kernel: refused a product of {k} inputs (a multiple of 16 only)")
+        raise ValueError(f"float kernel: refused a product of {k} inputs (a multiple of 16 only)")
     return out
 
 

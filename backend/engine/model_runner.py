@@ -33,6 +33,8 @@ __all__ = ["ModelRunner", "StepResult", "quantize_linear_int8"]
 # torch's thread count when this module was imported: what a runner without num_threads uses (a
 # runner built after another one's few-row step must not read that step's single thread)
 _PROCESS_THREADS = torch.get_num_threads()
+# the formats whose decode steps may run as one kernel call (``fused_decode.py``)
+FUSED_FORMATS = ("int4w", "int4w-bf16", "fp16w", "fp16w-bf16", "float32")
 
 
 @dataclass
@@ -85,7 +87,7 @@ class ModelRunner:
                 # our kernel splits a product between the instance's threads (fbgemm's GEMM cannot)
                 self.model = quantize_linear_int4(self.model, self._few_rows, MANY_ROWS[fmt], self._threads)
                 self.model = quantize_lm_head_int8(self.model, self._few_rows, MANY_ROWS[fmt], self._threads)
-            self.model = quantize_linear_fp16(self.model, self._few_rows, fmt)
+            self.model = quantize_linear_fp16(self.model, self._few_rows, fmt, self._threads)
             log.info(
                 "%s weights on %s: %s for products of up to %d rows (on one thread), %s beyond (on %d threads)",
                 fmt,
@@ -106,7 +108,7 @@ class ModelRunner:
         self.progress = progress if progress is not None else make_progress(self.device)
         self._lean = LeanDecoder(self.model) if self.decoder == "lean" else None
         self._fused: FusedDecode | None = None
-        if self._lean is not None and config.decoder == "auto" and (fmt.startswith("int4w") or fmt == "float32"):
+        if self._lean is not None and config.decoder == "auto" and fmt in FUSED_FORMATS:
             reason = fused_unsupported(self.model, self.pool)
             if reason is None:
                 self._fused = FusedDecode(self.model, self.pool, self._threads)

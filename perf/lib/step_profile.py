@@ -17,9 +17,9 @@ from collections.abc import Callable
 from perf.lib.stats import median
 
 CLASSES: list[tuple[str, Callable[[str], bool]]] = [
-    # int4w's products and fused decode steps: calls into our kernel library, which names them
-    # for the profiler (``group_matmul.profiled``)
-    ("group kernel (int4w)", lambda n: n.startswith("group_kernel::")),
+    # our kernel library's calls (int4w's group products, the float32 and float16 products of few
+    # rows, the fused decode steps), which it names for the profiler (``group_matmul.profiled``)
+    ("our kernel library", lambda n: n.startswith("group_kernel::")),
     (
         "linear products",
         lambda n: (

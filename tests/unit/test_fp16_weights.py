@@ -84,6 +84,36 @@ def test_an_fp16w_product_is_the_float32_product_of_the_rounded_weights(rows):
     assert _relative_error(got, linear(x).detach()).max() > 1e-5
 
 
+def _kernel_calls(fn) -> int:
+    profile = torch.profiler.profile()
+    with profile:
+        fn()
+    return sum(e.name == "group_kernel::f16_matmul" for e in profile.events())
+
+
+def test_which_kernel_takes_an_fp16w_product(kernels):
+    """Up to 16 rows: our float16 product (on both kernel paths, the same products as the float32
+    product of the rounded weights); 17 up to ``max_rows`` (64 on one thread): fbgemm's; a layer
+    whose inputs are not a multiple of 16: fbgemm's for every few-row product."""
+    torch.manual_seed(5)
+    linear, odd = torch.nn.Linear(576, 200), torch.nn.Linear(200, 24)
+    layer = quantize_linear_fp16(torch.nn.Sequential(linear), max_rows=64, threads=2)[0]
+    narrow = quantize_linear_fp16(torch.nn.Sequential(odd), max_rows=64)[0]
+    assert layer.half_weight is not None and layer._packed_weight is not None and narrow.half_weight is None
+    x = torch.randn(64, 576)
+    with torch.inference_mode():
+        for rows, calls in ((1, 1), (16, 1), (17, 0), (64, 0)):
+            got = layer(x[:rows])
+            want = x[:rows] @ linear.weight.half().float().t() + linear.bias
+            assert _relative_error(got, want).max() < 1e-5, rows
+            assert _kernel_calls(lambda r=rows: layer(x[:r])) == calls, rows
+        packed = layer._packed_weight
+        assert torch.equal(layer(x[:17]), torch.fbgemm_linear_fp16_weight_fp32_activation(x[:17], packed, linear.bias))
+        assert _kernel_calls(lambda: narrow(x[:3, :200])) == 0
+        want = x[:3, :200] @ odd.weight.half().float().t() + odd.bias
+        assert _relative_error(narrow(x[:3, :200]), want).max() < 1e-5
+
+
 @pytest.mark.parametrize("rows", [17, 100])
 def test_an_fp16w_product_of_more_rows_than_its_limit_is_float32s(rows):
     """Prefill chunks: beyond ``max_rows`` the layer multiplies by its float32 weights, bit for bit

@@ -1,5 +1,5 @@
-"""Decode steps as one kernel call (``backend/engine/fused_decode.py``; int4w's 4-bit groups and
-float32 weights) against the lean layer loop on the same weights: the same greedy tokens for a
+"""Decode steps as one kernel call (``backend/engine/fused_decode.py``; int4w's 4-bit groups,
+float32 and fp16w's float16 weights) against the lean layer loop on the same weights: the same greedy tokens for a
 batch of sequences of different lengths, the same final hidden states and the same K/V in the pool
 (within float32 rounding), and the steps it does not take (a prefill chunk, a per-layer hook, more
 than 16 sequences, a pool that is not float32). On both kernel paths where the CPU has them (the
@@ -31,7 +31,7 @@ def tiny(tmp_path_factory):
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-fused"))
 
 
-FORMATS = pytest.mark.parametrize("fmt", ["int4w", "float32"])
+FORMATS = pytest.mark.parametrize("fmt", ["int4w", "float32", "fp16w"])
 
 
 def engines(tiny, fmt="int4w"):
@@ -94,7 +94,7 @@ def test_a_pool_that_is_not_float32_keeps_the_lean_loop(tiny, fmt):
     assert engine.runner.decoder == "lean" and engine.runner._fused is None
 
 
-@pytest.mark.parametrize("fmt", ["fp16w", "int8"])
+@pytest.mark.parametrize("fmt", ["int8"])
 def test_other_formats_keep_the_lean_loop(tiny, fmt):
     engine = make_engine(tiny, weights_dtype=fmt)
     assert engine.runner.decoder == "lean" and engine.runner._fused is None
