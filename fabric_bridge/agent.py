@@ -330,11 +330,9 @@ class FabricAgent:
         may be reused. ``waiting_for`` names what ``timeout_s`` bounds in a timeout's message.
         Returns the handle whose ``generation`` and ``slot`` go to the sender."""
         with_meta = self.meta is not None if with_meta is None else with_meta
-        handle = self._tracker.expect(
+        return self._tracker.expect(
             req_id, expected_writes, on_done, timeout_s, with_meta, peer, on_release, waiting_for
         )
-        self._progress.wake()
-        return handle
 
     def rearm(
         self, req_id: str, generation: int, timeout_s: float, waiting_for: str, renew_on_writes: bool = False
@@ -355,9 +353,7 @@ class FabricAgent:
         """Post one xfer writing layer ``layer`` of the plan's pages (``positions``: indices into
         the plan's page lists, e.g. the pages a prefill chunk filled; default all). Returns at
         once: True if posted, False if the request was cancelled or has failed."""
-        posted = self._sender.post_layer(peer, req_id, generation, plan, layer, positions)
-        self._progress.wake()
-        return posted
+        return self._sender.post_layer(peer, req_id, generation, plan, layer, positions)
 
     def post_meta(
         self, peer: str, req_id: str, generation: int, slot: int, hidden: torch.Tensor, logits: torch.Tensor
@@ -366,15 +362,12 @@ class FabricAgent:
         ``slot``. Staged through a free local meta slot (on a GPU: waits until the staging copy
         has run, so call it off the engine's thread; ``hidden`` and ``logits`` must be computed
         by then, or be produced on this thread's stream). Returns like :meth:`post_layer`."""
-        posted = self._sender.post_meta(peer, req_id, generation, slot, hidden, logits)
-        self._progress.wake()
-        return posted
+        return self._sender.post_meta(peer, req_id, generation, slot, hidden, logits)
 
     def finish_send(self, req_id: str, on_done: SendCallback) -> None:
         """No more posts for ``req_id``; ``on_done(req_id, ok, err)`` fires once all its xfers
         are done (ok) or once it failed and nothing is in flight (source pages free again)."""
         self._sender.finish_send(req_id, on_done)
-        self._progress.wake()
 
     # ---------------------------------------------------------------- both sides
     def cancel(
@@ -388,7 +381,6 @@ class FabricAgent:
         if stop is not None and stop[0] is not None:
             self._sender.notify(stop[0], Kind.CANCELLED_BY_RECEIVER, req_id, stop[1])
         self._sender.cancel(req_id, reason, peer, generation)
-        self._progress.wake()
 
     def pending(self) -> int:
         """Requests with state on this agent (in flight, expected or quarantined)."""

@@ -32,12 +32,8 @@ log = logging.getLogger("triton_disagg.fabric")
 
 # Poll gently: on a prefill instance this thread shares the cores (and the GIL) with the engine;
 # polling at 5 kHz while writes were in flight cost ~8% of the prefill compute. Completions only
-# free pages and count writes, so 1 ms is plenty. With nothing in flight nothing is due: the loop
-# then waits up to _POLL_IDLE_S for :meth:`ProgressLoop.wake` (the agent calls it whenever it is
-# given work: a receive expected, a write posted, a cancel), so an idle agent costs next to no CPU
-# (polling every 2 ms cost about 2% of a core per agent) and a new transfer starts at once. What
-# arrives unasked while idle (a late notification) and quarantines coming due wait at most that.
-_POLL_BUSY_S, _POLL_IDLE_S = 0.001, 0.05
+# free pages and count writes, so 1 ms is plenty.
+_POLL_BUSY_S, _POLL_IDLE_S = 0.001, 0.002
 
 
 class ProgressLoop:
@@ -46,7 +42,6 @@ class ProgressLoop:
     def __init__(self, name: str, nixl: Any, sender: Sender, tracker: CompletionTracker):
         self._nixl, self._sender, self._tracker = nixl, sender, tracker
         self._closing = threading.Event()
-        self._work = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"fabric-{name}", daemon=True)
 
     def start(self) -> None:
@@ -54,16 +49,10 @@ class ProgressLoop:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._closing.set()
-        self._work.set()
         self._thread.join(timeout=timeout)
-
-    def wake(self) -> None:
-        """Work was given to the agent: end an idle wait now (thread-safe, cheap)."""
-        self._work.set()
 
     def _loop(self) -> None:
         while not self._closing.is_set():
-            self._work.clear()  # before the round: a wake() during it ends the next wait at once
             fired: Fired = []
             busy = False
             try:
@@ -71,10 +60,7 @@ class ProgressLoop:
             except Exception:
                 log.exception("fabric progress loop error")
             run_callbacks(fired)
-            if busy:
-                time.sleep(_POLL_BUSY_S)
-            else:
-                self._work.wait(_POLL_IDLE_S)
+            time.sleep(_POLL_BUSY_S if busy else _POLL_IDLE_S)
 
     def step(self, fired: Fired) -> bool:
         """One round (see module docstring); True while there is work in flight."""

@@ -130,46 +130,6 @@ def make_pair(fabric):
             assert fabric.agent(agent.name).leaks() == {"xfers": 0, "dlists": 0, "registrations": 0}
 
 
-# ---------------------------------------------------------------- the progress loop's pace
-def _count_rounds(agent: FabricAgent, rounds: dict[str, int]) -> None:
-    nixl, get = agent._nixl, agent._nixl.get_new_notifs
-
-    def counted(*args, **kw):
-        rounds[agent.name] = rounds.get(agent.name, 0) + 1
-        return get(*args, **kw)
-
-    nixl.get_new_notifs = counted
-
-
-def test_an_idle_agent_polls_rarely(make_pair):
-    p = make_pair()
-    rounds: dict[str, int] = {}
-    for agent in (p.s, p.r):
-        _count_rounds(agent, rounds)
-    time.sleep(0.5)
-    print("idle rounds in 0.5 s:", rounds)
-    assert all(n <= 15 for n in rounds.values()), rounds  # a round per 50 ms at most; at 2 ms: about 250
-
-
-def test_work_wakes_an_idle_progress_loop(make_pair, monkeypatch):
-    """With idle waits of 30 s, a transfer still completes at once: expect, post and finish wake
-    the loops (without the wake-up it would wait out the idle round)."""
-    from fabric_bridge import progress
-
-    p = make_pair()
-    monkeypatch.setattr(progress, "_POLL_IDLE_S", 30.0)
-    p.s._progress.wake(), p.r._progress.wake()  # end the waits begun before the patch
-    time.sleep(0.2)  # both loops now in a 30 s idle wait
-    start = time.monotonic()
-    h, done, _ = p.expect()
-    assert all(p.post("q", h.generation))
-    sent = p.finish()
-    done.wait(5.0), sent.wait(5.0)
-    print(f"transfer after an idle spell: {(max(done.times[0], sent.times[0]) - start) * 1e3:.1f} ms")
-    assert p.landed()
-    p.settled()
-
-
 # ---------------------------------------------------------------- the happy path
 def test_bytes_and_meta_land_and_both_sides_complete_once(make_pair):
     p = make_pair()
