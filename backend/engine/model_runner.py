@@ -17,6 +17,7 @@ from backend.engine.device_progress import DeviceProgress, make_progress
 from backend.engine.fp16_linear import MANY_ROWS, fp16_max_rows, quantize_linear_fp16
 from backend.engine.fused_decode import FusedDecode
 from backend.engine.fused_decode import unsupported_reason as fused_unsupported
+from backend.engine.group_matmul import f32_unsupported
 from backend.engine.int4_linear import quantize_linear_int4
 from backend.engine.int8_group_linear import quantize_lm_head_int8
 from backend.engine.int8_linear import quantize_linear_int8, rotate_residual_stream, rotation_unsupported
@@ -99,6 +100,10 @@ class ModelRunner:
             )
         elif self.device.type == "cpu" and use_small_batch_linears(self.model):
             log.info("%s", kernel_path().short("float32"))
+        if self.device.type == "cpu" and fmt in ("float32", "fp16w", "fp16w-bf16") and f32_unsupported() is not None:
+            log.warning(
+                "%s products through torch's kernels: our kernel library is unavailable (%s)", fmt, f32_unsupported()
+            )
         hf_config = model.config
         self.hf_config = hf_config
         self.vocab_size = hf_config.vocab_size

@@ -111,3 +111,37 @@ def test_fused_steps_on_two_threads_equal_one_threads(tiny, kernels, fmt):
             engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=16, ignore_eos=True))
         results.append({k: tokens_of(v) for k, v in run_to_completion(engine).items()})
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("fmt", ["float32", "fp16w"])
+def test_without_the_kernel_library_float_formats_run_torchs_kernels(tiny, fmt, tmp_path, monkeypatch, caplog):
+    """No C compiler (the library cannot be built): float32 and fp16w still serve, through the lean
+    loop and torch's (fbgemm's) products, with one log line that says why; same greedy tokens."""
+    from backend.engine import group_matmul
+    from backend.engine.fp16_linear import Fp16Linear
+    from backend.engine.small_batch_linear import SmallBatchLinear
+
+    want = {}
+    engine = make_engine(tiny, weights_dtype=fmt)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+    want = {k: tokens_of(v) for k, v in run_to_completion(engine).items()}
+    monkeypatch.setenv("TRITON_DISAGG_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    for cached in (group_matmul.library, group_matmul.kernel, group_matmul.f32_unsupported):
+        cached.cache_clear()
+    try:
+        with caplog.at_level("INFO", logger="triton_disagg.engine"):
+            engine = make_engine(tiny, weights_dtype=fmt)
+        assert engine.runner.decoder == "lean" and engine.runner._fused is None
+        assert "compiling group_matmul.c failed" in caplog.text
+        modules = list(engine.runner.model.modules())
+        assert not any(isinstance(m, SmallBatchLinear) for m in modules)
+        assert all(m.half_weight is None for m in modules if isinstance(m, Fp16Linear))
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+        assert {k: tokens_of(v) for k, v in run_to_completion(engine).items()} == want
+        assert_pool_idle(engine)
+    finally:
+        for cached in (group_matmul.library, group_matmul.kernel, group_matmul.f32_unsupported):
+            cached.cache_clear()
