@@ -48,17 +48,36 @@ def test_serve_generate_and_ctrl_c(tmp_path, model_dir):
         text=True,
         start_new_session=True,
     )
+    # serve's output is read all the time, by a thread: a pipe nobody reads fills (64 KiB) and
+    # blocks serve's next print, its Ctrl-C handling included (a terminal never does that)
     lines: list[str] = []
+    seen = threading.Condition()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            with seen:
+                lines.append(line)
+                seen.notify_all()
+        with seen:
+            seen.notify_all()
+
+    threading.Thread(target=pump, daemon=True).start()
+    read_from = [0]
 
     def read_until(text: str, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "serve exited early:\n" + "".join(lines)
-            lines.append(line)
-            if text in line:
-                return line
-        raise AssertionError(f"no {text!r} from serve within {timeout_s:.0f}s:\n" + "".join(lines))
+        with seen:
+            while True:
+                for i in range(read_from[0], len(lines)):
+                    if text in lines[i]:
+                        read_from[0] = i + 1
+                        return lines[i]
+                read_from[0] = len(lines)
+                assert proc.poll() is None, "serve exited early:\n" + "".join(lines)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"no {text!r} from serve within {timeout_s:.0f}s:\n" + "".join(lines))
+                seen.wait(min(left, 1.0))
 
     def ask_paris() -> None:
         out = subprocess.run(
@@ -102,7 +121,13 @@ def test_serve_generate_and_ctrl_c(tmp_path, model_dir):
         time.sleep(1.5)
         assert proc.poll() is None and all(s is None for s in streams), "the drain let the streams go on"
         os.killpg(proc.pid, signal.SIGINT)  # a second Ctrl-C: stop now
-        assert proc.wait(60) == 0
+        try:
+            assert proc.wait(60) == 0
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                "serve did not stop within 60 s of a second Ctrl-C:\n" + "".join(lines[-80:])
+            ) from None
+        print(f"serve wrote {sum(map(len, lines))} bytes")
         stop_s = time.monotonic() - t_stop
         [t.join(30) for t in threads]
         assert all(s is not None and s.error and "the server is shutting down" in s.error for s in streams), [
