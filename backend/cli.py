@@ -225,6 +225,9 @@ def cmd_serve(args) -> int:
     )
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *a: stop.update(now=True))
+    # Ctrl-C (SIGINT) drains even where serve started with it ignored: a shell starts a background
+    # job (`serve &`, nohup) so, and Python then leaves it ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     down = ""  # why tritonserver stays down
     try:
         down = ServerWatch(server, policy).run(lambda: stop["now"])
