@@ -215,6 +215,9 @@ def cmd_serve(args) -> int:
         policy = RestartPolicy(max_restarts=args.max_restarts)
     except ValueError as e:
         raise SystemExit(f"--max-restarts: {e}") from None
+    # Ctrl-C (SIGINT) drains even where serve started with it ignored: a shell starts a background
+    # job (`serve &`, nohup) so, and Python leaves it ignored (as would the processes serve starts)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     server, frontend = start_server(args)
     openai = f", OpenAI API {frontend.url}/v1" if frontend is not None else ""
     print(
@@ -225,9 +228,6 @@ def cmd_serve(args) -> int:
     )
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *a: stop.update(now=True))
-    # Ctrl-C (SIGINT) drains even where serve started with it ignored: a shell starts a background
-    # job (`serve &`, nohup) so, and Python then leaves it ignored
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     down = ""  # why tritonserver stays down
     try:
         down = ServerWatch(server, policy).run(lambda: stop["now"])
