@@ -208,6 +208,13 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def take_sigint() -> None:
+    """Ctrl-C (SIGINT) stops a long-running command (raises ``KeyboardInterrupt``) even where it
+    started with SIGINT ignored: a shell starts a background job (``cmd &``, nohup) so, Python
+    leaves it ignored, and so would the processes the command starts."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def cmd_serve(args) -> int:
     from backend.launch.restarts import RestartPolicy, ServerWatch
 
@@ -215,9 +222,7 @@ def cmd_serve(args) -> int:
         policy = RestartPolicy(max_restarts=args.max_restarts)
     except ValueError as e:
         raise SystemExit(f"--max-restarts: {e}") from None
-    # Ctrl-C (SIGINT) drains even where serve started with it ignored: a shell starts a background
-    # job (`serve &`, nohup) so, and Python leaves it ignored (as would the processes serve starts)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    take_sigint()
     server, frontend = start_server(args)
     openai = f", OpenAI API {frontend.url}/v1" if frontend is not None else ""
     print(
@@ -339,6 +344,7 @@ def cmd_agent(args) -> int:
         role_sets=role_sets,
         log_dir=args.log_dir or "",
     )
+    take_sigint()
     return run(config)
 
 
@@ -402,6 +408,7 @@ def cmd_autoscale(args) -> int:
         flush=True,
     )
     signal.signal(signal.SIGTERM, lambda *a: scaler.stop())
+    take_sigint()
     try:
         scaler.run()
     except KeyboardInterrupt:
