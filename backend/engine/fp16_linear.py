@@ -7,7 +7,7 @@ The weights are rounded to float16 once, at load; each product converts them bac
 registers (F16C) and multiplies in float32 (AVX2 or AVX-512 FMA): half the bytes read per
 product, which is what a decode step's few-row products wait for, and no rounding but the
 weights' own. The inputs, the outputs, the norms, the embedding, attention and the KV pool stay in
-float32. Products of up to ``OUR_ROWS`` rows take our kernel library's float16 product
+float32. Products of up to ``FLOAT_ROWS`` rows take our kernel library's float16 product
 (``group_matmul.f32_product`` over the float16 weights as torch holds them: each weight read once
 per 8 rows, split between the instance's ``threads``), and the fused decode step takes them too
 (``fused_decode.py``); fbgemm's fp16-weight GEMM (one thread, its own packed copy) takes products
@@ -46,9 +46,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from backend.engine.bf16_linear import bf16_product, pack_bf16
-from backend.engine.group_matmul import f32_product, f32_unsupported
-
-OUR_ROWS = 16  # the most rows a product takes through our float16 product (module docstring)
+from backend.engine.group_matmul import FLOAT_ROWS, f32_product, f32_unsupported
 
 
 def fp16_max_rows(threads: int) -> int:
@@ -92,7 +90,7 @@ class Fp16Linear(nn.Module):
             # opaque handles to fbgemm's and oneDNN's packed matrices (tensors that own them),
             # deliberately not buffers: .to() or a state dict must not copy or move them;
             # fbgemm's only where it takes some products (more rows than ours, up to max_rows)
-            fbgemm = self.max_rows > (OUR_ROWS if ours else 0)
+            fbgemm = self.max_rows > (FLOAT_ROWS if ours else 0)
             self._packed_weight = torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(weight) if fbgemm else None
             self._packed_bf16 = pack_bf16(weight) if many_rows == torch.bfloat16 else None
         self.weight = nn.Parameter(weight, requires_grad=False) if many_rows == torch.float32 else None
@@ -123,7 +121,7 @@ class Fp16Linear(nn.Module):
         def forward(x: torch.Tensor) -> torch.Tensor:
             k = x.shape[-1]
             rows = x.numel() // k
-            if half is not None and rows <= OUR_ROWS:
+            if half is not None and rows <= FLOAT_ROWS:
                 out = f32_product(half, x.reshape(rows, k).contiguous(), threads)
                 if bias is not None:
                     out += bias

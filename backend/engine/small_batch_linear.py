@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from backend.engine.group_matmul import f32_product, f32_unsupported
+from backend.engine.group_matmul import FLOAT_ROWS, f32_product, f32_unsupported
 
-MAX_ROWS = 16
+MAX_ROWS = FLOAT_ROWS
 
 
 class SmallBatchLinear(torch.nn.Linear):
