@@ -2,7 +2,7 @@
 
 Each template (``<model>/config.pbtxt.template``) has placeholders: ``{{name}}``, ``{{count}}``,
 the tensor lists (``{{client_inputs}}``, ``{{decode_inputs}}``, ``{{prefill_inputs}}``,
-``{{client_outputs}}``, ``{{decode_outputs}}``, ``{{prefill_outputs}}``, from ``backend/serving/tensors.py``) and
+``{{client_outputs}}``, ``{{prefill_outputs}}``, from ``backend/serving/tensors.py``) and
 ``{{parameters}}``: every parameter of the model's role, with the deployment's value or its
 default (``backend/serving/config.py``). An unknown parameter or a malformed value is refused
 here, naming it, before any server starts; a renamed one given under its old name is rendered
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from backend.disagg.auth import accept_renamed
 from backend.serving.config import check_parameters, parameter_defaults
-from backend.serving.tensors import CONTROL_INPUTS, INPUTS, OUTPUTS, STATE_OUTPUT, TensorSpec, pbtxt_list
+from backend.serving.tensors import CONTROL_INPUTS, INPUTS, OUTPUTS, TensorSpec, pbtxt_list
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "model_repository"
 TEMPLATE = "config.pbtxt.template"
@@ -29,13 +29,11 @@ _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
 
 TENSOR_LISTS = {
     "client_inputs": pbtxt_list(INPUTS),
-    # optional on decode so the front model can send control requests (cancel, health probe)
+    # optional on decode so that a front model reaching it by BLS can cancel (cancel_request_id)
     "decode_inputs": pbtxt_list(INPUTS + CONTROL_INPUTS, force_optional=True),
     # a prefill model takes no client requests (it answers one with an error saying so)
     "prefill_inputs": pbtxt_list((TensorSpec("text_input", "TYPE_STRING"),)),
     "client_outputs": pbtxt_list(OUTPUTS),
-    # plus the state a decode model reports to the front's health probe (KV-aware routing)
-    "decode_outputs": pbtxt_list(OUTPUTS + (STATE_OUTPUT,)),
     "prefill_outputs": pbtxt_list((TensorSpec("text_output", "TYPE_STRING", optional=False),)),
 }
 

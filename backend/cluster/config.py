@@ -15,6 +15,8 @@ class MembershipConfig:
     instances (then the connector's ``prefill_endpoints`` is not used); empty: the fixed
     ``prefill_endpoints``. ``membership_grace_s``: after an etcd outage, how long a member
     missing from etcd stays before it is dropped (live instances register again within it).
+    ``state_interval_s``: how often a decode instance looks at its health and cache summary and,
+    when they changed, writes them into its record (what routers route by).
     ``deployment_secret_file``: the deployment secret, which signs the membership records,
     drain requests and the agents' API and which KV messenger peers prove (default: the
     environment variable ``TRITON_DISAGG_DEPLOYMENT_SECRET``; see ``backend/disagg/auth.py``)."""
@@ -24,6 +26,7 @@ class MembershipConfig:
     membership_ttl_s: float = 5.0
     membership_grace_s: float = 10.0
     deployment_secret_file: str = ""
+    state_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.membership_ttl_s < 1:
@@ -32,6 +35,8 @@ class MembershipConfig:
             )
         if self.membership_grace_s <= 0:
             raise ValueError(f"membership_grace_s must be > 0, got {self.membership_grace_s}")
+        if self.state_interval_s <= 0:
+            raise ValueError(f"state_interval_s must be > 0, got {self.state_interval_s}")
         if self.discovery:
             scheme, sep, rest = self.discovery.partition("://")
             host, colon, port = rest.rpartition(":")

@@ -23,9 +23,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from backend.cluster.etcd import EtcdClient, EtcdError, EtcdUnavailable, WatchEvent
@@ -35,6 +36,7 @@ log = logging.getLogger("triton_disagg.membership")
 
 Accept = Callable[[InstanceRecord], "str | None"]
 OnChange = Callable[[list[InstanceRecord], list[InstanceRecord]], None]
+FOLLOW_POLL_S = 0.1  # how often a followed record's fields are looked at (Registration.follow)
 
 
 class Registration:
@@ -93,6 +95,30 @@ class Registration:
             self._dirty = True
         self._round()
         return record
+
+    def follow(self, fields: Callable[[], dict[str, Any]], interval_s: float, at_once: Iterable[str] = ()) -> None:
+        """Keep fields of the record current (a decode instance's health and cache summary): on
+        a thread of its own until ``close()``, look at ``fields()`` every ``FOLLOW_POLL_S`` and
+        write the record again when they changed: at once for a change of a field in
+        ``at_once``, else at most every ``interval_s``. A ``fields()`` that raises is logged
+        (once until it works again) and asked again next time."""
+        prompt = frozenset(at_once)
+
+        def run() -> None:
+            failing, written = False, -math.inf
+            while not self._stop.wait(min(FOLLOW_POLL_S, interval_s)):
+                try:
+                    changes = {k: v for k, v in fields().items() if getattr(self._record, k) != v}
+                    if changes and (prompt & set(changes) or time.monotonic() - written >= interval_s):
+                        self.update(**changes)
+                        written = time.monotonic()
+                    failing = False
+                except Exception:
+                    if not failing:
+                        log.exception("could not take the state of %s for its record", self.key)
+                    failing = True
+
+        threading.Thread(target=run, name=f"etcd-state-{self._record.name}", daemon=True).start()
 
     def close(self, revoke: bool = True, timeout_s: float = 2.0) -> None:
         """Stop keeping the lease alive and (``revoke``) revoke it, which deletes the record at

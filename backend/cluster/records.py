@@ -50,6 +50,11 @@ class InstanceRecord:
     draining: bool = False
     metrics_url: str = ""  # the Prometheus endpoint of its server (http://host:port/metrics), "" if none
     control_url: str = ""  # an agent's control API (http://host:port), "" for every other role
+    # what a decode instance tells routers about itself (rewritten when it changes): why it cannot
+    # serve now ("": it can), and its cache summary (JSON, ``backend/engine/cache_summary.py``; "":
+    # none), which the KV-aware routers read
+    health: str = ""
+    cache: str = ""
 
 
 _FIELDS: dict[str, tuple[type, ...]] = {
@@ -66,6 +71,8 @@ _FIELDS: dict[str, tuple[type, ...]] = {
     "draining": (bool,),
     "metrics_url": (str,),
     "control_url": (str,),
+    "health": (str,),
+    "cache": (str,),
 }
 assert set(_FIELDS) == {f.name for f in dataclasses.fields(InstanceRecord)}
 

@@ -7,7 +7,7 @@ router matches against a prompt's own page hashes (computed with the published `
 does. A collision of two 64-bit keys can only misroute a request, never corrupt one: the
 instance's own allocator, with the full hashes, decides what a request reuses.
 
-On the wire (a Triton output tensor, a messenger message) it is a JSON object; ``keys`` travel
+On the wire (a decode instance's membership record, a messenger message) it is a JSON object; ``keys`` travel
 as base64 of the little-endian uint64 array.
 """
 
@@ -19,6 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 
 MAX_SUMMARY_KEYS = 1 << 22  # 32 MiB of keys: far beyond any pool this engine allocates
+# at most this many keys in a membership record (128 KiB of keys, about 175 KB of JSON: well under
+# etcd's 1.5 MiB request limit)
+RECORD_MAX_KEYS = 1 << 14
 
 
 def page_key(page_hash: bytes) -> int:
@@ -37,8 +40,11 @@ class CacheSummary:
     running: int  # requests in the engine (running and waiting)
     waiting: int  # requests the instance holds that the engine has not taken yet (queues)
 
-    def to_json(self) -> dict:
-        keys = np.fromiter(self.keys, dtype="<u8", count=len(self.keys))
+    def to_json(self, max_keys: int | None = None) -> dict:
+        """The wire form; ``max_keys``: at most that many keys (an arbitrary subset: a router
+        then misses some cached pages, which only costs it a better pick)."""
+        count = len(self.keys) if max_keys is None else min(len(self.keys), max_keys)
+        keys = np.fromiter(self.keys, dtype="<u8", count=count)
         return {
             "salt": self.salt,
             "page_size": self.page_size,

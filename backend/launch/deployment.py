@@ -142,12 +142,13 @@ def render_deployment(
     if mode in ("disagg", "decode"):
         decodes = _decode_models(decode_instances, common, endpoints, per_model, defaults["decode"])
         models.update(decodes)
-        # a disagg server's front routes to every decode instance of the deployment's membership
-        # (this server's by BLS, the others' over gRPC); a decode-only server's front (and any
-        # front without a membership) to this server's decode models: every front that spans
-        # the deployment probes every decode instance, and a decode-only server is one of many
+        # a disagg server's front routes to every decode instance of the deployment's membership;
+        # a decode-only server's front (and any front without a membership) to this server's
+        # decode models: every front that spans the deployment probes every decode instance, and
+        # a decode-only server is one of many. Either reads the instances' records (their health,
+        # draining, cache summaries) where there is a membership.
         membership = {k: v for k, v in common.items() if k in MEMBERSHIP_FIELDS}
-        targets = membership if discovery and mode == "disagg" else {"decode_models": ",".join(decodes)}
+        targets = membership if discovery and mode == "disagg" else {**membership, "decode_models": ",".join(decodes)}
         models["llm"] = {
             "source": "front",
             "count": 1,

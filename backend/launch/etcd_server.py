@@ -1,6 +1,9 @@
 """Start and stop a private single-member ``etcd`` (tests and single-host deployments): its own
 data directory, client and peer ports on ``host``, its log in a file; ``kill()`` keeps the data
-directory so that ``start()`` again brings the same store back on the same ports."""
+directory so that ``start()`` again brings the same store back on the same ports. Its history is
+compacted every 5 minutes: decode instances write their records again as their health and cache
+summaries change, and an uncompacted history would grow until etcd's space quota refuses every
+write (an etcd of your own needs the same, ``--auto-compaction-retention``)."""
 
 from __future__ import annotations
 
@@ -86,6 +89,8 @@ class EtcdServer:
             "--initial-cluster", f"{self.name}={peer}",
             "--logger", "zap",
             "--log-outputs", "stderr",
+            "--auto-compaction-mode", "periodic",
+            "--auto-compaction-retention", "5m",
         ]  # fmt: skip
 
     def running(self) -> bool:

@@ -1,9 +1,10 @@
 """The decode instances of a deployment as the frontend reaches them over the network (with
 ``--discovery``): their signed records from etcd (a ``Membership(role="decode")``,
-``backend/cluster/``: a record that fails verification is logged and never routed to), one gRPC
-client per Triton server, a health probe of each instance every ``health_probe_interval_s`` of
-the router's settings (every 0.1 s while one has never passed a probe; its answer carries the
-cache summary), all feeding a :class:`Router`, which picks and migrates.
+``backend/cluster/``: a record that fails verification is logged and never routed to; a record
+says whether its instance drains, why it cannot serve, and its cache summary), one gRPC client
+per Triton server, a readiness probe of each instance (Triton's own ``ModelReady``) every
+``health_probe_interval_s`` of the router's settings (every 0.1 s while one has never passed a
+probe), all feeding a :class:`Router`, which picks and migrates.
 
 The membership's threads hand their changes to the event loop, where the router lives.
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import socket
@@ -23,7 +23,6 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from backend.cluster.etcd import EtcdClient
 from backend.cluster.membership import Membership, Registration
 from backend.cluster.records import InstanceRecord, routable
-from backend.engine.cache_summary import CacheSummary
 from backend.openai.router import Router, Target
 from backend.openai.triton_stream import Delta, GenerationError, GenerationParams, StreamLost, TritonStream
 
@@ -86,20 +85,14 @@ class DecodeFleet:
                 self._probing[target.name] = asyncio.create_task(self._probe(target))
 
     async def _probe(self, target: Target) -> None:
-        summary, error, unanswered = None, None, False
+        error, unanswered = None, False
         try:
-            state = await self._client(target.grpc_url).instance_state(
-                target.model, self.router.settings.health_probe_timeout_s
-            )
-            if state:
-                summary = CacheSummary.from_json(json.loads(state))
+            await self._client(target.grpc_url).model_ready(target.model, self.router.settings.health_probe_timeout_s)
         except GenerationError as e:
             error, unanswered = e.message, isinstance(e, StreamLost)
-        except ValueError as e:  # it answered, so it serves; routed by load there
-            log.warning("decode instance %s: unreadable instance_state (%s)", target.name, e)
         finally:
             self._probing.pop(target.name, None)
-        self.router.probed(target.name, summary, error, unanswered)
+        self.router.probed(target.name, error, unanswered)
 
     def _client(self, url: str) -> TritonStream:
         if url not in self._clients:

@@ -5,7 +5,7 @@ of the deployment's membership.
 
 It maps membership records to targets (:meth:`Router.update`: a record that joins, changes or
 leaves; the requests in flight on one that leaves move at once, reason ``instance_down``) and
-hands each probe's outcome to the core (:meth:`Router.probed`).
+hands each readiness probe's outcome to the core (:meth:`Router.probed`).
 
 :meth:`Router.generate` relays one request as one stream of deltas. When its stream fails with an
 error of kind None (Triton's own, e.g. a dead stub), ``out_of_service`` or ``draining``, breaks
@@ -37,7 +37,6 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 from backend.cluster.records import InstanceRecord
-from backend.engine.cache_summary import CacheSummary
 from backend.engine.outputs import ErrorKind
 from backend.openai.triton_stream import Delta, GenerationError, StreamLost
 from backend.serving.config import RouterSettings
@@ -77,10 +76,11 @@ class _Moved(Exception):
 
 
 class Router:
-    """``update(joined, left)`` with membership records, ``probed(name, summary, error)`` with
-    each probe's outcome; ``generate(...)`` relays a request; ``migrations`` counts moves by
-    reason; ``status()`` lists the members. ``settings``: the router settings the Triton front
-    model has too (``RouterSettings``: probes, KV-routing weight, migration limit)."""
+    """``update(joined, left)`` with membership records (draining, health, cache summaries),
+    ``probed(name, error)`` with each readiness probe's outcome; ``generate(...)`` relays a
+    request; ``migrations`` counts moves by reason; ``status()`` lists the members.
+    ``settings``: the router settings the Triton front model has too (``RouterSettings``:
+    probes, KV-routing weight, migration limit)."""
 
     def __init__(self, settings: RouterSettings | None = None):
         self.settings = settings = settings or RouterSettings()
@@ -90,15 +90,15 @@ class Router:
 
     # ------------------------------------------------------------ membership and health
     def update(self, joined: Iterable[InstanceRecord], left: Iterable[InstanceRecord]) -> None:
-        """Records that joined or changed (``draining``), and records that left (their requests
-        in flight move)."""
+        """Records that joined or changed (``draining``, ``health``, ``cache``), and records that
+        left (their requests in flight move)."""
         for _, why, lost in self.table.update(joined, left):
             _lose(lost, why)
 
-    def probed(self, name: str, summary: CacheSummary | None, error: str | None, unanswered: bool = False) -> None:
-        """The outcome of a health probe of ``name``: its cache summary (None: it sent none) or
-        why it failed (``unanswered``: no answer came)."""
-        _lose(self.table.probed(name, summary, error, unanswered=unanswered), f"its health probes failed ({error})")
+    def probed(self, name: str, error: str | None = None, unanswered: bool = False) -> None:
+        """The outcome of a readiness probe of ``name``: None, or why it failed (``unanswered``:
+        no answer came)."""
+        _lose(self.table.probed(name, error, unanswered=unanswered), f"its readiness probes failed ({error})")
 
     def targets(self) -> list[Target]:
         return [t for t in map(self.table.target, self.table.names()) if t is not None]

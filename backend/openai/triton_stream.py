@@ -1,8 +1,8 @@
 """One generation against Triton over gRPC streaming (tritonclient's asyncio client): the
 request's tensors (the prompt as ``text_input`` or as token ids, ``input_ids``; with
 ``resume_token_ids`` when a request continues on another decode instance), and the responses as
-:class:`Delta` values, with the log-probabilities the request asked for; and a decode model's health probe
-(:meth:`TritonStream.instance_state`). Closing the iterator before the
+:class:`Delta` values, with the log-probabilities the request asked for; and a decode model's
+readiness (:meth:`TritonStream.model_ready`, Triton's own ``ModelReady``). Closing the iterator before the
 request finished (a client that went away) cancels the gRPC call, which Triton passes to the
 model as a cancellation, so the request's KV pages go back to the pool. A finished request's call
 is left to end by itself: cancelling a call whose final response Triton is still writing leaves
@@ -19,12 +19,11 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 import tritonclient.grpc.aio as grpcaio
-from tritonclient.grpc import InferInput, InferRequestedOutput
+from tritonclient.grpc import InferInput
 from tritonclient.utils import InferenceServerException
 
 from backend.engine.outputs import ErrorKind
 from backend.serving.errors import parse_error
-from backend.serving.tensors import PROBE_INPUT, STATE_OUTPUT
 
 
 @dataclass
@@ -236,49 +235,18 @@ class TritonStream:
             if not ended or not await _ended_by_server(call):
                 call.cancel()
 
-    async def instance_state(self, model: str, timeout_s: float) -> str | None:
-        """The health probe of decode model ``model``: its cache summary (JSON text; None if it
-        sent none) while it can serve. :class:`GenerationError` with its answer when it cannot,
-        :class:`StreamLost` when it cannot be reached or does not answer within ``timeout_s``.
-        The call is read to its end (not cancelled once answered: see the module doc)."""
-        probe = _tensor(PROBE_INPUT.name, [True], "BOOL", bool)
-        request = {
-            "model_name": model,
-            "inputs": [probe],
-            "outputs": [InferRequestedOutput(STATE_OUTPUT.name)],
-            "request_id": f"probe-{uuid.uuid4().hex}",
-        }
-
-        async def one_request():
-            yield request
-
-        call = self.client.stream_infer(one_request())
-        state: str | None = None
-        refusal: GenerationError | None = None
-
-        async def read() -> None:
-            nonlocal state, refusal
-            async for result, error in call:
-                if error is not None:
-                    refusal = GenerationError(*parse_error(error.message()))
-                else:
-                    state = _scalar(result, STATE_OUTPUT.name) or state
-
-        ended = False
+    async def model_ready(self, model: str, timeout_s: float) -> None:
+        """Returns when Triton has decode model ``model`` ready; :class:`GenerationError` when it
+        answers that it is not, :class:`StreamLost` when it cannot be reached or does not answer
+        within ``timeout_s``."""
         try:
-            await asyncio.wait_for(read(), timeout_s)
-            ended = True
+            ready = await asyncio.wait_for(self.client.is_model_ready(model, client_timeout=timeout_s), timeout_s)
         except TimeoutError:
-            raise StreamLost(ErrorKind.OUT_OF_SERVICE, f"no answer to the health probe within {timeout_s:g}s") from None
+            raise StreamLost(ErrorKind.OUT_OF_SERVICE, f"no readiness answer within {timeout_s:g}s") from None
         except (grpc.RpcError, InferenceServerException) as exc:
-            ended = True
             raise StreamLost(ErrorKind.OUT_OF_SERVICE, f"Triton at {self.url} failed the probe: {_text(exc)}") from exc
-        finally:
-            if not ended:
-                call.cancel()
-        if refusal is not None:
-            raise refusal
-        return state
+        if not ready:
+            raise GenerationError(ErrorKind.OUT_OF_SERVICE, f"Triton at {self.url}: decode model {model} is not ready")
 
     async def close(self) -> None:
         await self.client.close()

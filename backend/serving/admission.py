@@ -211,6 +211,7 @@ class Admission:
         with self._lock:
             self._draining, self._drain_kind = reason, ErrorKind.OUT_OF_SERVICE
             sessions = list(self.sessions.values())
+        self.worker.leave(final=False)  # routers send it nothing new
         for session in sessions:
             session.cancelled = True
             self.worker.cancel(session.req_id)

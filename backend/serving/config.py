@@ -173,10 +173,11 @@ class InstanceConfig:
 class RouterSettings:
     """How a router treats its decode targets, the same for the Triton front model
     (:class:`FrontConfig`) and the OpenAI frontend (``backend/openai/``), defined here once.
-    Each target is probed every ``health_probe_interval_s``; a probe unanswered within
-    ``health_probe_timeout_s`` or answered "not serving" counts as failed, and
-    ``health_probe_failures`` failures in a row take the target out of routing (and move the
-    requests in flight on it) until a probe succeeds again. Routing
+    Each target's readiness (Triton's own ``ModelReady``) is probed every
+    ``health_probe_interval_s``; a probe unanswered within ``health_probe_timeout_s`` or
+    answered "not ready" counts as failed, and ``health_probe_failures`` failures in a row take
+    the target out of routing (and move the requests in flight on it) until a probe succeeds
+    again; whether it drains or cannot serve, and what it caches, its membership record says. Routing
     (``backend/serving/kv_router.py``): a request goes to the serving target with the lowest
     ``kv_routing_weight`` x (prompt pages not cached there) + (pages of the router's requests in
     flight there); 0: least loaded. ``migration_limit``: how many times one request may move to

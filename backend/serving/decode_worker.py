@@ -22,6 +22,7 @@ a clear error of a known kind; its pages are freed once no late write can land i
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import queue
 import threading
@@ -37,7 +38,7 @@ from backend.disagg import auth
 from backend.disagg.messenger import PrefillEndpoint
 from backend.disagg.nixl_connector import NixlKVReceiver
 from backend.disagg.protocol import CacheReport, Cancel, Message, PrefillFailed, PrefillRequest, PrefillStarted
-from backend.engine.cache_summary import CacheSummary
+from backend.engine.cache_summary import RECORD_MAX_KEYS, CacheSummary
 from backend.engine.engine_loop import EngineLoop
 from backend.engine.outputs import EngineOutput, ErrorKind
 from backend.serving.config import InstanceConfig
@@ -180,7 +181,10 @@ class DecodeWorker:
         self.directory = PrefillDirectory(
             config, self._secret, dims, lambda joined, left: self._events.put(PrefillsChanged(joined, left))
         )
-        self.registration = register(config, self._secret, dims, "decode", model) if model else None
+        self._published: tuple[CacheSummary, str] | None = None  # the last summary and its JSON
+        self.registration = (
+            register(config, self._secret, dims, "decode", model, state=self.published_state) if model else None
+        )
         self._loop_thread = threading.Thread(target=self._run, name=f"{name}-decode-loop", daemon=True)
         self._loop_thread.start()
 
@@ -638,6 +642,16 @@ class DecodeWorker:
         waiting = sum(r.state.state is DecodeState.WAITING_KV for r in list(self.requests.values()))
         return dataclasses.replace(self.engine.cache_summary(), waiting=waiting)
 
+    def published_state(self) -> dict[str, str]:
+        """What routers read in this instance's membership record: why it cannot serve ("": it
+        can) and its cache summary (JSON, at most ``RECORD_MAX_KEYS`` keys; encoded again only
+        when the summary changed: this is asked ten times a second)."""
+        summary = self.cache_summary()
+        if self._published is None or self._published[0] != summary:
+            wire = summary.to_json(max_keys=RECORD_MAX_KEYS)
+            self._published = (summary, json.dumps(wire, separators=(",", ":")))
+        return {"health": self.health() or "", "cache": self._published[1]}
+
     def _endpoint_errors(self) -> str:
         endpoints = self.endpoints
         if not endpoints:
@@ -665,7 +679,7 @@ class DecodeWorker:
             return
         if final:
             self.registration.close()
-        else:
+        elif not self.registration.record.draining:
             self.registration.update(draining=True)
 
     def member_name(self) -> str | None:

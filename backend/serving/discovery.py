@@ -12,6 +12,7 @@ records that fail verification or acceptance are logged by name and never reach 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -19,6 +20,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from backend.cluster.etcd import EtcdClient
 from backend.cluster.membership import Membership, Registration
@@ -49,10 +51,19 @@ def instance_name(model: str) -> str:
 
 
 def register(
-    config: InstanceConfig, secret: bytes, dims: ModelDims, role: str, model: str, messenger: str = ""
+    config: InstanceConfig,
+    secret: bytes,
+    dims: ModelDims,
+    role: str,
+    model: str,
+    messenger: str = "",
+    state: Callable[[], dict[str, Any]] | None = None,
 ) -> Registration | None:
     """Register this instance in etcd (None without ``discovery``); the lease is kept alive by
-    the registration's thread, and ``close()`` deregisters."""
+    the registration's thread, and ``close()`` deregisters. ``state()``: record fields the
+    instance keeps current (a decode instance's ``health`` and ``cache``), in the first record
+    and written again when they changed: a changed ``health`` at once, the rest at most every
+    ``state_interval_s``."""
     c = config.membership
     if not c.discovery:
         return None
@@ -70,7 +81,11 @@ def register(
         started_at=time.time(),
         metrics_url=os.environ.get(METRICS_URL_ENV, ""),
     )
+    if state is not None:
+        record = dataclasses.replace(record, **state())
     reg = Registration(EtcdClient(c.discovery), record, secret, ttl_s=c.membership_ttl_s).start()
+    if state is not None:
+        reg.follow(state, c.state_interval_s, at_once=("health",))
     log.info("%s %s registers in %s (deployment %r) as %s", role, model, c.discovery, c.deployment, reg.key)
     return reg
 

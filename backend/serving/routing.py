@@ -1,14 +1,18 @@
 """The routing and migration core that both fronts share: the Triton front model
-(``backend/triton/front_model.py``, threads, BLS calls) and the OpenAI frontend
-(``backend/openai/router.py``, asyncio, gRPC) are thin adapters over it that only open streams
-and relay responses. Nothing here knows a transport.
+(``backend/triton/front_model.py``, threads, gRPC or BLS calls) and the OpenAI frontend
+(``backend/openai/router.py``, asyncio, gRPC) are thin adapters over it that only open streams,
+probe and relay responses. Nothing here knows a transport.
 
 Targets (decode instances) and their health: a target joins (from the membership, or the front
-model's ``decode_models``) and is routable after its first passing health probe; it takes no
-new request while it drains (its record says so, or its probe answers "draining"), while
-``health_probe_failures`` probes in a row failed (a stream that a target ends in a way that is
-not the request's fault, e.g. a dead stub, counts as a failed probe too; a probe that got no
-answer does not count while the target's streams still deliver responses), or once it left. When a
+model's ``decode_models``) and is routable once a readiness probe passed (Triton's own model
+readiness, a control call: nothing goes through the decode model's inputs). What an instance
+says of itself comes in its membership record (:meth:`RoutingTable.report`): ``draining`` (no
+new requests, those in flight go on), ``health`` (why it cannot serve now, e.g. no prefill
+instance connected: no new requests until its record says otherwise) and its cache summary (the
+KV-aware pick). A target is down while ``health_probe_failures`` probes in a row failed (a
+stream that a target ends in a way that is not the request's fault, e.g. a dead stub, counts as
+a failed probe too; a probe that got no answer does not count while the target's streams still
+deliver responses), and gone once its record left (its lease lapsed: the process died). When a
 target goes down or leaves, the requests in flight on it are returned to the adapter, which
 moves them (a dead instance never answers them). One passing probe brings it back.
 
@@ -27,6 +31,7 @@ Moves are counted by reason (``REASONS``).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
@@ -123,18 +128,21 @@ class NotMoved(Exception):
 class TargetState:
     name: str
     draining: bool = False  # its membership record says so
-    probe_draining: bool = False  # its last probe answered "draining"
-    up: bool = False  # its last probes pass (routable unless draining)
+    out: str = ""  # its record says it cannot serve now, and why
+    up: bool = False  # its last readiness probes pass (routable unless its record says otherwise)
     passed: bool = False  # a probe of it passed once
-    failures: int = 0  # failed probes in a row
+    served: bool = False  # it was serving once (ready, and its record said it can)
+    failures: int = 0  # failed probes (and streams) in a row
     reason: str = NEVER_PROBED
     heard: float = -math.inf  # when a stream of it last delivered a response (monotonic)
     routed: int = 0  # attempts sent to it
     in_flight: set[Journey] = field(default_factory=set)
+    started: float = -math.inf  # ``started_at`` of the record it follows
+    summary: CacheSummary | None = None  # the cache summary of that record
 
     @property
     def serving(self) -> bool:
-        return self.up and not (self.draining or self.probe_draining)
+        return self.up and not (self.draining or self.out)
 
 
 @dataclass(frozen=True)
@@ -162,9 +170,9 @@ class RoutingTable:
     def update(
         self, joined: Iterable[InstanceRecord], left: Iterable[InstanceRecord]
     ) -> list[tuple[str, str, list[Journey]]]:
-        """Membership records that joined or changed (``draining``, or an address: the requests
-        in flight at the old one move), and records that left. Returns the requests in flight to
-        move: (target, why, requests)."""
+        """Membership records that joined or changed (``draining``, ``health``, ``cache``, or an
+        address: the requests in flight at the old one move), and records that left. Returns the
+        requests in flight to move: (target, why, requests)."""
         lost: list[tuple[str, str, list[Journey]]] = []
         for record in joined:
             target = Target(record.name, record.grpc_url, record.model)
@@ -173,7 +181,8 @@ class RoutingTable:
                 if known is not None:
                     lost.append((record.name, "its record changed address", self.leave(record.name)))
                 self.log.info("%s %s joined: model %s at %s", self.noun, record.name, record.model, record.grpc_url)
-            self.join(target, record.draining)
+            self.join(target)
+            self.report(record.name, record)
         for record in left:
             if self.target(record.name) is not None:
                 lost.append((record.name, "it left the membership", self.leave(record.name)))
@@ -184,21 +193,50 @@ class RoutingTable:
         with self._lock:
             return self._where.get(name)
 
-    def join(self, target: Target | str, draining: bool = False) -> None:
+    def join(self, target: Target | str) -> None:
         """``target`` is a target (routable after its first passing probe); a bare name is the
         decode model of that name on the router's own server."""
         if isinstance(target, str):
             target = Target(target, "", target)
-        name = target.name
         with self._lock:
-            self._where[name] = target
-            if name not in self._targets:
-                self._targets[name] = TargetState(name, draining=draining)
+            self._where[target.name] = target
+            self._targets.setdefault(target.name, TargetState(target.name))
+
+    def report(self, name: str, record: InstanceRecord) -> None:
+        """What a membership record says of target ``name`` (its own, or, for a fixed decode
+        model, the record of the instance serving it): whether it drains, why it cannot serve
+        (``health``), its cache summary (``cache``). A record that started before the one
+        followed is ignored (a reloaded decode model's old record, whose lease has not lapsed)."""
+        summary = self._read_summary(name, record.cache)
+        with self._lock:
+            state = self._targets.get(name)
+            if state is None or record.started_at < state.started:
                 return
-            state = self._targets[name]
-            changed, state.draining = state.draining != draining, draining
-        if changed:
-            self.log.info("%s %s %s", self.noun, name, "drains: no new requests" if draining else "serves")
+            state.started, state.summary = record.started_at, summary
+            was_draining, was_out = state.draining, state.out
+            state.draining, state.out = record.draining, record.health
+            state.served = state.served or state.serving
+        if summary is not None:
+            self.kv.update(name, summary)
+        if record.health and not was_out:
+            self.log.warning("%s %s cannot serve (%s); no new requests go there", self.noun, name, record.health)
+        elif record.health and record.health != was_out:
+            self.log.debug("%s %s still cannot serve (%s)", self.noun, name, record.health)
+        elif record.draining and not was_draining:
+            self.log.info("%s %s drains: no new requests", self.noun, name)
+        elif not (record.health or record.draining) and (was_out or was_draining):
+            self.log.info("%s %s serves", self.noun, name)
+
+    def _read_summary(self, name: str, cache: str) -> CacheSummary | None:
+        if not cache:
+            return None
+        try:
+            return CacheSummary.from_json(json.loads(cache))
+        except ValueError as e:
+            self.log.warning(
+                "%s %s: unreadable cache summary in its record (%s); routing by load there", self.noun, name, e
+            )
+            return None
 
     def leave(self, name: str) -> list[Journey]:
         """``name`` left: the requests in flight there, to move."""
@@ -224,40 +262,29 @@ class RoutingTable:
             if state is not None:
                 state.heard = time.monotonic()
 
-    def probed(
-        self,
-        name: str,
-        summary: CacheSummary | None = None,
-        error: str | None = None,
-        draining: bool = False,
-        unanswered: bool = False,
-    ) -> list[Journey]:
-        """A probe of ``name`` passed (``summary``: its cache summary, None: it sent none), answered
-        ``draining``, or failed with ``error``; ``unanswered``: it got no answer (none within
-        ``health_probe_timeout_s``, or the call broke). An unanswered probe of a target whose
-        streams delivered a response within the last ``health_probe_timeout_s`` does not count:
-        it is alive, only slow to answer (a loaded instance on a busy machine answers its streams
-        before its probes). Returns the requests in flight there when this took it down (to
-        move)."""
+    def probed(self, name: str, error: str | None = None, unanswered: bool = False) -> list[Journey]:
+        """A readiness probe of ``name`` passed, or failed with ``error``; ``unanswered``: it got
+        no answer (none within ``health_probe_timeout_s``, or the call broke). An unanswered probe
+        of a target whose streams delivered a response within the last ``health_probe_timeout_s``
+        does not count: it is alive, only slow to answer. Returns the requests in flight there
+        when this took it down (to move)."""
         if error is not None and unanswered and self._heard_within(name, self.settings.health_probe_timeout_s):
             self.log.debug("%s %s: probe unanswered (%s) but its streams deliver; not counted", self.noun, name, error)
             return []
-        if error is not None and not draining:
+        if error is not None:
             return self.failed(name, error)
         with self._lock:
             state = self._targets.get(name)
             if state is None:
                 return []  # left meanwhile
-            drains = draining and not state.probe_draining
-            back = not draining and (not state.up or state.probe_draining)
-            state.up, state.passed, state.failures = True, True, 0
-            state.probe_draining, state.reason = draining, error or ""
+            back = not state.up
+            state.up, state.passed, state.failures, state.reason = True, True, 0, ""
+            state.served = state.served or state.serving
+            summary = state.summary
         if summary is not None:
-            self.kv.update(name, summary)
-        if drains:
-            self.log.warning("%s %s drains (%s); no new requests go there", self.noun, name, error)
-        elif back:
-            self.log.warning("%s %s serves; routing to it", self.noun, name)
+            self.kv.update(name, summary)  # forgotten while it was down
+        if back:
+            self.log.warning("%s %s is ready; routing to it", self.noun, name)
         return []
 
     def _heard_within(self, name: str, seconds: float) -> bool:
@@ -286,12 +313,13 @@ class RoutingTable:
         return lost
 
     def awaiting_first_probe(self) -> bool:
-        """No target serves, but one has never passed a probe (it may, in a moment: a server
-        starting). A new request may wait for it, at most ``health_probe_timeout_s``; otherwise
-        it fails at once."""
+        """No target serves, but one has never served (it may, in a moment: a server starting,
+        whose readiness has not passed yet or whose decode instances are not connected to a
+        prefill instance yet). A new request may wait for it, at most ``health_probe_timeout_s``;
+        otherwise it fails at once."""
         with self._lock:
             states = list(self._targets.values())
-        return not any(s.serving for s in states) and any(not s.passed for s in states)
+            return not any(s.serving for s in states) and any(not s.served for s in states)
 
     def probe_interval(self) -> float:
         """How long until the next round of probes: ``FIRST_PROBE_INTERVAL_S`` while a target has
@@ -370,7 +398,7 @@ class RoutingTable:
     def down_reasons(self) -> str:
         """Why targets do not serve, for an error message."""
         with self._lock:
-            parts = [f"{s.name}: {'draining' if s.up else s.reason}" for s in self._targets.values() if not s.serving]
+            parts = [f"{s.name}: {_why_not(s)}" for s in self._targets.values() if not s.serving]
         return "; ".join(parts) or f"no {self.noun} in the deployment"
 
     def in_flight(self) -> list[Journey]:
@@ -380,3 +408,10 @@ class RoutingTable:
     def status(self) -> list[TargetStatus]:
         with self._lock:
             return [TargetStatus(s.name, s.up, s.serving, s.routed, len(s.in_flight)) for s in self._targets.values()]
+
+
+def _why_not(state: TargetState) -> str:
+    """Why a target that does not serve does not."""
+    if not state.up:
+        return state.reason
+    return state.out or "draining"

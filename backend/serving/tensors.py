@@ -67,12 +67,12 @@ INPUTS = (
     TensorSpec("return_prompt_log_probs", "TYPE_BOOL"),
     TensorSpec("num_top_log_probs", "TYPE_INT32"),
 )
-# Sent by the front model to a decode model: cancel the request with this Triton request id.
+# Sent by a front model that reaches a decode model by BLS (whose calls cannot be cancelled):
+# cancel the request with this Triton request id. (Health, draining and cache summaries travel in
+# the instance's membership record, readiness is Triton's own, and ``triton-disagg drain``
+# reaches an instance through etcd: ``backend/serving/drain.py``.)
 CANCEL_INPUT = TensorSpec("cancel_request_id", "TYPE_STRING")
-# Sent by the front model to a decode model: answer whether you can serve (its health probe).
-PROBE_INPUT = TensorSpec("health_probe", "TYPE_BOOL")
-# (``triton-disagg drain`` reaches an instance apart from its inputs: ``backend/serving/drain.py``.)
-CONTROL_INPUTS = (CANCEL_INPUT, PROBE_INPUT)
+CONTROL_INPUTS = (CANCEL_INPUT,)
 
 OUTPUTS = (
     TensorSpec("text_output", "TYPE_STRING", optional=False),
@@ -91,10 +91,6 @@ OUTPUTS = (
     TensorSpec("prompt_top_token_ids", "TYPE_INT32", optional=False),  # [(P - 1) * k]
 )
 LOGPROB_OUTPUTS = tuple(t.name for t in OUTPUTS[5:])
-
-# Answered by a decode model to the front's health probe when asked for: its prefix cache and
-# load as a JSON object (``backend/engine/cache_summary.py``), for KV-aware routing.
-STATE_OUTPUT = TensorSpec("instance_state", "TYPE_STRING", optional=False, dims="1")
 
 INPUTS_BY_NAME = {t.name: t for t in INPUTS + CONTROL_INPUTS}
 

@@ -1,7 +1,8 @@
 """How the front model reaches one decode model: a :class:`DecodeLink` opens an attempt of a
 request there (the client's tensors in, each response out as a :class:`Reply`: an error message,
-or the output arrays) and sends its health probe. Two kinds, one interface, so one relay and one
-prober serve both:
+or the output arrays) and probes its readiness (Triton's own: the model is loaded and ready; a
+control call, nothing through the decode model's inputs). Two kinds, one interface, so one relay
+and one prober serve both:
 
 - :class:`GrpcLink`: a decode model at a known gRPC address (its membership record's
   ``grpc_url``; this server's own, from the launcher), by a tritonclient gRPC stream per
@@ -13,8 +14,9 @@ prober serve both:
 - :class:`BlsLink`: a decode model of this server when the server's address is unknown (a
   repository started without the launcher), by a decoupled BLS call; a client's cancellation
   reaches it as a control request (``cancel_request_id``; this Triton's BLS response iterator
-  has no cancel()). A decode model's response to a BLS caller whose stub died never returns
-  (Triton's Python backend waits on the dead stub): that decode instance stops serving.
+  has no cancel()); its readiness is the BLS ``is_model_ready``. A decode model's response to a
+  BLS caller whose stub died never returns (Triton's Python backend waits on the dead stub):
+  that decode instance stops serving.
 
 A broken call (the server died: connection reset, unavailable) is a :class:`Reply` whose error
 has no kind of ours, like Triton's answer for a dead stub: the request may move.
@@ -25,16 +27,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from backend.serving.errors import parse_error
 from backend.serving.routing import Target
-from backend.serving.tensors import PROBE_INPUT, STATE_OUTPUT
 
 log = logging.getLogger("triton_disagg.front")
 
@@ -70,8 +70,8 @@ class DecodeLink(Protocol):
 
     def open(self, request_id: str, inputs: dict[str, np.ndarray]) -> Attempt: ...
 
-    def probe(self) -> list[Reply]:
-        """Send the health probe and wait for its responses."""
+    def probe(self) -> Reply:
+        """Whether Triton has the decode model ready: a reply without an error if so."""
         ...
 
     def close(self) -> None: ...
@@ -86,14 +86,12 @@ class BlsLink:
     def open(self, request_id: str, inputs: dict[str, np.ndarray]) -> Attempt:
         return _BlsAttempt(self, request_id, inputs)
 
-    def probe(self) -> list[Reply]:
-        pb = self.pb
-        request = pb.InferenceRequest(
-            model_name=self.target.model,
-            inputs=[pb.Tensor(PROBE_INPUT.name, np.array([True], dtype=bool))],
-            requested_output_names=[STATE_OUTPUT.name],
-        )
-        return [self._reply(r) for r in request.exec(decoupled=True)]
+    def probe(self) -> Reply:
+        try:
+            ready = self.pb.is_model_ready(self.target.model)
+        except Exception as e:
+            return Reply(error=f"readiness of {self.target.model}: {type(e).__name__}: {e}", unanswered=True)
+        return Reply() if ready else Reply(error=f"decode model {self.target.model} is not ready")
 
     def _reply(self, resp) -> Reply:
         if resp.has_error():
@@ -141,38 +139,29 @@ _END = object()
 
 
 class GrpcLink:
-    """A decode model of another Triton server (gRPC); ``timeout_s`` bounds a probe. Probes,
-    one at a time, share one client (one channel, kept while the server answers); each attempt
-    has its own."""
+    """A decode model at a gRPC address; ``timeout_s`` bounds a probe. Probes, one at a time,
+    share one client (one channel, kept while the server answers); each attempt has its own."""
 
     def __init__(self, target: Target, timeout_s: float):
         self.target, self.timeout_s = target, timeout_s
-        self._probe_client = None
+        self._probe_client: Any = None  # a tritonclient gRPC client
 
     def open(self, request_id: str, inputs: dict[str, np.ndarray]) -> Attempt:
         return _GrpcAttempt(self.target, request_id, inputs)
 
-    def probe(self) -> list[Reply]:
+    def probe(self) -> Reply:
         import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
 
-        if self._probe_client is None:
-            self._probe_client = grpcclient.InferenceServerClient(self.target.grpc_url)
-        attempt = _GrpcAttempt(
-            self.target,
-            f"probe-{uuid.uuid4().hex}",
-            {PROBE_INPUT.name: np.array([True], dtype=bool)},
-            outputs=[STATE_OUTPUT.name],
-            client=self._probe_client,
-        )
-        out: list[Reply] = []
+        url, model = self.target.grpc_url, self.target.model
         try:
-            for reply in attempt.replies(self.timeout_s):
-                out.append(reply)
-        finally:
-            attempt.finish()
-        if any(r.error is not None for r in out) and attempt.broken:
+            if self._probe_client is None:
+                self._probe_client = grpcclient.InferenceServerClient(url)
+            ready = self._probe_client.is_model_ready(model, client_timeout=self.timeout_s)
+        except InferenceServerException as e:
             self.close()  # a fresh channel next time
-        return out
+            return Reply(error=f"Triton at {url}: {e.message()}", unanswered=True)
+        return Reply() if ready else Reply(error=f"Triton at {url}: decode model {model} is not ready")
 
     def close(self) -> None:
         client, self._probe_client = self._probe_client, None
@@ -184,29 +173,21 @@ class GrpcLink:
 
 
 class _GrpcAttempt:
-    """One gRPC stream: on its own client (tritonclient's synchronous client has one stream at a
-    time), or on ``client`` (kept open after it; a probe's)."""
+    """One gRPC stream, on a client of its own (tritonclient's synchronous client has one stream
+    at a time)."""
 
     local = False
 
-    def __init__(
-        self,
-        target: Target,
-        request_id: str,
-        inputs: dict[str, np.ndarray],
-        outputs: list[str] | None = None,
-        client=None,
-    ):
-        self.target, self.request_id, self.inputs, self.outputs = target, request_id, inputs, outputs
+    def __init__(self, target: Target, request_id: str, inputs: dict[str, np.ndarray]):
+        self.target, self.request_id, self.inputs = target, request_id, inputs
         self._queue: queue.Queue = queue.Queue()
-        self._client = client
-        self._own = client is None
+        self._client: Any = None  # a tritonclient gRPC client
         self._started = False
         self._lock = threading.Lock()
         self._closed = False
         self.broken = False  # the call failed (not an answer of the model)
 
-    def replies(self, timeout_s: float | None = None) -> Iterator[Reply]:
+    def replies(self) -> Iterator[Reply]:
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
@@ -224,27 +205,15 @@ class _GrpcAttempt:
                 t = grpcclient.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
                 t.set_data_from_numpy(arr)
                 tensors.append(t)
-            outputs = [grpcclient.InferRequestedOutput(n) for n in self.outputs] if self.outputs else None
             client.async_stream_infer(
-                self.target.model,
-                tensors,
-                outputs=outputs,
-                request_id=self.request_id,
-                enable_empty_final_response=True,
+                self.target.model, tensors, request_id=self.request_id, enable_empty_final_response=True
             )
         except InferenceServerException as e:
             self.broken = True
             yield Reply(error=f"Triton at {self.target.grpc_url}: {e.message()}", unanswered=True)
             return
         while True:
-            try:
-                item = self._queue.get(timeout=timeout_s)
-            except queue.Empty:
-                self.broken = True
-                yield Reply(
-                    error=f"Triton at {self.target.grpc_url} did not answer within {timeout_s:g}s", unanswered=True
-                )
-                return
+            item = self._queue.get()
             if item is _END:
                 return
             result, error = item
@@ -280,18 +249,13 @@ class _GrpcAttempt:
         self._queue.put(_END)
         if client is None or not self._started:
             return
-        own = self._own
         cancel = cancel or self.broken  # a call that failed or hangs: never wait for it to end
 
         def stop() -> None:
             try:
                 client.stop_stream(cancel_requests=cancel)
-                if own:
-                    client.close()
+                client.close()
             except Exception as e:  # a dead server: nothing to close there
                 log.debug("closing the stream to %s: %s", self.target.grpc_url, e)
 
-        if own:
-            threading.Thread(target=stop, name="front-grpc-close", daemon=True).start()
-        else:
-            stop()  # a probe's: the next one starts a stream on the same client
+        threading.Thread(target=stop, name="front-grpc-close", daemon=True).start()

@@ -1,28 +1,29 @@
 """The front model's decode targets as the routing core sees them (``backend/serving/routing.py``,
 shared with the OpenAI frontend: health, the KV-aware pick, moves): which they are, how each is
-reached (``backend/triton/decode_link.py``), and their probes.
+reached (``backend/triton/decode_link.py``), what they say of themselves, and their probes.
 
 Which: the fixed ``decode_models`` of this server, or, when that is empty, every decode instance
 of the deployment's membership (``discovery``: a ``Membership(role="decode")``,
-``backend/cluster/``; a record that fails verification is logged and never routed to). A
-record whose ``grpc_url`` is this server's (``TRITON_DISAGG_GRPC_URL``, set by the launcher) is
-reached by BLS, any other over gRPC: a client of this server's Triton API reaches the decode
-instances of every server, and its streams move off a server that dies.
+``backend/cluster/``; a record that fails verification is logged and never routed to), reached
+over gRPC wherever the server's address is known (``TRITON_DISAGG_GRPC_URL``, set by the
+launcher), so a client of this server's Triton API reaches the decode instances of every server,
+and its streams move off a server that dies.
 
-Every ``health_probe_interval_s`` (every 0.1 s while a target has never passed one) each target
-gets a control request (``health_probe``) on its own thread; it answers with an empty final
-response, carrying its cache summary (``instance_state``), while it can serve. A probe that errs
-(a dead stub answers "not healthy", a dead server does not answer, a decode instance without a
-prefill connection or a lost tensor-parallel rank answers "out of service") or stays unanswered
-for ``health_probe_timeout_s`` is a failure (an unanswered one not while the target's streams
-deliver: :meth:`heard`, called per response relayed); a draining one answers "draining": it gets no new
-requests, and its requests in flight go on. The core decides when a target is up or down; the
-requests in flight on one that goes down or leaves go to ``on_lost``, which moves them.
+What they say of themselves comes in their membership records (whenever ``discovery`` is set;
+for fixed decode models, the record of this server's instance serving each): draining, why one
+cannot serve (no prefill instance connected, a lost tensor-parallel rank), its cache summary.
+
+Every ``health_probe_interval_s`` (every 0.1 s while a target has never passed one) each target's
+readiness is probed on its own thread, through Triton's own model readiness (gRPC ``ModelReady``,
+or BLS ``is_model_ready``), never through the decode model's inputs. A probe that fails, or
+stays unanswered for ``health_probe_timeout_s`` (a dead server), is a failure (an unanswered
+one not while the target's streams deliver: :meth:`heard`, called per response relayed). The
+core decides when a target is up or down; the requests in flight on one that goes down or
+leaves go to ``on_lost``, which moves them.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -34,14 +35,11 @@ from backend.cluster.etcd import EtcdClient
 from backend.cluster.membership import Membership
 from backend.cluster.records import InstanceRecord, routable
 from backend.disagg.auth import load_secret
-from backend.engine.cache_summary import CacheSummary
-from backend.engine.outputs import ErrorKind
 from backend.serving.config import FrontConfig
 from backend.serving.discovery import GRPC_URL_ENV
-from backend.serving.errors import parse_error
 from backend.serving.routing import Journey, RoutingTable, Target
-from backend.serving.tensors import OUTPUTS, STATE_OUTPUT
-from backend.triton.decode_link import BlsLink, DecodeLink, GrpcLink
+from backend.serving.tensors import OUTPUTS
+from backend.triton.decode_link import BlsLink, DecodeLink, GrpcLink, Reply
 
 log = logging.getLogger("triton_disagg.front")
 LISTING_WAIT_S = 5.0  # how long the front's start waits for the membership's first listing
@@ -72,22 +70,23 @@ class DecodeTargets:
         return not self.config.targets()
 
     def start(self) -> None:
-        """Join the membership and begin probing. Call it when the front model's ``initialize``
-        is done: a probe (a BLS request) sent while the calling model still initializes took
-        tritonserver down."""
+        """Follow the membership and begin probing. Call it when the front model's ``initialize``
+        is done: a BLS call sent while the calling model still initializes took tritonserver
+        down."""
         c = self.config.membership
-        if self.spans_servers:
+        if c.discovery:
             self._membership = Membership(
                 EtcdClient(c.discovery),
                 c.deployment,
                 load_secret(c.deployment_secret_file),
                 role="decode",
-                accept=routable,
-                on_change=self._changed,
+                accept=routable if self.spans_servers else None,
+                on_change=self._changed if self.spans_servers else self._reported,
                 grace_s=c.membership_grace_s,
             )
             if not self._membership.wait_listed(LISTING_WAIT_S):
                 log.warning("etcd at %s does not answer yet: no decode instance known", c.discovery)
+        if self.spans_servers:
             log.info(
                 "routing across the decode instances of deployment %r in %s (this server: %s)",
                 c.deployment,
@@ -100,6 +99,14 @@ class DecodeTargets:
         for name, why, lost in self.table.update(joined, left):
             if lost:
                 self._on_lost(name, why, lost)
+
+    def _reported(self, joined: list[InstanceRecord], left: list[InstanceRecord]) -> None:  # membership thread
+        """Fixed decode models: what the records of this server's instances serving them say (a
+        record that left changes nothing: a reloaded instance's new record follows)."""
+        fixed = set(self.config.targets())
+        for record in joined:
+            if record.model in fixed and record.grpc_url == self._own_url:
+                self.table.report(record.model, record)
 
     def link(self, name: str) -> DecodeLink | None:
         """How to reach target ``name`` (None once it left)."""
@@ -147,7 +154,7 @@ class DecodeTargets:
                 if since == now:
                     threading.Thread(target=self._probe, args=(name,), daemon=True).start()
                 elif now - since > timeout:  # still unanswered: a failure per round until it returns
-                    self._unanswered(name, f"health probe unanswered for {now - since:.0f}s")
+                    self._unanswered(name, f"readiness probe unanswered for {now - since:.0f}s")
             if self._stop.wait(self.table.probe_interval()):
                 return
 
@@ -157,24 +164,21 @@ class DecodeTargets:
             self._on_lost(name, why, lost)
 
     def _probe(self, name: str) -> None:
-        error, summary, unanswered = None, None, False
         try:
             link = self.link(name)
-            for reply in link.probe() if link is not None else []:
-                if reply.error is not None:
-                    error, unanswered = reply.error, reply.unanswered
-                else:
-                    summary = _read_state(name, reply.outputs.get(STATE_OUTPUT.name)) or summary
+            reply = link.probe() if link is not None else None
         except Exception as e:
-            error = f"{type(e).__name__}: {e}"
+            reply = Reply(error=f"{type(e).__name__}: {e}")
         with self._lock:
             self._probing.pop(name, None)
-        if error is not None and unanswered:
-            self._unanswered(name, error)
-        elif error is not None and parse_error(error)[0] is not ErrorKind.DRAINING:
-            self.failed(name, error)
+        if reply is None:
+            return  # it left meanwhile
+        if reply.error is not None and reply.unanswered:
+            self._unanswered(name, reply.error)
+        elif reply.error is not None:
+            self.failed(name, reply.error)
         else:
-            self.table.probed(name, summary, error, draining=error is not None)
+            self.table.probed(name)
 
     def gauges(self) -> dict[tuple[str, str], float]:
         """(decode model, gRPC address; "" for this server's) -> 1 while the front routes new
@@ -193,13 +197,3 @@ class DecodeTargets:
         self._stop.set()
         if self._membership is not None:
             self._membership.close()
-
-
-def _read_state(name: str, arr) -> CacheSummary | None:
-    if arr is None:
-        return None  # the final (empty) response, or a decode model that does not report
-    try:
-        return CacheSummary.from_json(json.loads(arr.reshape(-1)[0]))
-    except ValueError as e:
-        log.warning("decode target %s: unreadable instance_state (%s); routing by load there", name, e)
-        return None

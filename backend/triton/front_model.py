@@ -14,7 +14,7 @@ cancels gets its request cancelled on the target (Triton's request cancellation 
 control request, ``cancel_request_id``, over BLS), so the decode instance (and the prefill
 instance working for it) stop and free their pages; so does a front model whose stub dies.
 
-Request migration: when a target goes down (its health probes fail) or leaves the membership,
+Request migration: when a target goes down (its readiness probes fail) or leaves the membership,
 answers a request as out of service, fails in a way that is not the request's fault (Triton's
 error for a dead stub, a broken call to a server that died) or ends its stream early (which
 counts as a failed probe of it), the request moves to another serving target, never one that
@@ -323,7 +323,7 @@ class FrontMetrics:
     ``triton_disagg_router_query_tokens_total`` / ``_router_predicted_hit_tokens_total``: prompt
     tokens routed, and how many of them the chosen decode model was judged to cache;
     ``triton_disagg_migrations_total{model, reason}``: requests moved to another decode model
-    (``instance_down``: its probes failed; ``stream_error``: its stream failed or stopped)."""
+    (``instance_down``: its probes failed or it left; ``stream_error``: its stream failed or stopped)."""
 
     def __init__(self, pb, model: str, targets: DecodeTargets, period_s: float = 0.25):
         self._targets = targets
@@ -337,7 +337,7 @@ class FrontMetrics:
         self._migrated_seen = dict.fromkeys(REASONS, 0)
         self._up_family = pb.MetricFamily(
             name="triton_disagg_decode_target_up",
-            description="1 while the front model routes to this decode model (its health probes pass)",
+            description="1 while the front model routes to this decode model (ready, and its record says it serves)",
             kind=pb.MetricFamily.GAUGE,
         )
         self._active_family = pb.MetricFamily(

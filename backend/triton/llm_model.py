@@ -4,37 +4,32 @@
 enqueue); the engine loop thread streams responses through each request's response sender
 (decoupled model). The ``role`` parameter picks the worker: ``aggregated`` (one engine, chunked
 prefill + decode) or ``decode`` (KV from prefill instances, ``backend/serving/decode_worker.py``).
-Control requests of the front model: ``cancel_request_id`` cancels the request with that
-Triton request id; ``health_probe`` is answered with an empty final response while the worker
-can serve (carrying its cache summary in ``instance_state`` when the probe asks for it: the
-front routes by it), else with an out-of-service error saying why (kind ``draining`` while the
-instance drains: routers send it nothing new but let its requests finish). ``triton-disagg
-drain`` reaches a decode instance apart from its inputs, through its drain key in etcd
-(``backend/serving/drain.py``), and drains it. When the deployment stops
+The one control request, for a front model that reaches this server's decode models by BLS (a
+repository started without the launcher; BLS calls cannot be cancelled): ``cancel_request_id``
+cancels the request with that Triton request id. Everything else about the instance travels
+apart from its inputs: a decode instance writes its health (why it cannot serve) and cache
+summary into its membership record (``backend/serving/discovery.py``), routers probe Triton's
+own model readiness, and ``triton-disagg drain`` reaches it through its drain key in etcd
+(``backend/serving/drain.py``) and drains it (its record then says ``draining``). When the deployment stops
 (``backend/triton/lifecycle.py``) the instance drains the same way, and at unload whatever is
 still in flight ends.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 
-import numpy as np
-
 from backend.disagg import auth
-from backend.engine.outputs import ErrorKind
 from backend.serving.admission import Admission
 from backend.serving.config import InstanceConfig
 from backend.serving.drain import watch_drain_requests
 from backend.serving.roles import make_worker
 from backend.serving.session import GenerationSession
 from backend.serving.stats import InstanceStats
-from backend.serving.tensors import STATE_OUTPUT
 from backend.triton.lifecycle import DRAIN_MESSAGE, DrainWatch
 from backend.triton.metrics import InstanceMetrics
 from backend.triton.model_args import init_model
-from backend.triton.sender import TritonSink, triton_error
+from backend.triton.sender import TritonSink
 
 log = logging.getLogger("triton_disagg.model")
 
@@ -98,26 +93,8 @@ class TritonPythonModel:
                 self.admission.cancel_by_external_id(cancel_id.reshape(-1)[0].decode())
                 sink.sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            if get("health_probe") is not None:  # a control request: can this instance serve?
-                sink.sender.send(self._probe_answer(request), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-                continue
             self.admission.admit(get, sink, request.request_id())
         return None
-
-    def _probe_answer(self, request):
-        """None (an empty final response) while the worker serves, else its out-of-service error;
-        with ``instance_state`` requested, a response carrying its cache summary (JSON)."""
-        pb = self.pb
-        down = self.worker.health()
-        if down is not None:
-            return pb.InferenceResponse(error=triton_error(pb, ErrorKind.OUT_OF_SERVICE, down))
-        draining = self.admission.draining
-        if draining is not None:
-            return pb.InferenceResponse(error=triton_error(pb, ErrorKind.DRAINING, draining))
-        if STATE_OUTPUT.name not in request.requested_output_names():
-            return None
-        state = json.dumps(self.worker.cache_summary().to_json()).encode()
-        return pb.InferenceResponse(output_tensors=[pb.Tensor(STATE_OUTPUT.name, np.array([state], dtype=object))])
 
     def _on_done(self, session: GenerationSession, reason: str) -> None:
         self.metrics.add("requests_total", 1)

@@ -52,6 +52,18 @@ def ready(server) -> int:
     return requests.get(f"http://{server.http_url}/v2/health/ready", timeout=5).status_code
 
 
+def watch_readiness(server) -> tuple[list[int], threading.Event]:
+    """The server's readiness statuses, polled every 0.25 s on a thread until the event is set."""
+    watched, stop = [], threading.Event()
+
+    def watch():
+        while not stop.wait(0.25):
+            watched.append(ready(server))
+
+    threading.Thread(target=watch, daemon=True).start()
+    return watched, stop
+
+
 def wait_reloaded(server, model: str, old_pid: int, timeout_s: float = 180) -> list[int]:
     """Poll readiness until the supervisor has reloaded ``model``; returns the statuses seen."""
     seen, deadline = [], time.monotonic() + timeout_s
@@ -79,6 +91,7 @@ def test_killed_prefill_instance_comes_back(server):
     old = server.instance_pids()["prefill_0_0_0"]
     os.kill(old, signal.SIGKILL)
     t_kill = time.monotonic()
+    watched, stop_watch = watch_readiness(server)  # the reload may be over before the requests below end
     during = []
     for _ in range(3):  # while it is down: clear errors, fast, never a hang
         t0 = time.monotonic()
@@ -88,6 +101,8 @@ def test_killed_prefill_instance_comes_back(server):
     assert all(k in (None, "prefill_unavailable", "kv_transfer_failed", "out_of_service") for k, _ in during), during
     assert all(s < 20 for _, s in during), during
     seen = wait_reloaded(server, "prefill_0", old)
+    stop_watch.set()
+    seen = watched + seen
     assert any(s != 200 for s in seen), f"readiness stayed 200 through the reload: {seen}"
     serves_again(server)
     results = [generate(server) for _ in range(3)]
@@ -131,14 +146,7 @@ def test_killed_decode_instance_moves_its_requests_and_comes_back(server):
     os.kill(old, signal.SIGKILL)
     t_kill = time.monotonic()
     # readiness watched from the kill on: the reload may be over before the streams below end
-    watched, stop_watch = [], threading.Event()
-
-    def watch():
-        while not stop_watch.wait(0.25):
-            watched.append(ready(server))
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
+    watched, stop_watch = watch_readiness(server)
     during = [generate(server) for _ in range(4)]  # routed around the dead instance
     assert all(r.error is None and r.token_ids for r in during), [r.error for r in during]
     [t.join(120) for t in threads]
@@ -149,7 +157,6 @@ def test_killed_decode_instance_moves_its_requests_and_comes_back(server):
     assert sum(metric_values(url, "triton_disagg_migrations_total", model="llm")) >= 1
     seen = wait_reloaded(server, "decode_0", old)
     stop_watch.set()
-    watcher.join(5)
     seen = watched + seen
     assert any(s != 200 for s in seen), f"readiness stayed 200 through the reload: {seen}"
     deadline = time.monotonic() + 30

@@ -1,7 +1,7 @@
 """KV-aware routing through a real server (front -> 2 decode models -> 2 prefill instances, real
 NIXL, the real model): a conversation's turns stay on the decode model and the prefill instance
 that hold its prefix, and routing learns what an instance caches from the summaries instances
-publish (the health probe's ``instance_state``, the prefill instances' cache reports), not
+publish (the decode instances' membership records, the prefill instances' cache reports), not
 only from its own past choices. Greedy output still equals transformers'."""
 
 from __future__ import annotations
@@ -9,12 +9,10 @@ from __future__ import annotations
 import json
 import time
 
-import numpy as np
-import tritonclient.grpc as grpcclient
-
 from backend.client import stream_generate
 from backend.engine.cache_summary import CacheSummary, page_key
 from backend.engine.page_allocator import page_hashes
+from backend.launch.drain import members
 from tests.conftest import hf_greedy, metric_values, wait_pool_free
 
 DECODES = ("decode_0", "decode_1")  # the front's targets in the disagg_server fixture
@@ -84,7 +82,7 @@ def test_a_conversation_stays_where_its_prefix_is(disagg_server):
 
 def test_routing_learns_from_published_summaries(disagg_server, tokenizer, hf_model):
     """A prefix computed by a request sent straight to decode_1 (the front never routed it) is
-    found by the front through decode_1's health-probe summary; decode_0 finds the prefill
+    found by the front through the cache summary in decode_1's membership record; decode_0 finds the prefill
     instance holding it through that instance's cache reports."""
     url = disagg_server.metrics_url
     conv = _conversation("lighthouses", 3)
@@ -94,13 +92,13 @@ def test_routing_learns_from_published_summaries(disagg_server, tokenizer, hf_mo
     ids = tokenizer(conv[0])["input_ids"]
     deadline = time.monotonic() + 10
     while True:  # decode_1's summary lists the pages of the prompt it holds
-        summary = _probe_state(disagg_server, "decode_1")
+        summary = _record_state(disagg_server, "decode_1")
         keys = [page_key(h) for h in page_hashes(ids[:-1], summary.page_size, bytes.fromhex(summary.salt))]
         if set(keys) <= summary.keys or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert keys and set(keys) <= summary.keys
-    time.sleep(2.5)  # a health probe (every 1 s) has carried it to the front
+    time.sleep(2.0)  # the record (written every 1 s when it changed) has reached the front
 
     hits = sum(metric_values(url, "triton_disagg_router_predicted_hit_tokens_total", model="llm"))
     assert _route(disagg_server, conv[1]) == (["decode_1"], [prefill])
@@ -118,25 +116,9 @@ def test_routing_learns_from_published_summaries(disagg_server, tokenizer, hf_mo
         wait_pool_free(url, m)
 
 
-def _probe_state(server, model: str) -> CacheSummary:
-    """What ``model`` answers a health probe that asks for ``instance_state`` (as the front does)."""
-    got = []
-    with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        client.start_stream(callback=lambda result, error: got.append((result, error)))
-        probe = grpcclient.InferInput("health_probe", [1], "BOOL")
-        probe.set_data_from_numpy(np.array([True]))
-        client.async_stream_infer(
-            model,
-            [probe],
-            outputs=[grpcclient.InferRequestedOutput("instance_state")],
-            enable_empty_final_response=True,
-        )
-        deadline = time.monotonic() + 10
-        while not any(r is not None and r.as_numpy("instance_state") is not None for r, _ in got):
-            assert time.monotonic() < deadline and not any(e is not None for _, e in got), got
-            time.sleep(0.05)
-        client.stop_stream()
-    state = next(
-        r.as_numpy("instance_state") for r, _ in got if r is not None and r.as_numpy("instance_state") is not None
-    )
-    return CacheSummary.from_json(json.loads(state.reshape(-1)[0]))
+def _record_state(server, model: str) -> CacheSummary:
+    """The cache summary in the membership record of the decode instance serving ``model`` (what
+    the front routes by)."""
+    records = [r for r in members(server.etcd.url, "default", server.deployment_secret.encode()) if r.model == model]
+    assert len(records) == 1 and records[0].role == "decode" and records[0].health == "", records
+    return CacheSummary.from_json(json.loads(records[0].cache))

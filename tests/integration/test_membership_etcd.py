@@ -131,6 +131,48 @@ def test_registrations_seen_updated_and_deregistered(client, caplog):
         assert time.monotonic() - started < 1.5, "Membership.close() must stop its watch promptly"
 
 
+def test_a_followed_state_is_written_when_it_changes_and_only_then(client, caplog):
+    """A decode instance's health and cache summary travel in its record: ``follow`` writes the
+    record again when ``fields()`` changed (watchers see it), a change of health at once, any
+    other at most every ``interval_s``, and nothing when nothing changed; a ``fields()`` that
+    raises is logged once and the record stays as it was."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    changes = Changes()
+    membership = Membership(client, "dep-state", SECRET, on_change=changes, grace_s=2 * TTL)
+    state = {"health": "no prefill instance connected", "cache": ""}
+    broken = threading.Event()
+
+    def fields() -> dict[str, str]:
+        if broken.is_set():
+            raise RuntimeError("the engine is gone")
+        return dict(state)
+
+    decode = Registration(client, make_record("dep-state", "h:decode_0:3", "decode", **state), SECRET, ttl_s=TTL)
+    decode.start()
+    decode.follow(fields, 1.5, at_once=("health",))
+    try:
+        assert membership.wait_for(lambda m: len(m) == 1, 5)
+        time.sleep(0.5)  # several looks, nothing changed: no write
+        assert len(changes.joined()) == 1
+        state.update(health="", cache='{"version": 2}')  # health changed: written at once, both fields
+        assert membership.wait_for(lambda m: m and m[0].health == "" and m[0].cache == '{"version": 2}', 1.0)
+        assert len(changes.joined()) == 2
+        state.update(cache='{"version": 3}')  # the cache alone: not before 1.5 s after the last write
+        time.sleep(0.5)
+        assert membership.members()[0].cache == '{"version": 2}'
+        assert membership.wait_for(lambda m: m and m[0].cache == '{"version": 3}', 3)
+        broken.set()
+        time.sleep(0.3)
+        assert sum("could not take the state of" in m for m in caplog.messages) == 1
+        assert membership.members()[0].health == ""
+        broken.clear()
+        state.update(health="lost tensor-parallel rank 1")
+        assert membership.wait_for(lambda m: m and m[0].health == "lost tensor-parallel rank 1", 1.0)
+    finally:
+        decode.close()
+        membership.close()
+
+
 CHILD = """
 import os, sys, time
 from backend.cluster.etcd import EtcdClient

@@ -54,6 +54,7 @@ CONFLICT = "messenger_secret_file and deployment_secret_file are both given, wit
         ({"model_path": "/m", "prefill_endpoints": "nohost"}, "must be host:port"),
         ({"model_path": "/m", "membership_ttl_s": "0.5"}, "membership_ttl_s must be >= 1"),
         ({"model_path": "/m", "membership_grace_s": "0"}, "membership_grace_s must be > 0"),
+        ({"model_path": "/m", "state_interval_s": "0"}, "state_interval_s must be > 0"),
         ({"model_path": "/m", "discovery": "etcd:2379"}, "discovery 'etcd:2379' must be etcd://HOST:PORT"),
         ({"model_path": "/m", "deployment": "a/b"}, "deployment 'a/b' must be a non-empty name"),
         ({"model_path": "/m", "messenger_secret_file": "/a", "deployment_secret_file": "/b"}, CONFLICT),
@@ -112,8 +113,8 @@ def test_rendered_repository_lists_tensors_and_every_parameter(tmp_path):
     assert params["page_size"] == "32" and params["role"] == "decode" and params["prefill_endpoints"]
     assert read_parameters(prefill)["role"] == "prefill"
     assert read_parameters(llm) == {**parameter_defaults("front"), "decode_models": "decode_0", "model_path": "/m"}
-    assert 'name: "health_probe", data_type: TYPE_BOOL' in decode
-    assert 'name: "instance_state", data_type: TYPE_STRING' in decode and "instance_state" not in llm
+    # health and cache summaries travel in the membership record, not through the decode model
+    assert "health_probe" not in decode and "instance_state" not in decode
 
 
 def test_render_refuses_unknown_parameter(tmp_path):
@@ -148,9 +149,10 @@ def test_membership_settings_are_their_own_section():
             "membership_ttl_s": "3",
             "membership_grace_s": "6",
             "deployment_secret_file": "/etc/deploy.secret",
+            "state_interval_s": "0.25",
         }
     )
-    assert c.membership == MembershipConfig("etcd://10.0.0.3:2379", "blue", 3.0, 6.0, "/etc/deploy.secret")
+    assert c.membership == MembershipConfig("etcd://10.0.0.3:2379", "blue", 3.0, 6.0, "/etc/deploy.secret", 0.25)
     assert c.membership.etcd_host() == "10.0.0.3" and MembershipConfig().etcd_host() == ""
     assert not {"discovery", "deployment_secret_file"} & set(ConnectorConfig.__dataclass_fields__)
 

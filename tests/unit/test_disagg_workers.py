@@ -7,12 +7,14 @@ for a prefill instance. After each test both pools are free again (no page leake
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 
 import pytest
 from engine_helpers import build_tiny_llama, make_engine, run_to_completion, tokens_of
 
+from backend.engine.cache_summary import CacheSummary
 from backend.engine.outputs import ErrorKind
 from backend.engine.sampling_params import SamplingParams
 from backend.serving.config import InstanceConfig
@@ -182,6 +184,10 @@ def test_disaggregated_outputs_equal_aggregated(pair, tiny_dir):
     wait_until(lambda: sink.ended)
     assert sink.tokens == runs[2][1].tokens and pair.decode.stats().prefill_local_total == 1
     pair.assert_idle()
+    # what its membership record tells routers: it serves, and the prompt's pages are cached here
+    state = pair.decode.published_state()
+    summary = CacheSummary.from_json(json.loads(state["cache"]))
+    assert state["health"] == "" and summary == pair.decode.cache_summary() and summary.keys
 
 
 def test_layer_completions_out_of_order_and_duplicated(pair, tiny_dir, fabric):
@@ -347,6 +353,7 @@ def test_no_prefill_instance_reachable(tiny_dir):
     )
     try:
         assert "no prefill instance connected" in (decode.health() or "")
+        assert decode.published_state()["health"] == decode.health()  # routers read it in its record
         s1, sink = session(decode, "nobody", prompt(40, 13))
         decode.submit(s1)
         s2, cancelled = session(decode, "cancelled", prompt(40, 14))

@@ -448,8 +448,10 @@ def test_a_triton_refusal_passes_through():
 SALT = "00"
 
 
-def _record(name: str) -> InstanceRecord:
-    return InstanceRecord("d", name, "decode", f"{name}:8001", "decode_0", "", "m", "l", 1, 0.0, False)
+def _record(name: str, keys: frozenset[int] = frozenset()) -> InstanceRecord:
+    """Instance ``name``'s membership record, its cache summary holding ``keys``."""
+    cache = json.dumps(CacheSummary(SALT, 4, 1, keys, 1000, 1000, 0, 0).to_json())
+    return InstanceRecord("d", name, "decode", f"{name}:8001", "decode_0", "", "m", "l", 1, 0.0, False, cache=cache)
 
 
 class MovingTriton:
@@ -490,10 +492,10 @@ class MovingTriton:
 def test_a_moved_request_relays_the_prompt_logprobs_once_and_the_output_logprobs_go_on(first_sends):
     prompt = list(range(40))
     router = Router()
-    router.update([_record("a"), _record("b")], [])
     keys = frozenset(page_key(h) for h in page_hashes(prompt, 4, bytes.fromhex(SALT)))
-    router.probed("a", CacheSummary(SALT, 4, 1, keys, 1000, 1000, 0, 0), None)  # a holds the prompt: first pick
-    router.probed("b", CacheSummary(SALT, 4, 1, frozenset(), 1000, 1000, 0, 0), None)
+    router.update([_record("a", keys), _record("b")], [])  # a holds the prompt: first pick
+    router.probed("a")
+    router.probed("b")
     fake = MovingTriton({"a": first_sends, "b": None}, max_tokens=5)
     fleet = DecodeFleet("etcd://unused:1", "d", b"", router)
     fleet._client = fake.client_for  # type: ignore[method-assign]

@@ -1,11 +1,14 @@
 """The routing and migration core both fronts share (``backend/serving/routing.py``), without any
-transport: when a target is routable (first passing probe, not draining, not down), what takes
-it down and which requests then move, the KV-aware pick, and a request's moves (never back to
+transport: when a target is routable (first passing readiness probe, and its membership record
+says neither draining nor why it cannot serve), what takes it down and which requests then move,
+the KV-aware pick from the cache summaries in the records, and a request's moves (never back to
 a target that failed it, the output sent goes along, at most ``migration_limit`` moves, the
 prompt's log-probabilities relayed once, ``cum_log_probs`` summed across attempts)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 
 import pytest
@@ -29,53 +32,104 @@ def table(*names: str, up: bool = True, **kw) -> RoutingTable:
     t = RoutingTable(RouterSettings(**kw), log)
     for n in names:
         t.join(n)
+        say(t, n, cached=[])  # its record: serving, nothing cached
         if up:
-            t.probed(n, summary())
+            t.probed(n)
     return t
+
+
+def record(
+    name: str,
+    url: str = "a:8001",
+    model: str = "decode_0",
+    draining: bool = False,
+    health: str = "",
+    cached: list[int] | None = None,
+    started: float = 0.0,
+) -> InstanceRecord:
+    cache = json.dumps(summary(cached).to_json()) if cached is not None else ""
+    return InstanceRecord(
+        "default", name, "decode", url, model, "", "m", "k", 1, started, draining=draining, health=health, cache=cache
+    )
+
+
+def say(t: RoutingTable, name: str, **fields) -> None:
+    """What target ``name``'s membership record says (:func:`record`'s fields)."""
+    t.report(name, record(name, **fields))
 
 
 def journey(prompt: list[int] | None = None, pages: int = 2) -> Journey:
     return Journey("req", list(prompt or [1, 2, 3]), pages)
 
 
-def test_a_target_serves_after_its_first_passing_probe_and_not_while_it_drains():
+def test_a_target_serves_after_its_first_passing_probe_and_not_while_its_record_says_otherwise():
     t = table("a", "b", up=False)
     assert t.serving() == [] and t.pick(journey()) is None
     assert t.awaiting_first_probe() and t.probe_interval() == FIRST_PROBE_INTERVAL_S
     assert "a: no health probe passed yet" in t.down_reasons()
-    t.probed("a", summary())
+    t.probed("a")
     assert t.serving() == ["a"] and not t.awaiting_first_probe()
     assert t.probe_interval() == FIRST_PROBE_INTERVAL_S  # b has not passed one yet
-    t.probed("b", summary())
+    t.probed("b")
     assert t.probe_interval() == RouterSettings().health_probe_interval_s
-    t.join("b", draining=True)  # its record says it drains
+    say(t, "b", draining=True)  # its record says it drains
     assert t.serving() == ["a"] and "b: draining" in t.down_reasons()
-    t.join("b", draining=False)
-    t.probed("a", None, "[draining] the server stops", draining=True)  # its probe says it drains
-    assert t.serving() == ["b"] and "a: draining" in t.down_reasons()
+    say(t, "b")
+    say(t, "a", health="decode instance a: no prefill instance connected")  # it says why it cannot serve
+    assert t.serving() == ["b"] and "a: decode instance a: no prefill instance connected" in t.down_reasons()
     assert {t.pick(journey()) for _ in range(5)} == {"b"}
-    t.probed("a", summary())
+    t.probed("a")  # ready, but its record still says it cannot serve
+    assert t.serving() == ["b"]
+    say(t, "a")
     assert sorted(t.serving()) == ["a", "b"]
     assert t.serving(exclude=["a"]) == ["b"]
+
+
+def test_a_request_waits_only_for_a_target_that_never_served():
+    """A starting server: ready, but its decode instance not connected to a prefill instance yet
+    (its first record says so): a new request may wait for it. One that served before and
+    cannot now is not waited for."""
+    t = table("a", up=False)
+    say(t, "a", health="no prefill instance connected (none known yet)")
+    t.probed("a")
+    assert t.serving() == [] and t.awaiting_first_probe()
+    say(t, "a")
+    assert t.serving() == ["a"] and not t.awaiting_first_probe()
+    say(t, "a", health="no prefill instance connected")
+    assert t.serving() == [] and not t.awaiting_first_probe()
+
+
+def test_a_record_older_than_the_one_followed_is_ignored():
+    """A fixed decode model reloaded: the new instance's record (started later) is followed, the
+    old one's (its lease not lapsed yet) no longer changes anything."""
+    t = table("decode_0")
+    t.report("decode_0", record("new", health="no prefill instance connected", started=2.0))
+    t.report("decode_0", record("old", started=1.0))  # the dead stub's record, written again
+    assert t.serving() == []
+    t.report("decode_0", record("new", started=2.0))
+    assert t.serving() == ["decode_0"]
+    t.report("gone", record("gone"))  # not a target: nothing
 
 
 def test_failures_in_a_row_take_a_target_down_with_its_requests_and_one_pass_brings_it_back():
     t = table("a", "b", health_probe_failures=2)
     on_a = [journey(list(range(40))) for _ in range(2)]
-    t.probed("a", summary(list(range(40))))  # a caches the prompts: they go there
+    say(t, "a", cached=list(range(40)))  # a caches the prompts: they go there
     assert [t.pick(j) for j in on_a] == ["a", "a"]
     assert t.failed("a", "Stub process is not healthy") == []  # one failure is not enough
     assert sorted(t.serving()) == ["a", "b"]
-    t.probed("a", summary())  # a pass resets the count
+    t.probed("a")  # a pass resets the count
     assert t.failed("a", "x") == []
-    lost = t.probed("a", None, "Stub process is not healthy")
+    lost = t.probed("a", "Stub process is not healthy")
     assert set(lost) == set(on_a) and t.serving() == ["b"]
     assert "a: Stub process is not healthy" in t.down_reasons()
     assert t.failed("a", "again") == []  # down already: nothing more to move
     assert t.kv.inflight("a") == 0 and t.in_flight() == []
-    t.probed("a", summary())
+    t.probed("a")
     assert sorted(t.serving()) == ["a", "b"] and not t.awaiting_first_probe()
-    assert t.probed("gone", summary()) == [] and t.failed("gone", "x") == []  # left meanwhile
+    # its cache summary, forgotten while it was down, is back with it
+    assert t.pick(journey(list(range(40)))) == "a"
+    assert t.probed("gone") == [] and t.failed("gone", "x") == []  # left meanwhile
 
 
 def test_an_unanswered_probe_does_not_count_while_the_targets_streams_deliver(monkeypatch):
@@ -92,15 +146,15 @@ def test_an_unanswered_probe_does_not_count_while_the_targets_streams_deliver(mo
     t.heard("a")  # a response of a's stream was relayed
     now[0] += 4.0
     for _ in range(3):  # within 5 s of it: not counted
-        assert t.probed("a", None, "no answer within 5s", unanswered=True) == []
+        assert t.probed("a", "no answer within 5s", unanswered=True) == []
     assert sorted(t.serving()) == ["a", "b"]
-    assert t.probed("a", None, "[out_of_service] no prefill instance connected") == []  # answered: counts
+    assert t.probed("a", "decode model decode_0 is not ready") == []  # answered: counts
     now[0] += 1.5  # 5.5 s since a's stream last delivered: unanswered probes count again
-    assert t.probed("a", None, "no answer within 5s", unanswered=True) == [on_a]
+    assert t.probed("a", "no answer within 5s", unanswered=True) == [on_a]
     assert t.serving() == ["b"]
     # a target never heard from (b): its unanswered probes count
-    assert t.probed("b", None, "no answer within 5s", unanswered=True) == []
-    assert t.probed("b", None, "no answer within 5s", unanswered=True) == [] and t.serving() == []
+    assert t.probed("b", "no answer within 5s", unanswered=True) == []
+    assert t.probed("b", "no answer within 5s", unanswered=True) == [] and t.serving() == []
     t.heard("gone")  # left meanwhile: nothing
 
 
@@ -145,7 +199,7 @@ def test_a_target_that_leaves_returns_its_requests_and_is_forgotten():
 def test_the_pick_prefers_the_target_that_caches_the_prompt_and_counts_the_load():
     prompt = list(range(40))
     t = table("a", "b")
-    t.probed("b", summary(prompt))
+    say(t, "b", cached=prompt)
     for _ in range(3):
         j = journey(prompt, 3)
         assert t.pick(j) == "b"
@@ -160,8 +214,8 @@ def test_the_pick_prefers_the_target_that_caches_the_prompt_and_counts_the_load(
 def test_a_move_never_goes_back_and_carries_the_output_sent():
     prompt = list(range(40))
     t = table("a", "b", "c")
-    t.probed("a", summary(prompt))
-    t.probed("b", summary(prompt[:20]))
+    say(t, "a", cached=prompt)
+    say(t, "b", cached=prompt[:20])
     j = journey(prompt)
     assert t.pick(j) == "a"
     j.sent = [7, 8]
@@ -208,22 +262,21 @@ def test_the_resume_relays_the_prompt_once_and_sums_the_cumulative_log_probabili
     assert not j.relay_prompt()
 
 
-def test_a_changed_draining_flag_is_logged_once(caplog):
+def test_what_a_record_says_is_logged_once_per_change(caplog):
     t = table("a")
     with caplog.at_level(logging.INFO, logger="test_routing"):
-        t.join("a", draining=True)
-        t.join("a", draining=True)
-        t.probed("a", None, "[draining] stops", draining=True)
-        t.probed("a", None, "[draining] stops", draining=True)
-        t.probed("a", summary())
+        say(t, "a", draining=True)
+        say(t, "a", draining=True)
+        say(t, "a", health="no prefill instance connected")
+        say(t, "a", health="no prefill instance connected")
+        say(t, "a")
+        t.report("a", dataclasses.replace(record("a"), cache="{"))
     lines = [r.getMessage() for r in caplog.records]
     assert lines.count("decode instance a drains: no new requests") == 1
-    assert sum("drains ([draining] stops)" in m for m in lines) == 1
-    assert "decode instance a serves; routing to it" in lines
-
-
-def record(name: str, url: str = "a:8001", model: str = "decode_0", draining: bool = False) -> InstanceRecord:
-    return InstanceRecord("default", name, "decode", url, model, "", "m", "k", 1, 0.0, draining=draining)
+    assert lines.count("decode instance a cannot serve (no prefill instance connected); no new requests go there") == 1
+    assert lines.count("decode instance a serves") == 1
+    assert any("unreadable cache summary in its record" in m for m in lines)  # routed by load there
+    assert t.serving() == ["a"]
 
 
 def test_membership_records_become_targets_and_a_moved_or_departed_one_hands_back_its_requests():
@@ -231,7 +284,7 @@ def test_membership_records_become_targets_and_a_moved_or_departed_one_hands_bac
     assert t.update([record("x"), record("y", url="b:8001")], []) == []
     assert t.target("y") == Target("y", "b:8001", "decode_0") and sorted(t.names()) == ["x", "y"]
     for n in ("x", "y"):
-        t.probed(n, summary())
+        t.probed(n)
     j = journey()
     where = t.pick(j, exclude=["x"])
     assert where == "y"
@@ -242,7 +295,7 @@ def test_membership_records_become_targets_and_a_moved_or_departed_one_hands_bac
     assert t.update([record("y", url="c:8001")], []) == [("y", "its record changed address", [j])]
     assert t.target("y") == Target("y", "c:8001", "decode_0") and t.serving() == ["x"]
     j2 = journey()
-    t.probed("y", summary())
+    t.probed("y")
     assert t.pick(j2, exclude=["x"]) == "y"
     assert t.update([], [record("y", url="c:8001")]) == [("y", "it left the membership", [j2])]
     assert t.target("y") is None and t.names() == ["x"]
