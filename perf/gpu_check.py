@@ -1,7 +1,7 @@
 """The one GPU check: correctness and absolute figures of the engine and the KV transfer on one
-device, without tritonserver (the GPU machine the project borrows has none; see
-``../shared/DESIGN.md`` section 9). ``scripts/gpu_check.sh`` runs it; CI runs it on the CPU
-with a tiny model (``--device cpu --quick``) so that it cannot rot.
+device, without tritonserver (the GPU machine the project borrows has none).
+``scripts/gpu_check.sh`` runs it; CI runs it on the CPU with a tiny model (``--device cpu
+--quick``) so that it cannot rot.
 
 Sections (each writes ``<name>.json`` into ``--out``; ``summary.json`` lists them all):
 

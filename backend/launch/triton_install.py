@@ -4,7 +4,7 @@ The wheel carries ``tritonserver`` with the Python backend, and a Python-backend
 Python version. Triton looks for the stub next to ``libtriton_python.so``; we copy it there
 once (pytriton does the same at run time). The stub links ``libpython3.X.so`` by name, so
 the server must run with the venv interpreter's LIBDIR first on ``LD_LIBRARY_PATH`` and the
-venv's ``bin/`` first on ``PATH`` (see ../shared/DESIGN.md section 6).
+venv's ``bin/`` first on ``PATH`` (verified with the versions pinned in ``pyproject.toml``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 parameters: ``role``, then one typed section per concern (engine, serving, KV connector,
 membership). Defaults live in the section dataclasses and nowhere else; an unknown or malformed
 parameter fails the model load with a message naming it (a renamed one is still accepted for a
-release under its old name: ``backend/cluster/config.py``). Tensor parallelism is the engine section's
+release under its old name: ``backend/disagg/auth.py`` ``accept_renamed``). Tensor parallelism is the engine section's
 ``tensor_parallel_size``."""
 
 from __future__ import annotations
@@ -216,7 +216,9 @@ class FrontConfig(RouterSettings):
     """The disaggregated front model, with the router settings of :class:`RouterSettings`.
     ``decode_models``: the decode models of its own server it routes to (comma-separated); empty:
     every decode instance in the deployment's membership (``membership.discovery``), on every
-    server of the deployment (those of its own server by BLS, the others over gRPC).
+    server of the deployment (over gRPC, its own server's too; by BLS only where the server's
+    address is unknown). Either way it reads what the decode instances' records say where
+    ``discovery`` is set.
     ``model_path``: the tokenizer that makes the prompt's token ids for KV-aware routing (the
     decode models' own); empty: routed by load alone. ``membership``: the membership parameters
     (``discovery``, ``deployment``, ``deployment_secret_file``, ...: :class:`MembershipConfig`)."""

@@ -10,7 +10,7 @@ fewer free pages than the request needs goes after every instance that has them.
 ``overlap_weight`` 0 it is least-loaded routing (by pages in flight).
 
 What can go stale, and what happens then: a summary is as old as its publishing period (the
-front's health probes, the prefill instances' cache reports). Between summaries the router
+decode instances' membership records, the prefill instances' cache reports). Between summaries the router
 counts the pages of each prompt it routed to an instance as cached there for ``predict_ttl_s``
 (they will be once its prefill is done), so a burst of requests sharing a prefix goes to one
 instance. A stale summary can claim a prefix that was evicted since (that request computes or

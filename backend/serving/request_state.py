@@ -8,7 +8,8 @@ Decode role (the decode instance allocates first, then asks for the prefill)::
 
     QUEUED --KV_NEEDED--> WAITING_KV --KV_LANDED--> RUNNING --ENGINE_FINISHED--> FINISHED
        |  --LOCAL------------------------------------^
-       |  --NO_PREFILL / ENGINE_FINISHED--> FINISHED
+       |  --ENGINE_FINISHED--> FINISHED
+    WAITING_KV --NO_PREFILL--> FINISHED
     WAITING_KV --KV_FAILED--> RELEASING --KV_RELEASED--> FINISHED
     WAITING_KV --CANCEL / ENGINE_FINISHED--> CANCELLING --KV_FAILED--> RELEASING
                                              CANCELLING --KV_LANDED--> FINISHED

@@ -53,7 +53,7 @@ REASONS = ("instance_down", "stream_error", "overloaded")
 # error kinds that say the target, not the request, failed (or takes nothing new: draining): the
 # request moves (an error without a kind is Triton's own, e.g. a dead stub's)
 MOVABLE = (None, ErrorKind.OUT_OF_SERVICE, ErrorKind.DRAINING)
-NEVER_PROBED = "no health probe passed yet"
+NEVER_PROBED = "no readiness probe passed yet"
 FIRST_PROBE_INTERVAL_S = 0.1
 FIRST_PICK_POLL_S = 0.02  # how often a request that waits for a first passing probe looks again
 

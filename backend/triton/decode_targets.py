@@ -14,8 +14,8 @@ for fixed decode models, the record of this server's instance serving each): dra
 cannot serve (no prefill instance connected, a lost tensor-parallel rank), its cache summary.
 
 Every ``health_probe_interval_s`` (every 0.1 s while a target has never passed one) each target's
-readiness is probed on its own thread, through Triton's own model readiness (gRPC ``ModelReady``,
-or BLS ``is_model_ready``), never through the decode model's inputs. A probe that fails, or
+readiness is probed on its own thread, through Triton's own model readiness (gRPC ``ModelReady``;
+one reached by BLS is taken as ready), never through the decode model's inputs. A probe that fails, or
 stays unanswered for ``health_probe_timeout_s`` (a dead server), is a failure (an unanswered
 one not while the target's streams deliver: :meth:`heard`, called per response relayed). The
 core decides when a target is up or down; the requests in flight on one that goes down or

@@ -1,9 +1,10 @@
 """The front model where its server's own gRPC address is unknown (a repository started without
-the launcher's ``TRITON_DISAGG_GRPC_URL``): it reaches its server's decode models by BLS, probes
-their readiness with BLS ``is_model_ready``, reads what they say of themselves (health, cache
-summary) in their membership records, and cancels a request through the one control input left
-on the decode model (``cancel_request_id``: BLS calls cannot be cancelled), which frees the
-decode and prefill instances' pages. Greedy output equals transformers'."""
+the launcher's ``TRITON_DISAGG_GRPC_URL``): it reaches its server's decode models by BLS (taken
+as ready: this Triton's BLS ``is_model_ready`` crashes a stub that calls it from a thread),
+reads what they say of themselves (health, cache summary) in their membership records, and
+cancels a request through the one control input left on the decode model
+(``cancel_request_id``: BLS calls cannot be cancelled), which frees the decode and prefill
+instances' pages. Greedy output equals transformers'."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def server(model_dir, tmp_path_factory):
 
 def test_a_front_without_its_address_routes_by_bls_and_cancels_through_the_control_input(server, hf_model, tokenizer):
     url = server.metrics_url
-    deadline = time.monotonic() + 30  # both ready (BLS readiness) and serving by their records
+    deadline = time.monotonic() + 30  # both serving by their records
     while sorted(metric_values(url, "triton_disagg_decode_target_up", model="llm")) != [1.0, 1.0]:
         assert time.monotonic() < deadline, metric_values(url, "triton_disagg_decode_target_up", model="llm")
         time.sleep(0.25)

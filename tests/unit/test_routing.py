@@ -66,7 +66,7 @@ def test_a_target_serves_after_its_first_passing_probe_and_not_while_its_record_
     t = table("a", "b", up=False)
     assert t.serving() == [] and t.pick(journey()) is None
     assert t.awaiting_first_probe() and t.probe_interval() == FIRST_PROBE_INTERVAL_S
-    assert "a: no health probe passed yet" in t.down_reasons()
+    assert "a: no readiness probe passed yet" in t.down_reasons()
     t.probed("a")
     assert t.serving() == ["a"] and not t.awaiting_first_probe()
     assert t.probe_interval() == FIRST_PROBE_INTERVAL_S  # b has not passed one yet
