@@ -7,7 +7,7 @@ from backend.engine.engine_loop import EngineLoop
 from backend.serving.config import InstanceConfig
 from backend.serving.session import GenerationSession
 from backend.serving.stats import AggregatedStats
-from backend.serving.worker import deliver, sampling_params, start_engine
+from backend.serving.worker import Responder, sampling_params, start_engine
 
 
 class AggregatedWorker:
@@ -15,6 +15,7 @@ class AggregatedWorker:
         self.config = config
         self.engine = start_engine(config)
         self.loop = EngineLoop(self.engine, name=f"{name}-engine")
+        self.responder = Responder(name)
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.dims().vocab_size
 
@@ -32,7 +33,7 @@ class AggregatedWorker:
             session.req_id,
             session.prompt_ids,
             sampling_params(session, self.config.serving),
-            lambda out: deliver(session, out),
+            lambda out: self.responder.deliver(session, out),
         )
 
     def cancel(self, req_id: str) -> None:
@@ -63,4 +64,5 @@ class AggregatedWorker:
 
     def shutdown(self) -> None:
         self.loop.shutdown()
+        self.responder.close()
         self.engine.close()

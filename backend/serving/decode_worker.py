@@ -47,7 +47,7 @@ from backend.serving.kv_router import KVRouter
 from backend.serving.request_state import DecodeEvent, DecodeState, IllegalTransition, RequestState
 from backend.serving.session import GenerationSession
 from backend.serving.stats import DecodeStats
-from backend.serving.worker import EngineDone, StopLoop, deliver, sampling_params, start_engine
+from backend.serving.worker import EngineDone, Responder, StopLoop, sampling_params, start_engine
 
 log = logging.getLogger("triton_disagg.decode")
 TICK_S = 0.05  # client cancels and deadlines are checked this often
@@ -165,6 +165,7 @@ class DecodeWorker:
         )
         self.engine.set_kv_loader(self)
         self.loop = EngineLoop(self.engine, name=f"{name}-engine")
+        self.responder = Responder(name)
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         # the prefill instances known (joined the membership); replaced, never changed in place,
         # by the loop thread, so other threads may read it
@@ -312,7 +313,7 @@ class DecodeWorker:
 
         def on_output(out: EngineOutput) -> None:  # engine thread
             try:
-                deliver(session, out)
+                self.responder.deliver(session, out)
             finally:
                 if out.finished:
                     self._events.put(EngineDone(out))
@@ -692,6 +693,7 @@ class DecodeWorker:
         for e in self.endpoints:
             e.close()
         self.loop.shutdown()
+        self.responder.close()
         self._events.put(StopLoop())
         self._loop_thread.join(timeout=5)
         self.receiver.close()

@@ -1,7 +1,7 @@
 """Triton Python-backend model for the client-facing roles (aggregated ``llm``, ``decode``).
 
 ``execute()`` only hands each request to :class:`Admission` (parse, validate, tokenize,
-enqueue); the engine loop thread streams responses through each request's response sender
+enqueue); the worker's responder thread streams responses through each request's response sender
 (decoupled model). The ``role`` parameter picks the worker: ``aggregated`` (one engine, chunked
 prefill + decode) or ``decode`` (KV from prefill instances, ``backend/serving/decode_worker.py``).
 The one control request, for a front model that reaches this server's decode models by BLS (a

@@ -539,3 +539,33 @@ def test_a_prefill_instance_restarted_at_its_address_keeps_serving_when_its_old_
         wait_until(lambda: not p.decode.endpoints, what="the address to retire and close")
     finally:
         p.close()
+
+
+def test_the_responder_keeps_the_engine_order_and_one_failing_session_stops_nothing(caplog):
+    """Engine outputs reach their sessions on the responder's thread, in the engine's order (a
+    session's tokens as made, finals last); a session that raises is logged and the next ones
+    are served; ``close`` sends what is queued first."""
+    from backend.engine.outputs import EngineOutput, FinishReason
+    from backend.serving.worker import Responder
+
+    class Broken:
+        req_id = "broken"
+
+        def on_output(self, *args, **kwargs):
+            raise RuntimeError("a session that fails")
+
+    cancelled: list[str] = []
+    responder = Responder("unit", backlog=4)  # the engine thread waits past 4 outputs in line
+    a, sink_a = session(type("W", (), {"cancel": cancelled.append})(), "a", [1, 2, 3], max_tokens=50)
+    b, sink_b = session(type("W", (), {"cancel": cancelled.append})(), "b", [1, 2, 3], max_tokens=50)
+    for i in range(50):
+        last = i == 49
+        responder.deliver(a, EngineOutput("a", [i], last, FinishReason.LENGTH if last else None))
+        if i == 10:
+            responder.deliver(Broken(), EngineOutput("broken", [0]))  # type: ignore[arg-type]
+        responder.deliver(b, EngineOutput("b", [100 + i], last, FinishReason.LENGTH if last else None))
+    responder.close()
+    assert sink_a.tokens == list(range(50)) and sink_a.final and sink_a.finish_reason == "length"
+    assert sink_b.tokens == [100 + i for i in range(50)] and sink_b.final and not cancelled
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("request broken: handing an engine output to its session failed" in m for m in logged)
