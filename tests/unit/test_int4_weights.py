@@ -305,6 +305,41 @@ def test_products_split_between_threads_equal_one_threads(rows, kernels):
         assert torch.equal(product(eight, x, threads), product(eight, x, 1))
 
 
+def test_helpers_late_to_a_job_they_are_not_needed_for_never_take_the_next_one(tmp_path, monkeypatch, kernels):
+    """A helper that sees a job it is not needed for (a product on fewer threads) and is then
+    preempted must not read the job that follows as that one: it ran the next job's part twice,
+    counted it twice, and the next job returned before its last part was written (-inf columns in
+    CI) or ran a part against a finished product (a crash). The library is built here with a pause
+    in that window (``HELPER_DELAY_NS``), so the interleaving happens on every try; products on 1,
+    2 and 3 threads, taking turns, are each equal to one thread's, bit for bit."""
+    import ctypes
+    import subprocess
+
+    built = tmp_path / "delayed.so"
+    cmd = [
+        "cc",
+        *group_matmul.CFLAGS,
+        "-DHELPER_DELAY_NS=20000",
+        "-o",
+        str(built),
+        str(group_matmul.SOURCE),
+        *group_matmul.LIBS,
+    ]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    lib = group_matmul._typed(ctypes.CDLL(str(built)))
+    monkeypatch.setattr(group_matmul, "library", lambda: lib)
+    four, eight = quantize_int4(torch.randn(256, 2048) * 0.05), quantize_int8(torch.randn(256, 2048) * 0.05)
+    wrong = []
+    for attempt in range(40):
+        x = torch.randn(9, 2048)
+        for groups in (four, eight):
+            want = product(groups, x, 1)
+            for threads in (2, 3):
+                if not torch.equal(product(groups, x, threads), want):
+                    wrong.append((attempt, groups.bits, threads))
+    assert not wrong, f"products that differ from one thread's (attempt, bits, threads): {wrong}"
+
+
 def test_a_forked_child_gets_its_own_helper_threads():
     """Helpers started in the parent do not exist in a forked child: the child's products start
     their own (with the parent's count it would wait for them forever)."""

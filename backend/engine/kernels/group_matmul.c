@@ -268,7 +268,7 @@ int tiles_supported(void) {
 
 /* ---------------------------------------------------------------- a pool of helper threads
  * A job's parts (a product's tiles, an attention's (sequence, head) pairs) are split between the
- * calling thread and up to threads - 1 helpers. A helper spins on the job counter for a while
+ * calling thread and up to threads - 1 helpers. A helper spins on the job word for a while
  * after each part (the next product of a step follows within microseconds), then sleeps on a
  * condition variable until the next job. Jobs are posted by one thread at a time (an engine's
  * step thread); the caller's lock makes that so. */
@@ -284,16 +284,23 @@ typedef struct { /* one product: what each part needs */
     long M, N, K;
 } Product;
 
-typedef struct { /* a job for the pool: fn(ctx, part, parts) for part in 0 .. parts - 1 */
+/* a job for the pool: fn(ctx, part, parts) for part in 0 .. parts - 1 */
+typedef struct {
     void (*fn)(const void *ctx, long part, long parts);
     const void *ctx;
-    long parts;
 } Job;
 
+/* The job's word: (job number << PARTS_BITS) | parts. A helper learns from the word alone whether
+ * the job needs it (part index + 1 < parts); only then does it read `job`, which cannot change
+ * before the job completes, and the job cannot complete without that helper's part. A helper the
+ * job does not need never reads `job` (the caller may already be posting the next one), and
+ * every helper takes each word once: parts_done counts each needed part exactly once. */
+#define PARTS_BITS 5
 static Job job;
-static atomic_long job_seq, parts_done;
+static atomic_long posted, parts_done;
 static atomic_int sleeping;
 static int helpers_started;
+static long first_seen[MAX_HELPERS]; /* the word when helper i was started (before the job that needs it) */
 static pthread_mutex_t wake_lock = PTHREAD_MUTEX_INITIALIZER, post_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
 
@@ -313,27 +320,29 @@ static long now_ns(void) {
     return t.tv_sec * 1000000000L + t.tv_nsec;
 }
 
-static long created_at; /* job_seq when the helpers were created (before the job that needs them) */
-
 static void *helper(void *arg) {
     const long index = (long)arg; /* does part index + 1 */
-    long seen = created_at;
+    long seen = first_seen[index];
     for (;;) {
-        long seq, start = now_ns();
-        while ((seq = atomic_load_explicit(&job_seq, memory_order_acquire)) == seen) {
+        long word, start = now_ns();
+        while ((word = atomic_load_explicit(&posted, memory_order_acquire)) == seen) {
             if (now_ns() - start > SPIN_NS) {
                 pthread_mutex_lock(&wake_lock);
                 atomic_fetch_add(&sleeping, 1);
-                while ((seq = atomic_load(&job_seq)) == seen) pthread_cond_wait(&wake, &wake_lock);
+                while ((word = atomic_load(&posted)) == seen) pthread_cond_wait(&wake, &wake_lock);
                 atomic_fetch_sub(&sleeping, 1);
                 pthread_mutex_unlock(&wake_lock);
                 break;
             }
             _mm_pause();
         }
-        seen = seq;
-        if (index + 1 < job.parts) {
-            job.fn(job.ctx, index + 1, job.parts);
+        seen = word;
+#ifdef HELPER_DELAY_NS /* tests only: widens the window a preempted helper opens here */
+        nanosleep(&(struct timespec){0, HELPER_DELAY_NS}, NULL);
+#endif
+        const long parts = word & ((1L << PARTS_BITS) - 1);
+        if (index + 1 < parts) {
+            job.fn(job.ctx, index + 1, parts);
             atomic_fetch_add_explicit(&parts_done, 1, memory_order_release);
         }
     }
@@ -353,9 +362,9 @@ static void forget_helpers(void) {
 static int ensure_helpers(int count) {
     static int registered;
     if (!registered) registered = pthread_atfork(NULL, NULL, forget_helpers) == 0;
-    created_at = atomic_load(&job_seq);
     while (helpers_started < count && helpers_started < MAX_HELPERS) {
         pthread_t t;
+        first_seen[helpers_started] = atomic_load(&posted);
         if (pthread_create(&t, NULL, helper, (void *)(long)helpers_started) != 0) break;
         pthread_detach(t);
         helpers_started++;
@@ -373,9 +382,10 @@ static void run_job(void (*fn)(const void *, long, long), const void *ctx, long 
     pthread_mutex_lock(&post_lock);
     long parts = 1 + ensure_helpers((int)threads - 1);
     if (parts > threads) parts = threads;
-    job = (Job){fn, ctx, parts};
+    job = (Job){fn, ctx};
     atomic_store(&parts_done, 0);
-    atomic_fetch_add_explicit(&job_seq, 1, memory_order_release);
+    const long number = (atomic_load_explicit(&posted, memory_order_relaxed) >> PARTS_BITS) + 1;
+    atomic_store_explicit(&posted, number << PARTS_BITS | parts, memory_order_seq_cst);
     if (atomic_load(&sleeping)) {
         pthread_mutex_lock(&wake_lock);
         pthread_cond_broadcast(&wake);
