@@ -50,9 +50,11 @@ def build_inputs(
     log_probs=None,
     prompt_log_probs=None,
     top_log_probs=None,
+    cache_salt=None,
     extra: dict | None = None,
 ):
-    """``prompt``: text, or a list of token ids (sent as ``input_ids``)."""
+    """``prompt``: text, or a list of token ids (sent as ``input_ids``); ``cache_salt``: the
+    request's prefix-cache tenant."""
 
     def tensor(name, arr, dtype):
         t = grpcclient.InferInput(name, list(arr.shape), dtype)
@@ -84,6 +86,8 @@ def build_inputs(
     for name, value, np_t, tr_t in optional:
         if value is not None:
             ins.append(tensor(name, np.array([value], dtype=np_t), tr_t))
+    if cache_salt:
+        ins.append(tensor("cache_salt", np.array([cache_salt.encode()], dtype=object), "BYTES"))
     if stop_words:
         ins.append(tensor("stop_words", np.array([w.encode() for w in stop_words], dtype=object), "BYTES"))
     for name, (arr, tr_t) in (extra or {}).items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import tempfile
 import time
 import uuid
 import weakref
@@ -16,6 +17,8 @@ from perf.lib.metrics import metric_values, read_metrics  # noqa: F401  (tests i
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# what the engine saves for later runs (the kernel library, the disk KV tier) stays in this run
+os.environ.setdefault("TRITON_DISAGG_CACHE", tempfile.mkdtemp(prefix="triton-disagg-tests-"))
 
 
 @pytest.fixture(scope="session")
@@ -102,7 +105,13 @@ def deployment_server(tmp_path_factory, name: str, timeout_s: float = 400, **lau
     # every prefill crosses the fabric unless a test asks otherwise (test_conditional_disagg.py):
     # the tests of the disaggregated path must not be answered by a local prefill; float32 weights
     # unless a test names a format (EXACT)
-    launch_kwargs["overrides"] = {**REMOTE_PREFILL, **EXACT, **(launch_kwargs.get("overrides") or {})}
+    # unless a test names one, a disk KV tier of the deployment's own (no blocks shared between tests)
+    launch_kwargs["overrides"] = {
+        **REMOTE_PREFILL,
+        **EXACT,
+        "kv_disk_path": str(tmp / "kv"),
+        **(launch_kwargs.get("overrides") or {}),
+    }
     launch_kwargs["model_dir"] = launch_kwargs.pop("model_path", "")
     log_file = tmp / "tritonserver.log"
     launch = Launch(repo_dir=tmp / "repo", log_file=log_file, timeout_s=timeout_s, placement="shared", **launch_kwargs)

@@ -62,7 +62,7 @@ def real_model_dir() -> Path:
 
 
 def make_engine(model_dir: Path, **overrides) -> LLMEngine:
-    """An engine on ``model_dir`` with small limits; float32 weights unless ``overrides`` name a
+    """An engine on ``model_dir`` with small limits and no disk KV tier; float32 weights unless ``overrides`` name a
     format (the tests compare with transformers' float32; ``weights_dtype``'s default, auto,
     picks fp16w on most CPUs)."""
     settings = dict(
@@ -71,6 +71,7 @@ def make_engine(model_dir: Path, **overrides) -> LLMEngine:
         max_num_batched_tokens=64,
         max_model_len=512,
         weights_dtype="float32",
+        kv_disk_bytes=0,  # no files shared between tests; the disk tier's tests name their own
     )
     settings.update(overrides)
     return build_engine(EngineConfig(**settings))

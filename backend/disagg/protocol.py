@@ -9,7 +9,7 @@ The KV bytes never travel here: they go over NIXL.
   prefill -> decode   AuthResponse(nonce, proof)
   decode -> prefill   Hello(version, name, fabric, proof)    fabric: the agent's handshake payload
   prefill -> decode   Hello(version, name, fabric, "")  or  {"error": reason} (refused)
-  decode -> prefill   PrefillRequest(req_id, generation, slot, tokens, dst_pages, first_page)
+  decode -> prefill   PrefillRequest(req_id, generation, slot, tokens, dst_pages, first_page, cache_salt)
   prefill -> decode   PrefillStarted(req_id, generation)   its first chunk is scheduled
   decode -> prefill   Cancel(req_id)
   prefill -> decode   PrefillFailed(req_id, kind, message)   the prefill will not complete
@@ -21,7 +21,9 @@ challenge-response) before the hello; 3 = the prefill instance reports when it s
 4 = a prefill request names the first page it asks for (``first_page``): the decode instance
 holds the pages before it already (its prefix cache), ``dst_pages`` are for the pages from there
 on, and the prefill instance sends only those; 5 = the prefill instance reports its prefix cache
-and load (CacheReport, ``backend/engine/cache_summary.py``), so decode instances route by it.
+and load (CacheReport, ``backend/engine/cache_summary.py``), so decode instances route by it;
+6 = a prefill request carries the request's ``cache_salt`` (its prefix-cache tenant: the prefill
+instance's cache and tiers match its pages only with requests of the same salt).
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ from dataclasses import dataclass
 
 from backend.engine.cache_summary import CacheSummary
 from backend.engine.outputs import ErrorKind
+from backend.engine.sampling_params import MAX_CACHE_SALT
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_FRAME_BYTES = 4 << 20  # a prefill request of 100k tokens is about 1 MiB of JSON
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_REQ_ID_LEN = 256
@@ -72,6 +75,7 @@ class PrefillRequest:
     tokens: list[int]
     dst_pages: list[int]
     first_page: int  # pages [0, first_page) of the prompt are not sent: the decode instance has them
+    cache_salt: str = ""  # the request's prefix-cache tenant (SamplingParams.cache_salt)
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,8 @@ def decode(obj) -> Message:
         raise ProtocolError(f"{name}: req_id must be 1..{MAX_REQ_ID_LEN} characters")
     if isinstance(msg, PrefillRequest) and len(msg.tokens) > MAX_PROMPT_TOKENS:
         raise ProtocolError(f"prefill: {len(msg.tokens)} tokens exceed {MAX_PROMPT_TOKENS}")
+    if isinstance(msg, PrefillRequest) and len(msg.cache_salt) > MAX_CACHE_SALT:
+        raise ProtocolError(f"prefill: cache_salt longer than {MAX_CACHE_SALT} characters")
     return msg
 
 

@@ -1,4 +1,5 @@
-"""Where a checkpoint's weights came from: ``gguf_source.json`` in its directory, written by
+"""Where a checkpoint's weights came from, and what names them: :func:`checkpoint_identity`, and
+``gguf_source.json`` in its directory, written by
 ``prepare`` when it converts a GGUF file (the file's name and each tensor's quantization type).
 ``weights_dtype=auto`` reads it to know whether re-grouping the decoder layers' weights into
 ``int4w``'s 4-bit groups loses anything: nothing when they were Q4_1 blocks (32 values, each
@@ -6,6 +7,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -13,6 +15,24 @@ SOURCE_FILE = "gguf_source.json"
 # GGUF types whose blocks int4w's groups hold exactly (Q4_0's ``d * (q - 8)`` need not span the
 # range its groups are found from, so it is not here)
 INT4W_EXACT_TYPES = frozenset({"Q4_1"})
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+def checkpoint_identity(model_path: str | Path) -> str:
+    """A name for the checkpoint's weights that changes when they do: its folder's name and a
+    digest of its ``config.json`` and of each weight file's name, size and modification time
+    (reading every byte would cost a start seconds). The KV cache's page hashes are salted with
+    it, so KV saved for other weights is never taken for these."""
+    folder = Path(model_path)
+    digest = hashlib.blake2b(digest_size=8)
+    config = folder / "config.json"
+    digest.update(config.read_bytes() if config.is_file() else b"")
+    for path in sorted(p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES) if folder.is_dir() else []:
+        stat = path.stat()
+        digest.update(f"|{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return f"{folder.resolve().name}@{digest.hexdigest()}"
 
 
 def write_source(out_dir: Path, gguf_file: str, tensor_types: dict[str, str]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,12 @@ if TYPE_CHECKING:
 # torch's float dtypes by name (torch is imported where a dtype is needed: a front or router that
 # only parses settings never loads it)
 DTYPES = ("float32", "float16", "bfloat16")
+
+
+def cache_root() -> Path:
+    """Where the engine keeps what it builds or saves for later runs (compiled kernels, the disk KV
+    tier): ``$TRITON_DISAGG_CACHE``, default ``~/.cache/triton-disagg``."""
+    return Path(os.environ.get("TRITON_DISAGG_CACHE") or Path.home() / ".cache" / "triton-disagg")
 
 
 def _torch():
@@ -82,6 +89,11 @@ class EngineConfig:
     keep a bfloat16 KV cache. int8, fp16w and fp16w-bf16 run on the CPU in one process only.
     ``weights_dtype=auto`` (the default) is resolved here, once, into a format
     (:func:`choose_weights_format`); ``weights_choice`` says why.
+
+    KV tiers below the pool (with prefix caching, one process; ``kv_tiers.py``): a host tier of
+    ``kv_host_tokens`` tokens (default: as many as the pool; 0: none) and a disk tier of at most
+    ``kv_disk_bytes`` (0: none) under ``kv_disk_path`` (default: ``kv`` in the user's cache,
+    :func:`cache_root`), which takes blocks hit at least ``kv_disk_admit_hits`` times.
     """
 
     model_path: str
@@ -100,6 +112,10 @@ class EngineConfig:
     weights_dtype: str = "auto"
     kv_dtype: str = ""
     decoder: str = "auto"
+    kv_host_tokens: int | None = None
+    kv_disk_bytes: int = 4 << 30
+    kv_disk_path: str = ""
+    kv_disk_admit_hits: int = 2
     # why weights_dtype is what it is (set by __post_init__; "" where it was set explicitly)
     weights_choice: str = field(default="", init=False, compare=False)
 
@@ -140,6 +156,12 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
         if self.num_pages is None:
             self.num_pages = -(-self.kv_cache_tokens // self.page_size)
+        if self.kv_host_tokens is None:
+            self.kv_host_tokens = self.num_pages * self.page_size
+        for name in ("kv_host_tokens", "kv_disk_bytes", "kv_disk_admit_hits"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"EngineConfig.{name} must be an integer >= 0 (0: none), got {value!r}")
         if not isinstance(self.num_pages, int) or self.num_pages < 1:
             raise ValueError(f"EngineConfig.num_pages must be a positive integer, got {self.num_pages!r}")
         if not isinstance(self.num_threads, int) or self.num_threads < 0:
@@ -171,6 +193,10 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    @property
+    def disk_tier_folder(self) -> Path:
+        return Path(self.kv_disk_path) if self.kv_disk_path else cache_root() / "kv"
 
     @property
     def weights_format(self) -> str:

@@ -1,7 +1,8 @@
 """EngineLoop: runs an LLMEngine in a background thread behind a thread-safe API.
 
 Every call only enqueues a typed command (:class:`Submit`, :class:`Cancel`, :class:`KVLoaded`,
-:class:`ComputeHere`, :class:`Fail`, :class:`Release`, :class:`Stop`); the loop thread applies them between steps,
+:class:`ComputeHere`, :class:`Fail`, :class:`Release`, :class:`Stop`, and :class:`Wake` from the
+engine itself); the loop thread applies them between steps,
 so the engine (its scheduler, allocator and sequences) is touched by that thread alone. Each
 request's ``on_output(EngineOutput)`` is called on the loop thread for every new token and once
 at the end. A failing step fails the requests it touched (finish_reason "error", pages freed);
@@ -84,7 +85,12 @@ class Stop:
     pass
 
 
-Command = Submit | Cancel | KVLoaded | ComputeHere | Fail | Release | Stop
+@dataclass(frozen=True)
+class Wake:
+    """The engine has work no command brought (a KV tier load finished): step again."""
+
+
+Command = Submit | Cancel | KVLoaded | ComputeHere | Fail | Release | Stop | Wake
 
 
 class EngineLoop:
@@ -94,6 +100,7 @@ class EngineLoop:
         self._callbacks: dict[str, OutputCallback] = {}
         self._stopping = threading.Event()
         self._num_steps = 0
+        engine.set_waker(lambda: self._commands.put(Wake()))
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -216,7 +223,7 @@ class EngineLoop:
                     log.error("release of %s refused: %s", req_id, e)
                 else:
                     log.debug("request %s: %d pages freed", req_id, freed)
-            case Stop():
+            case Stop() | Wake():
                 pass
 
     def _submit(self, command: Submit) -> None:

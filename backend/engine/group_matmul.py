@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from backend.engine.config import cache_root
 from backend.engine.cpu_kernels import group_kernel
 
 log = logging.getLogger("triton_disagg.engine")
@@ -53,7 +54,7 @@ LIBS = ("-lm", "-lpthread")
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("TRITON_DISAGG_CACHE") or Path.home() / ".cache" / "triton-disagg") / "kernels"
+    return cache_root() / "kernels"
 
 
 @functools.cache

@@ -11,6 +11,11 @@ Roles:
   hidden, logits)`` starts it at its last prompt token (with the prefill's last hidden state and
   logits if sent) or ``fail`` ends it (pages held until ``release``: a late write may land).
 
+KV tiers (``kv_tiers.py``): blocks of a prompt's prefix that the host or disk tier holds are
+copied into the request's pages on the tiers' loader thread while the engine steps the others
+(the request waits in ``WAITING_TIER_KV``); each step first folds in the loads that finished. A
+request ended while its load runs keeps its pages until the load is done (then they are freed).
+
 Decode side (aggregated and decode roles): speculative decoding (a decoding sequence runs its
 last token plus draft tokens in one chunk; the accepted drafts and one target token are
 appended, the rejected ones rolled back: ``num_computed`` and pages) and grammar-constrained
@@ -27,7 +32,10 @@ from collections.abc import Callable
 import torch
 
 from backend.engine.cache_summary import CacheSummary
+from backend.engine.checkpoint_source import checkpoint_identity
 from backend.engine.config import EngineConfig
+from backend.engine.disk_tier import DiskTier
+from backend.engine.kv_tiers import KVTiers, TierLoad
 from backend.engine.model_runner import ModelRunner
 from backend.engine.outputs import EngineOutput, ErrorKind, FinishReason, TokenLogprobs
 from backend.engine.page_allocator import PageAllocator
@@ -41,6 +49,8 @@ from backend.engine.scheduler import ChunkInfo, ScheduledChunk, Scheduler, StepB
 from backend.engine.sequence import SeqStatus, Sequence
 
 log = logging.getLogger("triton_disagg.engine")
+
+TIER_WAIT_S = 0.05  # a step with nothing to run but tier loads waits this long for one at most
 
 
 class LLMEngine:
@@ -57,12 +67,17 @@ class LLMEngine:
             runner = ModelRunner(config)
         self.runner = runner
         assert config.num_pages is not None  # EngineConfig resolves it from kv_cache_tokens
+        salt = self._cache_salt()
+        self.tiers = self._build_tiers(salt)
         self.allocator = PageAllocator(
-            config.num_pages, config.page_size, prefix_caching=config.enable_prefix_caching, salt=self._cache_salt()
+            config.num_pages, config.page_size, prefix_caching=config.enable_prefix_caching, salt=salt, tiers=self.tiers
         )
         self.scheduler = Scheduler(
             self.allocator, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
+        if self.tiers is not None:
+            self.scheduler.load_tiers = self._load_tiers
+        self._orphans: set[str] = set()  # ended while their tier load ran: freed when it is done
         self.default_end_ids = self.runner.end_token_ids()
         self.kv_listener: KVStepListener | None = None
         self.kv_loader: KVLoader | None = None
@@ -77,9 +92,66 @@ class LLMEngine:
         """What makes two instances' pages for the same tokens hold the same KV."""
         c = self.config
         return (
-            f"{os.path.basename(os.path.normpath(c.model_path))}|w{c.weights_format}|kv{c.kv_format}"
+            f"{checkpoint_identity(c.model_path)}|w{c.weights_format}|kv{c.kv_format}"
             f"|tp{c.tensor_parallel_size}|ps{c.page_size}"
         ).encode()
+
+    def _build_tiers(self, salt: bytes) -> KVTiers | None:
+        """The KV tiers below the pool, or None (no prefix caching, no tier configured, or a pool
+        held by more than one process: a TP instance's pages are in its ranks)."""
+        c = self.config
+        assert c.kv_host_tokens is not None
+        host_blocks = c.kv_host_tokens // c.page_size
+        if not c.enable_prefix_caching or (host_blocks == 0 and c.kv_disk_bytes == 0):
+            return None
+        if c.tensor_parallel_size != 1:
+            log.info(
+                "KV tiers: off (tensor_parallel_size %d: the pool is split between processes)", c.tensor_parallel_size
+            )
+            return None
+        pool = self.pool
+        block_shape = (pool.num_layers, 2, pool.num_kv_heads, pool.page_size, pool.head_dim)
+        disk = None
+        if c.kv_disk_bytes > 0:
+            try:
+                disk = DiskTier(c.disk_tier_folder, c.kv_disk_bytes, salt, pool.layout(), block_shape, pool.dtype)
+            except OSError as e:
+                log.warning("KV tiers: no disk tier (%s: %s)", c.disk_tier_folder, e)
+        tiers = KVTiers(pool, host_blocks, disk, c.kv_disk_admit_hits)
+        log.info(
+            "KV tiers: host %d blocks of %d tokens; disk %s",
+            host_blocks,
+            c.page_size,
+            f"{c.kv_disk_bytes} bytes in {disk.folder}, blocks hit {c.kv_disk_admit_hits}+ times" if disk else "none",
+        )
+        return tiers
+
+    def set_waker(self, waker: Callable[[], None]) -> None:
+        """``waker()`` is called (from another thread) when the engine has new work that no command
+        brought: a tier load finished."""
+        if self.tiers is not None:
+            self.tiers.waker = waker
+
+    def _load_tiers(self, seq: Sequence) -> None:
+        assert self.tiers is not None
+        loads = [TierLoad(page, key, block) for page, key, block in self.allocator.tier_loads(seq.req_id)]
+        self.tiers.load(seq.req_id, loads)
+
+    def _fold_tier_loads(self) -> None:
+        """The tier loads that finished: their requests go on (or, ended meanwhile, free their pages)."""
+        if self.tiers is None:
+            return
+        for req_id, loaded in self.tiers.finished():
+            if req_id in self._orphans:
+                self._orphans.discard(req_id)
+                if self.allocator.has(req_id):
+                    self.allocator.free(req_id)
+                continue
+            seq = self._seqs.get(req_id)
+            if seq is None or seq.status is not SeqStatus.WAITING_TIER_KV:
+                continue
+            self.allocator.tier_loaded(req_id, loaded)
+            self.scheduler.tier_loaded(seq)
 
     def set_kv_listener(self, listener: KVStepListener | None, layer_events: bool = True) -> None:
         """``listener.step_scheduled(batch)`` before each step with prefill-only chunks; with
@@ -136,6 +208,9 @@ class LLMEngine:
         return len(self.scheduler.waiting), len(self.scheduler.running)
 
     def close(self) -> None:
+        if self.tiers is not None:
+            self.tiers.flush(self.allocator.cached_pages())
+            self.tiers.close()
         self.runner.close()
 
     def add_request(
@@ -196,7 +271,7 @@ class LLMEngine:
         return True
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.scheduler.tier_parked or self._orphans)
 
     def stalled(self) -> bool:
         """The last step found nothing it could run (its queue waits for pages or seats that only
@@ -204,7 +279,11 @@ class LLMEngine:
         return self.scheduler.stalled
 
     def pool_stats(self) -> dict:
-        return self.allocator.stats()
+        """The allocator's figures, and the KV tiers' (``tier_*``) when there are tiers."""
+        stats = self.allocator.stats()
+        if self.tiers is not None:
+            stats.update({f"tier_{k}": v for k, v in self.tiers.stats().items()})
+        return stats
 
     def cache_summary(self) -> CacheSummary:
         """The prefix cache's page keys and this engine's load, for routers (``cache_summary.py``)."""
@@ -237,7 +316,14 @@ class LLMEngine:
                 if s.params.num_draft_tokens and s.num_uncomputed == 1
             ]
         )
+        self._fold_tier_loads()
         chunks = self.scheduler.schedule()
+        if not chunks and (self.scheduler.tier_parked or self._orphans) and self.tiers is not None:
+            # nothing else to run: wait a little for a load rather than spin (or sleep a whole
+            # command wait: the loader's waker wakes an engine loop too)
+            self.tiers.wait(TIER_WAIT_S)
+            self._fold_tier_loads()
+            chunks = self.scheduler.schedule()
         if not chunks:
             return []
         listener = self.kv_listener
@@ -409,10 +495,13 @@ class LLMEngine:
     ) -> EngineOutput:
         # a transfer may still read (prefill-only) or write (waiting for remote KV) its pages
         held = self.allocator.has(seq.req_id) and (seq.prefill_only or seq.status is SeqStatus.WAITING_REMOTE_KV)
+        loading = seq.status is SeqStatus.WAITING_TIER_KV  # the tier loader still writes its pages
+        if loading:
+            self._orphans.add(seq.req_id)
         self.scheduler.remove(seq)
         seq.finish_reason = reason
         del self._seqs[seq.req_id]
-        if not held and self.allocator.has(seq.req_id):
+        if not held and not loading and self.allocator.has(seq.req_id):
             self.allocator.free(seq.req_id)
         return EngineOutput(
             seq.req_id,

@@ -19,6 +19,15 @@ the cache; a held page is never evicted. Commitments count shared pages once per
 over-counts and so stays safe. ``stats()["free"]`` counts free and evictable cached pages (what
 a new request can get).
 
+Tiers (``tiers``, see ``kv_tiers.py``): a cached page that is evicted is handed to the tiers
+(:meth:`PageTiers.spill`, with the lock held: the page is about to be reused); when a prompt's
+prefix goes on past the pool's pages, the blocks the tiers hold next get pages of their own, which
+the request holds while the engine loads them (:meth:`PageAllocator.tier_loads`); once loaded
+(:meth:`PageAllocator.tier_loaded`) they count as cached tokens and join the prefix cache.
+
+A request's ``cache_salt`` (tenants that must not share KV) starts its hash chain elsewhere
+(:func:`chain_start`): its pages match only requests with the same salt.
+
 The free list is a min-heap: a request gets the lowest-numbered free pages, so a fresh or
 lightly used pool hands out runs of adjacent pages, which a KV transfer moves as one
 descriptor per run (NIXL merges descriptors adjacent on both sides).
@@ -30,6 +39,7 @@ import hashlib
 import heapq
 import threading
 from collections import OrderedDict
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -51,14 +61,43 @@ def page_hashes(token_ids, page_size: int, salt: bytes, first: int = 0, prev: by
     return out
 
 
+def chain_start(salt: bytes, cache_salt: str = "") -> bytes:
+    """Where a request's hash chain starts: the instance's ``salt``, with the request's
+    ``cache_salt`` (if any) folded in."""
+    if not cache_salt:
+        return salt
+    return hashlib.blake2b(salt + b"|cache_salt|" + cache_salt.encode(), digest_size=16).digest()
+
+
+class PageTiers(Protocol):
+    """What the allocator asks of the KV tiers below the pool (``kv_tiers.KVTiers``)."""
+
+    def spill(self, key: bytes, page: int) -> None:
+        """A cached page is evicted: keep its KV (called with the allocator's lock held)."""
+
+    def hit(self, keys: list[bytes]) -> None:
+        """These pages served a prompt's prefix from the pool."""
+
+    def find(self, keys: list[bytes]) -> list:
+        """A handle for each of the leading ``keys`` some tier holds, up to the first miss."""
+
+
 class PageAllocator:
-    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = False, salt: bytes = b""):
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        prefix_caching: bool = False,
+        salt: bytes = b"",
+        tiers: PageTiers | None = None,
+    ):
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
         self.prefix_caching = prefix_caching
         self.salt = salt
+        self.tiers = tiers if prefix_caching else None
         self._free = list(range(num_pages))  # a min-heap (sorted is one)
         self._ref = [0] * num_pages
         self._tables: dict[str, list[int]] = {}
@@ -70,7 +109,8 @@ class PageAllocator:
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._hashed: dict[str, tuple[int, bytes | None]] = {}  # req -> (pages hashed, last hash)
         self._cached_tokens: dict[str, int] = {}
-        self.counters = {"query_tokens": 0, "hit_tokens": 0, "evictions": 0}
+        self._tier_loads: dict[str, list[tuple[int, bytes, Any]]] = {}  # req -> (page, hash, handle)
+        self.counters = {"query_tokens": 0, "hit_tokens": 0, "tier_hit_tokens": 0, "evictions": 0}
         self._version = 0  # bumped whenever the set of cached pages changes
         self._keys: tuple[int, frozenset[int]] = (0, frozenset())  # cached_keys() of that version
         self._lock = threading.Lock()
@@ -82,12 +122,15 @@ class PageAllocator:
         with self._lock:
             return self.num_pages - self._committed_total
 
-    def allocate(self, req_id: str, n_tokens: int, commit_tokens: int = 0, token_ids=None) -> list[int]:
+    def allocate(
+        self, req_id: str, n_tokens: int, commit_tokens: int = 0, token_ids=None, cache_salt: str = ""
+    ) -> list[int]:
         """Create ``req_id``'s table with pages for ``n_tokens``, committing room for
         ``max(n_tokens, commit_tokens)`` tokens. With prefix caching and ``token_ids`` (the
         prompt), the table starts with the cached pages of its longest cached prefix
-        (:meth:`cached_tokens` says how many tokens they hold). Raises :class:`PoolFullError` if
-        that does not fit."""
+        (:meth:`cached_tokens` says how many tokens they hold), then pages for the blocks of the
+        prefix that the tiers hold (:meth:`tier_loads`). Raises :class:`PoolFullError` if that
+        does not fit."""
         with self._lock:
             if req_id in self._tables:
                 raise ValueError(f"request {req_id!r} already holds pages")
@@ -99,24 +142,59 @@ class PageAllocator:
                     f"{self.num_pages - self._committed_total} of {self.num_pages} uncommitted"
                 )
             table: list[int] = []
-            last: bytes | None = None
+            last = chain_start(self.salt, cache_salt)
+            loads: list[tuple[int, bytes, Any]] = []
             if self.prefix_caching and token_ids is not None and len(token_ids) > 1:
                 self.counters["query_tokens"] += len(token_ids)
-                for h in page_hashes(token_ids[: len(token_ids) - 1], self.page_size, self.salt):
+                hashes = page_hashes(token_ids[: len(token_ids) - 1], self.page_size, last)[:n_pages]
+                for h in hashes:
                     page = self._page_of.get(h)
-                    if page is None or len(table) >= n_pages:
+                    if page is None:
                         break
                     self._hold(page)
                     table.append(page)
                     last = h
                 self.counters["hit_tokens"] += len(table) * self.page_size
+                if self.tiers is not None:
+                    self.tiers.hit(hashes[: len(table)])
+                    rest = hashes[len(table) :]
+                    found = self.tiers.find(rest) if rest else []
+                    loads = [(self._take(), h, handle) for h, handle in zip(rest, found)]
             self._hashed[req_id] = (len(table), last)
             self._cached_tokens[req_id] = len(table) * self.page_size
+            if loads:
+                self._tier_loads[req_id] = loads
+            table.extend(page for page, _, _ in loads)
             table.extend(self._take() for _ in range(n_pages - len(table)))
             self._tables[req_id] = table
             self._committed[req_id] = commit
             self._committed_total += commit
             return list(table)
+
+    def tier_loads(self, req_id: str) -> list[tuple[int, bytes, Any]]:
+        """``(page, hash, handle)`` of the blocks of ``req_id``'s prefix that the tiers hold, in
+        order, right after its cached pages: the engine loads them, then :meth:`tier_loaded`."""
+        with self._lock:
+            return list(self._tier_loads.get(req_id, ()))
+
+    def tier_loaded(self, req_id: str, loaded: int) -> None:
+        """The first ``loaded`` of ``req_id``'s tier blocks are in their pages: they count as
+        cached tokens and join the prefix cache (the rest are plain pages, computed)."""
+        with self._lock:
+            loads = self._tier_loads.pop(req_id, [])
+            if req_id not in self._tables or not loads:
+                return
+            done, prev = self._hashed[req_id]
+            for page, h, _ in loads[:loaded]:
+                if h not in self._page_of and page not in self._hash_of:
+                    self._page_of[h] = page
+                    self._hash_of[page] = h
+                    self._version += 1
+                prev = h
+            self._hashed[req_id] = (done + loaded, prev)
+            self._cached_tokens[req_id] += loaded * self.page_size
+            self.counters["hit_tokens"] += loaded * self.page_size
+            self.counters["tier_hit_tokens"] += loaded * self.page_size
 
     def cached_tokens(self, req_id: str) -> int:
         """Tokens of ``req_id``'s prompt found in the cache at allocation (their KV is in its pages)."""
@@ -197,6 +275,7 @@ class PageAllocator:
             self._committed_total -= self._committed.pop(req_id)
             self._hashed.pop(req_id, None)
             self._cached_tokens.pop(req_id, None)
+            self._tier_loads.pop(req_id, None)
             for page in table:
                 self._release(page)
             return len(table)
@@ -218,6 +297,11 @@ class PageAllocator:
                 self._keys = (self._version, frozenset(page_key(h) for h in self._page_of))
             return self._keys
 
+    def cached_pages(self) -> list[tuple[bytes, int]]:
+        """(hash, page) of every page in the prefix cache."""
+        with self._lock:
+            return list(self._page_of.items())
+
     def stats(self) -> dict:
         with self._lock:
             free = len(self._free) + len(self._lru)  # evictable cached pages count as free
@@ -231,6 +315,7 @@ class PageAllocator:
                 "cached": len(self._hash_of),
                 "prefix_query_tokens": self.counters["query_tokens"],
                 "prefix_hit_tokens": self.counters["hit_tokens"],
+                "prefix_tier_hit_tokens": self.counters["tier_hit_tokens"],
                 "prefix_evictions": self.counters["evictions"],
             }
 
@@ -240,8 +325,11 @@ class PageAllocator:
             page = heapq.heappop(self._free)
         elif self._lru:
             page, _ = self._lru.popitem(last=False)  # the least recently used cached page
-            del self._page_of[self._hash_of.pop(page)]
+            h = self._hash_of.pop(page)
+            del self._page_of[h]
             self.counters["evictions"] += 1
+            if self.tiers is not None:
+                self.tiers.spill(h, page)
             self._version += 1
         else:  # commitments make this unreachable
             raise PoolFullError("no free page left")

@@ -107,6 +107,10 @@ class Engine(Protocol):
 
     def step(self) -> list[EngineOutput]: ...
     def has_work(self) -> bool: ...
+    def set_waker(self, waker: Callable[[], None]) -> None:
+        """``waker()`` (from another thread) when work arrives that no command brought (a KV tier
+        load finished): a loop waiting for a command should step again."""
+
     def stalled(self) -> bool:
         """The last step found nothing it could run: wait for a command before stepping again."""
 

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 DRAFT_METHODS = ("lookup", "hidden")
 MAX_DRAFT_TOKENS = 16
 MAX_TOP_LOGPROBS = 20
+MAX_CACHE_SALT = 256
 
 
 @dataclass
@@ -29,7 +30,8 @@ class SamplingParams:
     that the grammar replays first. ``logprobs``: None, or each output token's log-probability
     plus the ``logprobs`` most likely tokens at its position; ``prompt_logprobs``: the same for the
     prompt's tokens 2..P (a request asking for them computes its whole prompt: no cached prefix,
-    no KV from elsewhere). Neither combines with draft tokens.
+    no KV from elsewhere). Neither combines with draft tokens. ``cache_salt``: the request's
+    prefix-cache tenant: its KV pages match only requests with the same salt (empty: shared by all).
     """
 
     max_tokens: int = 16
@@ -47,12 +49,15 @@ class SamplingParams:
     grammar_prefix: tuple[int, ...] = ()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.end_ids, int):
             self.end_ids = (self.end_ids,)
         self.end_ids = tuple(int(t) for t in self.end_ids)
         self.stop_token_ids = tuple(tuple(int(t) for t in seq) for seq in self.stop_token_ids)
+        if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT:
+            raise ValueError(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not (0.0 <= self.temperature < math.inf):

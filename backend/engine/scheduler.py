@@ -13,8 +13,16 @@ Remote KV (decode role) goes through the same admission: a ``remote_kv`` sequenc
 rest of its prompt's KV comes from elsewhere; if so it waits, holding its pages, in
 ``WAITING_REMOTE_KV`` (``parked``; it takes no seat of ``max_num_seqs``) until :meth:`kv_loaded`
 queues it in ``ready``: at its last prompt token, admitted before the waiting queue when a seat is
-free. ``stalled``: the last :meth:`schedule` found nothing to run (the engine loop then waits for
-a command instead of spinning: only a command can free pages or seats then).
+free.
+
+KV tiers: a sequence admitted with blocks of its prefix in the tiers below the pool
+(``PageAllocator.tier_loads``) waits in ``WAITING_TIER_KV`` (``tier_parked``, no seat) while
+``load_tiers`` copies them; :meth:`tier_loaded` then sends it on as if it had just been admitted
+with those tokens cached (a ``remote_kv`` sequence goes to its KV loader next).
+
+``stalled``: the last :meth:`schedule` found nothing to run (the engine loop then waits for a
+command instead of spinning: only a command, or the tier loader's wake-up, can free pages or
+seats then).
 """
 
 from __future__ import annotations
@@ -87,10 +95,13 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.parked: dict[str, Sequence] = {}  # WAITING_REMOTE_KV
+        self.tier_parked: dict[str, Sequence] = {}  # WAITING_TIER_KV
         self.ready: deque[Sequence] = deque()  # remote KV landed, waiting for a seat (pages held)
         self.stalled = False
         # (seq) -> True when its prompt's KV will be loaded from elsewhere (it then waits)
         self.load_remote: Callable[[Sequence], bool] | None = None
+        # (seq) -> start loading the tier blocks the allocator found for it (see tier_loaded)
+        self.load_tiers: Callable[[Sequence], None] | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -106,7 +117,20 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING_REMOTE_KV:
             del self.parked[seq.req_id]
+        elif seq.status is SeqStatus.WAITING_TIER_KV:
+            del self.tier_parked[seq.req_id]
         seq.status = SeqStatus.FINISHED
+
+    def tier_loaded(self, seq: Sequence) -> None:
+        """A sequence's tier blocks are in its pages (as many as loaded: the allocator counts them
+        as cached tokens): it goes on from its cached prefix."""
+        if seq.status is not SeqStatus.WAITING_TIER_KV:
+            raise ValueError(f"request {seq.req_id!r} is not waiting for tier KV ({seq.status.value})")
+        del self.tier_parked[seq.req_id]
+        seq.num_computed = self.allocator.cached_tokens(seq.req_id)
+        if not self._parked_for_remote_kv(seq):
+            seq.status = SeqStatus.WAITING
+            self.ready.append(seq)
 
     def kv_loaded(self, seq: Sequence) -> None:
         """A parked sequence's prompt KV (all tokens but the last) is in its pages: it runs its last
@@ -149,9 +173,12 @@ class Scheduler:
             if not self._admit(seq):
                 break
             self.waiting.popleft()
-            if seq.remote_kv and self._load_remote(seq):
-                seq.status = SeqStatus.WAITING_REMOTE_KV
-                self.parked[seq.req_id] = seq
+            if self.load_tiers is not None and self.allocator.tier_loads(seq.req_id):
+                seq.status = SeqStatus.WAITING_TIER_KV
+                self.tier_parked[seq.req_id] = seq
+                self.load_tiers(seq)
+                continue
+            if self._parked_for_remote_kv(seq):
                 continue
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -159,6 +186,14 @@ class Scheduler:
             budget -= len(chunks[-1].input_token_ids)
         self.stalled = not chunks
         return chunks
+
+    def _parked_for_remote_kv(self, seq: Sequence) -> bool:
+        """A ``remote_kv`` sequence whose KV loader takes it waits in ``WAITING_REMOTE_KV``."""
+        if seq.remote_kv and self._load_remote(seq):
+            seq.status = SeqStatus.WAITING_REMOTE_KV
+            self.parked[seq.req_id] = seq
+            return True
+        return False
 
     def _load_remote(self, seq: Sequence) -> bool:
         """Ask the KV loader; one that raises leaves the request to be computed here."""
@@ -176,7 +211,9 @@ class Scheduler:
             # a request that wants its prompt's log-probabilities needs the logits of every prompt
             # position: it attaches no cached prefix
             prefix = None if seq.wants_prompt_logprobs else seq.token_ids
-            self.allocator.allocate(seq.req_id, seq.num_tokens, commit_tokens, token_ids=prefix)
+            self.allocator.allocate(
+                seq.req_id, seq.num_tokens, commit_tokens, token_ids=prefix, cache_salt=seq.cache_salt
+            )
             seq.num_computed = self.allocator.cached_tokens(seq.req_id)  # a cached prefix is not recomputed
         except PoolFullError:
             return False

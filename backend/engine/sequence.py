@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # queued for pages (admission)
+    WAITING_TIER_KV = "waiting_tier_kv"  # has its pages; blocks of its prefix are loaded from the KV tiers
     WAITING_REMOTE_KV = "waiting_remote_kv"  # has its pages; its prompt's KV is loaded from elsewhere
     RUNNING = "running"
     FINISHED = "finished"
@@ -59,6 +60,10 @@ class Sequence:
         self.last_hidden: torch.Tensor | None = None
         self.last_logits: torch.Tensor | None = None
         self.prompt_logprobs: list[TokenLogprobs] = []  # per prefill chunk, until the first output
+
+    @property
+    def cache_salt(self) -> str:
+        return self.params.cache_salt
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -296,6 +296,7 @@ def build_app(config: FrontendConfig, *, triton_stream: TritonStream | None = No
             ignore_eos=body.ignore_eos,
             min_tokens=body.min_tokens,
             guided_json=body.guided_json(),
+            cache_salt=body.cache_salt or "",
         )
 
     async def _run(

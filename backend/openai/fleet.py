@@ -110,7 +110,7 @@ class DecodeFleet:
         def open_stream(target: Target, resume: list[int]) -> AsyncIterator[Delta]:
             return self._client(target.grpc_url).generate(target.model, prompt, resumed if resume else params, resume)
 
-        return self.router.generate(request_id, token_ids, params.max_tokens, open_stream)
+        return self.router.generate(request_id, token_ids, params.max_tokens, open_stream, params.cache_salt)
 
     async def close(self) -> None:
         if self._loop_task is not None:

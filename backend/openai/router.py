@@ -119,13 +119,16 @@ class Router:
 
     # ------------------------------------------------------------ routing
     async def generate(
-        self, request_id: str, token_ids: list[int], max_tokens: int, open_stream: OpenStream
+        self, request_id: str, token_ids: list[int], max_tokens: int, open_stream: OpenStream, cache_salt: str = ""
     ) -> AsyncGenerator[Delta, None]:
         """The request's deltas until the one with a finish reason, across as many members as it
         takes (at most ``migration_limit`` moves); :class:`GenerationError` when it fails for
         good. ``token_ids``: its prompt, for routing (empty: by load alone). Closing the
-        iterator early closes the open stream (which cancels the request there)."""
-        journey = _Journey(request_id, list(token_ids), self.table.pages(len(token_ids) + max_tokens))
+        iterator early closes the open stream (which cancels the request there). ``cache_salt``:
+        its prefix-cache tenant (routing matches only pages cached under it)."""
+        journey = _Journey(
+            request_id, list(token_ids), self.table.pages(len(token_ids) + max_tokens), cache_salt=cache_salt
+        )
         target = await self._first_pick(journey)
         while True:
             try:

@@ -4,7 +4,8 @@ Accepted: ``model``, ``prompt`` or ``messages`` (text content), ``max_tokens`` /
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
 ``stream_options.include_usage``, ``n`` = 1, ``response_format`` (``text``, ``json_object``,
 ``json_schema``), ``user`` (ignored), and vLLM's extensions ``ignore_eos`` and ``min_tokens``
-(benchmarks ask for a fixed output length with them).
+(benchmarks ask for a fixed output length with them) and ``cache_salt`` (the request's
+prefix-cache tenant: its KV is reused only by requests with the same salt).
 
 Log-probabilities: a completion's ``prompt`` is a string, a list of one string, token ids or a
 list of one list of token ids (what lm-eval sends); ``logprobs`` (0..5: the chosen tokens'
@@ -86,6 +87,7 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     user: str | None = None
+    cache_salt: str | None = Field(default=None, max_length=256)
 
     _refused: ClassVar[Refusals] = _REFUSED  # this endpoint's refused fields
 

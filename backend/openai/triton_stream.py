@@ -39,6 +39,7 @@ class GenerationParams:
     log_probs: bool = False  # each output token's log-probability
     prompt_log_probs: bool = False  # the prompt's (first response); max_tokens may then be 0
     num_top_log_probs: int = 0  # with either: the k most likely tokens at each position
+    cache_salt: str = ""  # the prefix-cache tenant ("": shared)
 
 
 # the k most likely tokens at one position, most likely first: (token id, log-probability)
@@ -112,6 +113,8 @@ def build_inputs(
         ins.append(_tensor("stop_words", [w.encode("utf-8") for w in params.stop], "BYTES", object))
     if params.guided_json is not None:
         ins.append(_tensor("guided_json", [params.guided_json.encode("utf-8")], "BYTES", object))
+    if params.cache_salt:
+        ins.append(_tensor("cache_salt", [params.cache_salt.encode("utf-8")], "BYTES", object))
     if resume_token_ids:
         ins.append(_tensor("resume_token_ids", resume_token_ids, "INT32", np.int32))
     if params.log_probs:

@@ -347,7 +347,11 @@ class DecodeWorker:
         n = len(session.prompt_ids)
         n_remote = self.receiver.num_external_tokens(n)
         endpoint = self._pick_endpoint(
-            session.req_id, session.prompt_ids[:n_remote], n_remote - r.cached_tokens, exclude=r.tried
+            session.req_id,
+            session.prompt_ids[:n_remote],
+            n_remote - r.cached_tokens,
+            exclude=r.tried,
+            cache_salt=session.request.cache_salt,
         )
         if endpoint is None and r.tried:  # recomputing a failed load, and no other prefill instance is up
             self._compute_here(r)
@@ -387,6 +391,7 @@ class DecodeWorker:
                     session.prompt_ids[:n_remote],
                     r.pages[first_page : first_page + ticket.n_pages],
                     first_page,
+                    session.request.cache_salt,
                 )
             )
         except ConnectionError as e:
@@ -398,7 +403,7 @@ class DecodeWorker:
                 self._ask_prefill(r)
 
     def _pick_endpoint(
-        self, req_id: str, tokens: list[int], n_send: int, exclude: Collection[str] = ()
+        self, req_id: str, tokens: list[int], n_send: int, exclude: Collection[str] = (), cache_salt: str = ""
     ) -> PrefillEndpoint | None:
         """The connected prefill instance (not in ``exclude``) with the lowest routing cost for
         the prefill of ``tokens``; its ``n_send`` tokens (the part to send) count as queued there
@@ -411,7 +416,7 @@ class DecodeWorker:
         if not by_address:
             return None
         pages = -(-n_send // self.config.engine.page_size)
-        picked = self.router.pick(req_id, tokens, list(by_address), pages)
+        picked = self.router.pick(req_id, tokens, list(by_address), pages, cache_salt)
         return by_address[picked] if picked is not None else None
 
     def _prefills_changed(self, joined: list[InstanceRecord], left: list[InstanceRecord]) -> None:

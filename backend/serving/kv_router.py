@@ -27,7 +27,7 @@ import time
 from collections.abc import Hashable, Sequence
 
 from backend.engine.cache_summary import CacheSummary, page_key
-from backend.engine.page_allocator import page_hashes
+from backend.engine.page_allocator import chain_start, page_hashes
 
 
 class KVRouter:
@@ -72,17 +72,23 @@ class KVRouter:
             return self._summaries.get(name)
 
     # ------------------------------------------------------------ routing
-    def cached_tokens(self, name: str, token_ids: Sequence[int]) -> int:
+    def cached_tokens(self, name: str, token_ids: Sequence[int], cache_salt: str = "") -> int:
         """Tokens of the prompt ``token_ids`` that ``name`` is judged to hold (whole pages, never
         the last token, as the page allocator attaches them)."""
         with self._lock:
-            return self._matched_pages(name, token_ids, time.monotonic(), {}) * self._page_size(name)
+            return self._matched_pages(name, token_ids, cache_salt, time.monotonic(), {}) * self._page_size(name)
 
     def pick(
-        self, request: Hashable, token_ids: Sequence[int], candidates: Sequence[str], request_pages: int
+        self,
+        request: Hashable,
+        token_ids: Sequence[int],
+        candidates: Sequence[str],
+        request_pages: int,
+        cache_salt: str = "",
     ) -> str | None:
         """The cheapest of ``candidates`` for the prompt ``token_ids`` (None if there are none);
-        the request counts as in flight there (``request_pages`` pages) until :meth:`done`."""
+        the request counts as in flight there (``request_pages`` pages) until :meth:`done`. Its
+        ``cache_salt`` (prefix-cache tenant) matches only pages cached under the same salt."""
         if not candidates:
             return None
         now = time.monotonic()
@@ -92,7 +98,7 @@ class KVRouter:
         with self._lock:
             ranked = []
             for i, name in enumerate(order):
-                matched = self._matched_pages(name, token_ids, now, keys) if self.overlap_weight else 0
+                matched = self._matched_pages(name, token_ids, cache_salt, now, keys) if self.overlap_weight else 0
                 page_size = self._page_size(name)
                 uncached = -(-len(token_ids) // page_size) - matched
                 inflight = self._inflight.get(name, {})
@@ -105,7 +111,7 @@ class KVRouter:
             self.counters["query_tokens"] += len(token_ids)
             self.counters["predicted_hit_tokens"] += hit
             if self.overlap_weight:
-                self._predict(best, token_ids, now, keys)
+                self._predict(best, token_ids, cache_salt, now, keys)
         return best
 
     def done(self, name: str, request: Hashable) -> None:
@@ -122,29 +128,30 @@ class KVRouter:
         return summary.page_size if summary is not None else 16
 
     @staticmethod
-    def _prompt_keys(summary: CacheSummary, token_ids: Sequence[int], memo: dict) -> list[int]:
+    def _prompt_keys(summary: CacheSummary, token_ids: Sequence[int], cache_salt: str, memo: dict) -> list[int]:
         at = (summary.salt, summary.page_size)
         if at not in memo:
             ids = list(token_ids)[: max(len(token_ids) - 1, 0)]
-            memo[at] = [page_key(h) for h in page_hashes(ids, summary.page_size, bytes.fromhex(summary.salt))]
+            start = chain_start(bytes.fromhex(summary.salt), cache_salt)
+            memo[at] = [page_key(h) for h in page_hashes(ids, summary.page_size, start)]
         return memo[at]
 
-    def _matched_pages(self, name: str, token_ids: Sequence[int], now: float, memo: dict) -> int:
+    def _matched_pages(self, name: str, token_ids: Sequence[int], cache_salt: str, now: float, memo: dict) -> int:
         summary = self._summaries.get(name)
         if summary is None:
             return 0
         predicted = self._predicted.get(name, {})
         matched = 0
-        for key in self._prompt_keys(summary, token_ids, memo):
+        for key in self._prompt_keys(summary, token_ids, cache_salt, memo):
             if key not in summary.keys and now - predicted.get(key, -1e18) >= self.predict_ttl_s:
                 break
             matched += 1
         return matched
 
-    def _predict(self, name: str, token_ids: Sequence[int], now: float, memo: dict) -> None:
+    def _predict(self, name: str, token_ids: Sequence[int], cache_salt: str, now: float, memo: dict) -> None:
         summary = self._summaries.get(name)
         if summary is not None:
             predicted = self._predicted.setdefault(name, {})
-            for key in self._prompt_keys(summary, token_ids, memo):
+            for key in self._prompt_keys(summary, token_ids, cache_salt, memo):
                 if key not in summary.keys:
                     predicted[key] = now

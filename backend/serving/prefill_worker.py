@@ -245,7 +245,8 @@ class PrefillWorker:
             return
         self.requests[msg.req_id] = _Request(RequestState.prefill(msg.req_id), conn, peer)
         log.debug("prefill %s: %d tokens -> %d pages of %s", msg.req_id, len(msg.tokens), len(msg.dst_pages), peer)
-        self.loop.submit(msg.req_id, msg.tokens, SamplingParams(max_tokens=1), self._on_output, prefill_only=True)
+        params = SamplingParams(max_tokens=1, cache_salt=msg.cache_salt)
+        self.loop.submit(msg.req_id, msg.tokens, params, self._on_output, prefill_only=True)
 
     def _check(self, msg: PrefillRequest) -> None:
         """Tokens within this engine's limits, before anything reaches the engine: a bad request

@@ -54,6 +54,7 @@ class ClientRequest:
     return_log_probs: bool = False
     return_prompt_log_probs: bool = False
     num_top_log_probs: int = 0
+    cache_salt: str = ""
 
     @property
     def remaining_tokens(self) -> int:
@@ -245,6 +246,7 @@ def _check_sampling(req: ClientRequest) -> None:
             min_tokens=req.min_length,
             num_draft_tokens=req.num_draft_tokens or 0,
             draft_method=req.draft_method or DRAFT_METHODS[0],
+            cache_salt=req.cache_salt,
         )
     except ValueError as e:
         raise RequestError(str(e)) from None
@@ -253,7 +255,7 @@ def _check_sampling(req: ClientRequest) -> None:
 def _parse_decode_options(get: Getter, req: ClientRequest) -> None:
     """Speculative decoding and structured-output inputs (grammars compile later)."""
     req.num_draft_tokens = _scalar(get, "num_draft_tokens")
-    for name in ("draft_method", "guided_json", "guided_regex"):
+    for name in ("draft_method", "guided_json", "guided_regex", "cache_salt"):
         values = _strings(get, name)
         if values is not None:
             if len(values) != 1:

@@ -94,6 +94,7 @@ class Journey:
     prompt_relayed: bool = False  # the prompt's log-probabilities reached the client
     cum_before: float = 0.0  # the output's cumulative log-probability over earlier attempts
     cum: float = 0.0  # ... and the current one, as relayed
+    cache_salt: str = ""  # its prefix-cache tenant: only pages cached under it match
 
     @property
     def moves(self) -> int:
@@ -343,7 +344,7 @@ class RoutingTable:
         """The serving target (not in ``exclude``) the KV router prefers for ``journey``; it is in
         flight there until :meth:`done`. None if none serves."""
         with self._lock:
-            name = self.kv.pick(journey, journey.route_ids(), self._serving(exclude), journey.pages)
+            name = self.kv.pick(journey, journey.route_ids(), self._serving(exclude), journey.pages, journey.cache_salt)
             if name is not None:
                 state = self._targets[name]
                 state.routed += 1

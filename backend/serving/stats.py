@@ -8,6 +8,21 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+# stat field -> the engine's pool_stats() key (``LLMEngine.pool_stats``: the KV tiers' figures)
+TIER_STATS = {
+    "kv_tier_host_blocks": "tier_host_blocks",
+    "kv_tier_host_hit_blocks_total": "tier_host_hit_blocks",
+    "kv_tier_spilled_blocks_total": "tier_spilled_blocks",
+    "kv_tier_disk_blocks": "tier_disk_blocks",
+    "kv_tier_disk_bytes": "tier_disk_bytes",
+    "kv_tier_disk_hit_blocks_total": "tier_disk_hit_blocks",
+    "kv_tier_disk_writes_total": "tier_disk_writes",
+    "kv_tier_disk_dropped_total": "tier_disk_dropped",
+    "kv_tier_disk_corrupt_total": "tier_disk_corrupt",
+    "kv_tier_load_failures_total": "tier_load_failures",
+    "kv_tier_load_seconds_total": "tier_load_seconds",
+}
+
 
 @dataclass
 class InstanceStats:
@@ -21,6 +36,18 @@ class InstanceStats:
     prefix_cache_query_tokens_total: int = 0
     prefix_cache_hit_tokens_total: int = 0
     prefix_cache_evictions_total: int = 0
+    kv_tier_hit_tokens_total: int = 0
+    kv_tier_host_blocks: int = 0
+    kv_tier_host_hit_blocks_total: int = 0
+    kv_tier_spilled_blocks_total: int = 0
+    kv_tier_disk_blocks: int = 0
+    kv_tier_disk_bytes: int = 0
+    kv_tier_disk_hit_blocks_total: int = 0
+    kv_tier_disk_writes_total: int = 0
+    kv_tier_disk_dropped_total: int = 0
+    kv_tier_disk_corrupt_total: int = 0
+    kv_tier_load_failures_total: int = 0
+    kv_tier_load_seconds_total: float = 0.0
     requests_active: int = 0
 
     def set_pool(self, pool: dict) -> None:
@@ -32,6 +59,9 @@ class InstanceStats:
         self.prefix_cache_query_tokens_total = pool["prefix_query_tokens"]
         self.prefix_cache_hit_tokens_total = pool["prefix_hit_tokens"]
         self.prefix_cache_evictions_total = pool["prefix_evictions"]
+        self.kv_tier_hit_tokens_total = pool["prefix_tier_hit_tokens"]
+        for name, key in TIER_STATS.items():  # absent where the instance has no tiers
+            setattr(self, name, pool.get(key, 0))
 
     def update(self, values: dict) -> None:
         """Take a connector's totals; a key that is not a field is a bug (AttributeError)."""

@@ -55,6 +55,9 @@ INPUTS = (
     TensorSpec("draft_method", "TYPE_STRING"),
     TensorSpec("guided_json", "TYPE_STRING"),
     TensorSpec("guided_regex", "TYPE_STRING"),
+    # The request's prefix-cache tenant: its KV is reused only by requests with the same salt
+    # (TensorRT-LLM's and vLLM's name), in every tier and on every instance; empty: shared.
+    TensorSpec("cache_salt", "TYPE_STRING"),
     # A request that continues elsewhere (request migration): the output tokens its client has
     # already received; they follow the prompt and count toward max_tokens and min_length, the
     # grammar replays them, and only what comes after them is sent.

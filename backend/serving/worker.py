@@ -120,6 +120,7 @@ def sampling_params(session: GenerationSession, serving: ServingConfig) -> Sampl
         grammar_prefix=tuple(r.resume_ids) if r.grammar is not None else (),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        cache_salt=r.cache_salt,
     )
 
 

@@ -78,12 +78,13 @@ class TritonPythonModel:
         for request in requests:
             sender = GuardedSender(pb, request.get_response_sender())
             arrays = {t.name(): t.as_numpy() for t in request.inputs()}
-            prompt_ids, pages = self._route_key(arrays)
+            prompt_ids, pages, cache_salt = self._route_key(arrays)
             fwd = Forwarding(
                 f"front-{uuid.uuid4().hex}",
                 prompt_ids,
                 pages,
                 sent=_resume_ids(arrays),
+                cache_salt=cache_salt,
                 sender=sender,
                 inputs={name: arr for name, arr in arrays.items() if name != RESUME},
             )
@@ -113,10 +114,10 @@ class TritonPythonModel:
             target = self.table.pick(fwd)
         self._begin(fwd, target)
 
-    def _route_key(self, arrays: dict) -> tuple[list[int], int]:
+    def _route_key(self, arrays: dict) -> tuple[list[int], int, str]:
         """The prompt's token ids (empty when there is no tokenizer, or the request is malformed
         or over the default input limit: the decode model refuses it with the reason, or gets it
-        routed by load) and the pages it will hold."""
+        routed by load), the pages it will hold and its ``cache_salt``."""
         try:
             req = parse_request(arrays.get, max_tokens_limit=1 << 30)
             if req.input_ids is not None:
@@ -129,8 +130,8 @@ class TritonPythonModel:
                 )
         except Exception as e:  # RequestError, or a text the tokenizer rejects: the decode model says why
             log.debug("routing a request by load alone: %s", e)
-            return [], 1
-        return ids, self.table.pages(len(ids) + req.max_tokens)
+            return [], 1, ""
+        return ids, self.table.pages(len(ids) + req.max_tokens), req.cache_salt
 
     def _start(self, fwd: "Forwarding", target: str) -> None:
         """Forward ``fwd`` to ``target`` as a new attempt (the caller holds ``fwd.lock``); the

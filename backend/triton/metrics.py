@@ -29,6 +29,9 @@ GAUGES = {
     "requests_waiting_kv": "decode requests waiting for their KV transfer to complete",
     "prefill_queue_depth": "prefill requests queued or running in this instance",
     "prefill_endpoints_connected": "decode instance: prefill instances its KV messenger is connected to",
+    "kv_tier_host_blocks": "KV blocks (a page, every layer) in this instance's host tier",
+    "kv_tier_disk_blocks": "KV blocks in the disk tier that this instance knows",
+    "kv_tier_disk_bytes": "bytes of the disk tier's block files that this instance knows",
 }
 COUNTERS = {
     "requests_total": "requests finished, any outcome",
@@ -47,6 +50,15 @@ COUNTERS = {
     "kv_loads_recomputed_total": "decode instance: failed KV loads computed again (elsewhere or here)",
     "prefix_cache_hit_tokens_total": "prompt tokens found in the prefix cache (their KV not recomputed)",
     "prefix_cache_evictions_total": "cached pages evicted to make room",
+    "kv_tier_hit_tokens_total": "prompt tokens whose KV was loaded from the host or disk tier (part of the hit tokens)",
+    "kv_tier_host_hit_blocks_total": "KV blocks loaded from the host tier",
+    "kv_tier_spilled_blocks_total": "cached pages evicted from the pool into the tiers",
+    "kv_tier_disk_hit_blocks_total": "KV blocks loaded from the disk tier",
+    "kv_tier_disk_writes_total": "KV blocks written to the disk tier",
+    "kv_tier_disk_dropped_total": "KV blocks not written to the disk tier (writer queue full, or a write failed)",
+    "kv_tier_disk_corrupt_total": "disk tier block files refused (damaged, or another model or layout) and removed",
+    "kv_tier_load_failures_total": "tier loads that ended early (a block could not be read): the rest was computed",
+    "kv_tier_load_seconds_total": "time the tier loader spent copying blocks into the pool",
     "kv_posts_deferred_total": "prefill instance: KV posts that waited for the device to execute the write (0 on CPU)",
 }
 

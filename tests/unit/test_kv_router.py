@@ -115,3 +115,21 @@ def test_a_routed_prompt_counts_as_cached_there_until_its_ttl():
 
 def test_no_candidates():
     assert KVRouter().pick("q", [1, 2], [], 1) is None
+
+
+def test_a_cache_salt_matches_only_pages_cached_under_it():
+    """The router hashes a prompt from its ``cache_salt`` as the allocator does: another tenant's
+    pages are no hit, the same tenant's are."""
+    alloc = PageAllocator(64, PS, prefix_caching=True, salt=SALT)
+    alloc.allocate("t", len(PREFIX), token_ids=PREFIX, cache_salt="tenant-a")
+    alloc.register("t", PREFIX, len(PREFIX))
+    alloc.free("t")
+    version, keys = alloc.cached_keys()
+    router = KVRouter()
+    router.update("a", CacheSummary(SALT.hex(), PS, version, keys, 64, 64, 0, 0))
+    router.update("b", _summary_of([PREFIX]))  # the same text, no salt
+    assert router.cached_tokens("a", PREFIX + [1], "tenant-a") == len(PREFIX)
+    assert router.cached_tokens("a", PREFIX + [1]) == 0 and router.cached_tokens("a", PREFIX + [1], "other") == 0
+    assert router.cached_tokens("b", PREFIX + [1], "tenant-a") == 0
+    assert router.pick("r1", PREFIX + [1], ["b", "a"], 7, "tenant-a") == "a"
+    assert router.pick("r2", PREFIX + [1], ["a", "b"], 7) == "b"

@@ -41,6 +41,17 @@ def test_tensorrt_llm_min_length_and_exclude_input():
         parse_request(getter(**base, min_length=np.array([9], np.int32)), max_tokens_limit=10)
 
 
+def test_cache_salt_is_one_bounded_string():
+    base = {"text_input": np.array([b"x"], dtype=object), "max_tokens": np.array([8], np.int32)}
+    req = parse_request(getter(**base, cache_salt=np.array([b"tenant-a"], dtype=object)), max_tokens_limit=10)
+    assert req.cache_salt == "tenant-a"
+    assert parse_request(getter(**base), max_tokens_limit=10).cache_salt == ""
+    with pytest.raises(RequestError, match="cache_salt must be a string of at most 256"):
+        parse_request(getter(**base, cache_salt=np.array([b"s" * 300], dtype=object)), max_tokens_limit=10)
+    with pytest.raises(RequestError, match="exactly one string"):
+        parse_request(getter(**base, cache_salt=np.array([b"a", b"b"], dtype=object)), max_tokens_limit=10)
+
+
 @pytest.mark.parametrize(
     "tensors,msg",
     [

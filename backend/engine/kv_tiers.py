@@ -1,0 +1,218 @@
+"""KV tiers below the pool: what the page allocator keeps when it evicts a cached page, finds when
+a prompt's prefix is not in the pool, and the loader thread that copies found blocks into pages.
+
+The chain is pool -> host tier (``host_tier.py``) -> disk tier (``disk_tier.py``). A cached page
+the allocator evicts is copied into the host tier (:meth:`KVTiers.spill`); a block the host tier
+pushes out moves on to the disk tier if it was hit at least ``admit_hits`` times (a hit: the block
+served a prompt's prefix from any tier, the pool included); at close, the pool's and the host
+tier's blocks hit that often are written to disk too, so a restarted instance finds them.
+
+When a prompt's prefix continues past the pool's pages, the allocator asks :meth:`KVTiers.find`
+which of the next blocks a tier holds (in order, up to the first miss), takes a page for each and
+hands the list to the engine, which parks the request and queues the copies on the loader thread
+(:meth:`KVTiers.load`); the engine's steps go on meanwhile. The loader reports ``(request, blocks
+loaded)`` (:meth:`KVTiers.finished`): a block that cannot be read (a damaged file) ends the
+request's load there, and the rest of its prompt is computed. ``waker`` is called from the loader
+thread when a result is ready (the engine loop wakes up for it).
+
+Blocks are copied with the allocator's lock held when spilled (the page is about to be reused);
+loads copy into pages that only the loading request holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from backend.engine.disk_tier import DiskTier
+from backend.engine.host_tier import HostTier
+from backend.engine.kv_pool import KVPool
+
+log = logging.getLogger("triton_disagg.engine")
+
+MAX_COUNTED = 1 << 16  # blocks whose hit counts are remembered (least recently hit forgotten)
+FLUSH_S = 10.0  # at close, how long the tiers may write blocks to disk at most
+
+
+@dataclass(frozen=True)
+class TierLoad:
+    """One block to copy into ``page``: from the host tier (``block``) or the disk tier (None)."""
+
+    page: int
+    key: bytes
+    block: torch.Tensor | None
+
+
+class KVTiers:
+    def __init__(self, pool: KVPool, host_blocks: int, disk: DiskTier | None, admit_hits: int):
+        self.pool = pool
+        self.host = HostTier(host_blocks) if host_blocks > 0 else None
+        self.disk = disk
+        self.admit_hits = admit_hits
+        self.waker: Callable[[], None] = lambda: None
+        self.counters = {"host_hit_blocks": 0, "disk_hit_blocks": 0, "spilled_blocks": 0, "load_failures": 0}
+        self.load_seconds = 0.0
+        self._hits: OrderedDict[bytes, int] = OrderedDict()
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[tuple[str, list[TierLoad]] | None] = queue.SimpleQueue()
+        self._done: list[tuple[str, int]] = []
+        self._done_event = threading.Event()
+        self._in_flight = 0
+        self._flush_deadline = 0.0
+        self._loader = threading.Thread(target=self._load_loop, name="kv-tier-loader", daemon=True)
+        self._loader.start()
+
+    # ---------------------------------------------------------------- the allocator's side
+    def spill(self, key: bytes, page: int) -> None:
+        """A cached page is evicted from the pool: keep its block."""
+        block = self._block_of(page)
+        with self._lock:
+            self.counters["spilled_blocks"] += 1
+        if self.host is not None:
+            for out_key, out_block in self.host.put(key, block):
+                self._admit(out_key, out_block)
+        else:
+            self._admit(key, block)
+
+    def hit(self, keys: list[bytes]) -> None:
+        """These blocks served a prompt's prefix (from the pool)."""
+        with self._lock:
+            for key in keys:
+                self._hits[key] = self._hits.pop(key, 0) + 1
+            while len(self._hits) > MAX_COUNTED:
+                self._hits.popitem(last=False)
+
+    def find(self, keys: list[bytes]) -> list[torch.Tensor | None]:
+        """Where the leading ``keys`` are, up to the first that no tier holds: the host tier's
+        block, or None for a block on disk."""
+        found: list[torch.Tensor | None] = []
+        for key in keys:
+            block = self.host.get(key) if self.host is not None else None
+            if block is None and not (self.disk is not None and self.disk.has(key)):
+                break
+            found.append(block)
+        self.hit(keys[: len(found)])
+        return found
+
+    # ---------------------------------------------------------------- the engine's side
+    def load(self, req_id: str, loads: list[TierLoad]) -> None:
+        """Copy ``loads`` into their pages on the loader thread; :meth:`finished` reports it."""
+        with self._lock:
+            self._in_flight += 1
+        self._jobs.put((req_id, loads))
+
+    def finished(self) -> list[tuple[str, int]]:
+        """(request, how many of its blocks were loaded, in order) for every load done since the
+        last call."""
+        with self._lock:
+            done, self._done = self._done, []
+            self._done_event.clear()
+            return done
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return self._in_flight
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block until a load is done (True) or ``timeout_s`` passed."""
+        return self._done_event.wait(timeout_s)
+
+    def flush(self, cached: list[tuple[bytes, int]], within_s: float = FLUSH_S) -> None:
+        """At close: the pool's cached pages (``(hash, page)``) and the host tier's blocks that were
+        hit at least ``admit_hits`` times go to the disk tier, most recently hit first, for at most
+        ``within_s`` (what is not written by then is lost with the process)."""
+        if self.disk is None:
+            return
+        deadline = time.monotonic() + within_s
+        host = self.host.items() if self.host is not None else []
+        blocks: list[tuple[bytes, int | torch.Tensor]] = [
+            (k, p) for k, p in cached if self._hit_count(k) >= self.admit_hits
+        ]
+        blocks += [(k, b) for k, b in host if self._hit_count(k) >= self.admit_hits]
+        with self._lock:  # most recently hit first
+            order = {k: i for i, k in enumerate(self._hits)}
+        blocks.sort(key=lambda kb: -order.get(kb[0], -1))
+        for key, where in blocks:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning("KV tiers: flush to disk stopped after %.0f s", within_s)
+                break
+            block = self._block_of(where) if isinstance(where, int) else where
+            self.disk.put(key, block, wait_s=left)
+        self._flush_deadline = deadline
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._loader.join(10)
+        if self.disk is not None:
+            self.disk.close(max(1.0, self._flush_deadline - time.monotonic()))
+
+    def stats(self) -> dict:
+        with self._lock:
+            out = dict(self.counters, load_seconds=self.load_seconds)
+        out["host_blocks"] = len(self.host) if self.host is not None else 0
+        out["host_capacity_blocks"] = self.host.capacity_blocks if self.host is not None else 0
+        if self.disk is not None:
+            out.update({f"disk_{k}": v for k, v in self.disk.stats().items()})
+        return out
+
+    # ---------------------------------------------------------------- internals
+    def _block_of(self, page: int) -> torch.Tensor:
+        view = self.pool.tensor[:, page]
+        block = torch.empty(view.shape, dtype=view.dtype, device="cpu")
+        block.copy_(view)
+        return block
+
+    def _hit_count(self, key: bytes) -> int:
+        with self._lock:
+            return self._hits.get(key, 0)
+
+    def _admit(self, key: bytes, block: torch.Tensor) -> None:
+        if self.disk is not None and self._hit_count(key) >= self.admit_hits:
+            self.disk.put(key, block)
+
+    def _load_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            req_id, loads = job
+            start, ok = time.perf_counter(), 0
+            try:
+                ok = self._copy(loads)
+            except Exception:
+                log.exception("KV tier load for %s failed; its prompt is computed", req_id)
+            with self._lock:
+                self.load_seconds += time.perf_counter() - start
+                if ok < len(loads):
+                    self.counters["load_failures"] += 1
+                self._in_flight -= 1
+                self._done.append((req_id, ok))
+                self._done_event.set()
+            try:
+                self.waker()
+            except Exception:
+                log.exception("KV tier waker raised")
+
+    def _copy(self, loads: list[TierLoad]) -> int:
+        for i, load in enumerate(loads):
+            block = load.block
+            if block is None:
+                assert self.disk is not None
+                block = self.disk.read(load.key)
+                if block is None:
+                    return i
+                with self._lock:
+                    self.counters["disk_hit_blocks"] += 1
+            else:
+                with self._lock:
+                    self.counters["host_hit_blocks"] += 1
+            self.pool.tensor[:, load.page].copy_(block)
+        return len(loads)

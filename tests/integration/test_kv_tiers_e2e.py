@@ -1,0 +1,91 @@
+"""KV tiers through real servers, the real model and real files: a server restarted on the same
+disk tier serves a conversation's follow-up turn from the blocks its predecessor wrote at close; in
+a disaggregated deployment, a decode instance whose pool evicted turn 1 loads it back from its host
+tier and asks the prefill instance only for the rest; a request of another ``cache_salt`` (tenant)
+finds none of it. Greedy outputs equal transformers' throughout."""
+
+from __future__ import annotations
+
+import time
+
+from backend.client import stream_generate
+from tests.conftest import deployment_server, hf_greedy, metric_values, wait_pool_free
+
+SYSTEM = "You are a helpful assistant. " + " ".join(f"Rule {i}: answer briefly and politely." for i in range(14))
+FIRST = SYSTEM + "\nUser: What is the capital of France?\nAssistant:"
+SECOND = FIRST + " Paris.\nUser: And of Italy?\nAssistant:"
+
+
+def _settled(url: str, name: str, model: str, timeout_s: float = 6.0) -> float:
+    """A counter's value once it stopped moving (the gauges refresh every 0.25 s)."""
+    deadline, last = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        now = sum(metric_values(url, f"triton_disagg_{name}", model=model))
+        if now == last:
+            return now
+        last = now
+        time.sleep(0.6)
+    return last or 0.0
+
+
+def _greedy(grpc: str, prompt: str, **kw):
+    out = stream_generate(grpc, prompt, 8, temperature=0.0, ignore_eos=True, **kw)
+    assert out.error is None, out.error
+    return out.token_ids
+
+
+def test_a_restarted_server_serves_the_follow_up_from_the_disk_tier(model_dir, tmp_path_factory, tokenizer, hf_model):
+    disk = tmp_path_factory.mktemp("kv-disk")
+    overrides = {"kv_cache_tokens": "1024", "num_threads": "2", "kv_disk_path": str(disk), "kv_disk_admit_hits": "1"}
+    settings = dict(mode="aggregated", model_path=str(model_dir), overrides=overrides, timeout_s=300)
+    n_first = len(tokenizer(FIRST)["input_ids"])
+    with deployment_server(tmp_path_factory, "tiers-before", **settings) as server:
+        for _ in range(2):  # turn 1 twice: its blocks are hit once, enough for the disk tier here
+            assert _greedy(server.grpc_url, FIRST) == hf_greedy(hf_model, tokenizer(FIRST)["input_ids"], 8)
+    files = list(disk.rglob("*.kv"))
+    assert len(files) >= (n_first - 1) // 16, files  # written when the server stopped
+    with deployment_server(tmp_path_factory, "tiers-after", **settings) as server:
+        url = server.metrics_url
+        assert _greedy(server.grpc_url, SECOND) == hf_greedy(hf_model, tokenizer(SECOND)["input_ids"], 8)
+        disk_hits = _settled(url, "kv_tier_disk_hit_blocks_total", "llm")
+        assert disk_hits >= (n_first - 1) // 16, disk_hits  # all of turn 1 came from the files
+        assert _settled(url, "kv_tier_hit_tokens_total", "llm") == disk_hits * 16
+        assert _settled(url, "kv_tier_disk_corrupt_total", "llm") == 0
+        wait_pool_free(url, "llm")
+
+
+def test_a_decode_instance_loads_an_evicted_turn_from_its_host_tier(model_dir, tmp_path_factory, tokenizer, hf_model):
+    with deployment_server(
+        tmp_path_factory,
+        "tiers-disagg",
+        mode="disagg",
+        model_path=str(model_dir),
+        prefill_instances=1,
+        decode_instances=1,
+        overrides={"kv_cache_tokens": "640", "kv_host_tokens": "8192", "num_threads": "1", "max_tokens_limit": "64"},
+    ) as server:
+        url, grpc = server.metrics_url, server.grpc_url
+        sent = lambda: _settled(url, "kv_transfer_bytes_total", "prefill_0")  # noqa: E731
+        assert _greedy(grpc, FIRST) == hf_greedy(hf_model, tokenizer(FIRST)["input_ids"], 8)
+        b1 = sent()
+        for i in range(4):  # other conversations push turn 1 out of both pools
+            other = f"Story {i}: " + " ".join(f"the {i}th traveller walked {j} miles" for j in range(40))
+            _greedy(grpc, other)
+        assert _settled(url, "kv_tier_spilled_blocks_total", "decode_0") > 0
+        b2 = sent()
+        host_before = _settled(url, "kv_tier_host_hit_blocks_total", "decode_0")
+        assert _greedy(grpc, SECOND) == hf_greedy(hf_model, tokenizer(SECOND)["input_ids"], 8)
+        loaded = _settled(url, "kv_tier_host_hit_blocks_total", "decode_0") - host_before
+        n_first, n_second = len(tokenizer(FIRST)["input_ids"]), len(tokenizer(SECOND)["input_ids"])
+        assert loaded >= (n_first - 1) // 16 - 1, loaded
+        per_page = b1 / -(-(n_first - 1) // 16)
+        # only the pages after the loaded ones crossed the fabric
+        assert sent() - b2 == per_page * (-(-(n_second - 1) // 16) - loaded)
+
+        # another tenant's request for the same text finds none of it, in the pool or the tiers
+        hits = _settled(url, "prefix_cache_hit_tokens_total", "decode_0")
+        salted = stream_generate(grpc, SECOND, 8, temperature=0.0, ignore_eos=True, cache_salt="tenant-b")
+        assert salted.error is None and salted.token_ids == hf_greedy(hf_model, tokenizer(SECOND)["input_ids"], 8)
+        assert _settled(url, "prefix_cache_hit_tokens_total", "decode_0") == hits
+        for m in ("prefill_0", "decode_0"):
+            wait_pool_free(url, m)
