@@ -62,6 +62,13 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--with-aggregated", action="store_true", help="also serve llm_aggregated for comparison")
     p.add_argument(
+        "--kv-store",
+        default="",
+        metavar="redis://HOST:PORT|none",
+        help="the shared KV tier's store, for a deployment across machines (default: --mode disagg starts a "
+        "private Redis on this machine when redis-server is installed; none: no shared tier)",
+    )
+    p.add_argument(
         "--set",
         action="append",
         default=[],
@@ -160,6 +167,7 @@ def start_server(args):
         router=router,
         openai_port=args.openai_port,
         openai_log_file=Path(args.log_file).with_suffix(".openai.log") if args.log_file else None,
+        kv_store=args.kv_store,
         timeout_s=300.0,
     )
     try:

@@ -15,6 +15,13 @@ requests/s, and (disaggregated) KV bytes sent per request. Writes ``multiturn.{j
 With ``--routing``: KV-aware routing against least-loaded routing instead (disaggregated, 1
 prefill + 2 decode instances, caching on; ``kv_routing_weight`` 1 vs 0 on the front and the
 decode instances), with the decode instances' own prefix-cache hits.
+
+With ``--tiers``: the KV tiers below the pool against none (caching on in both), each instance's
+pool cut to ``--pool-tokens`` (default 3,072: the conversations' KV is then about 4x it) so that
+turns are evicted between visits; tiers on: a host tier of ``--host-tokens`` and the disk tier
+(its own folder per run, admission after one hit), off: ``kv_host_tokens`` 0 and
+``kv_disk_bytes`` 0. Also checks that every turn's output is the same text with and without
+tiers. Writes ``multiturn-tiers.{json,md}``.
 """
 
 from __future__ import annotations
@@ -43,12 +50,24 @@ def _words(tokenizer, n_tokens: int, rng: random.Random) -> str:
     return text.strip()
 
 
-def run(mode: str, caching: bool, args, tokenizer, routing_weight: float | None = None) -> dict:
+def run(
+    mode: str, caching: bool, args, tokenizer, routing_weight: float | None = None, tiers: bool | None = None
+) -> dict:
     """One deployment under the workload. ``routing_weight`` (disaggregated, 2 decode instances):
-    the front's and the decode instances' ``kv_routing_weight`` (0: least loaded)."""
+    the front's and the decode instances' ``kv_routing_weight`` (0: least loaded). ``tiers``
+    (not None): pools of ``--pool-tokens``, with the host and disk tiers or without any."""
     overrides = {"enable_prefix_caching": str(caching).lower(), "local_prefill_max_tokens": "0"}
     render: dict = {}
     tag = f"{mode}-{caching}"
+    if tiers is not None:
+        tag += f"-tiers{tiers}"
+        disk = results_dir() / f"multiturn-{tag}" / "kv"
+        overrides["kv_cache_tokens"] = str(args.pool_tokens)
+        overrides.update(
+            {"kv_host_tokens": str(args.host_tokens), "kv_disk_path": str(disk), "kv_disk_admit_hits": "1"}
+            if tiers
+            else {"kv_host_tokens": "0", "kv_disk_bytes": "0"}
+        )
     if routing_weight is not None:
         overrides["kv_routing_weight"] = str(routing_weight)
         render = {"decode_instances": 2, "per_model": {"front": {"kv_routing_weight": str(routing_weight)}}}
@@ -59,7 +78,7 @@ def run(mode: str, caching: bool, args, tokenizer, routing_weight: float | None 
         users = [
             [_words(tokenizer, args.user_tokens, rng) for _ in range(args.turns)] for _ in range(args.conversations)
         ]
-        records, errors = [], []
+        records, errors, texts = [], [], {}
         stream_generate(server.grpc_url, "warm up", 4, ignore_eos=True)
         bytes0 = metric_sum(server.metrics_url, "kv_transfer_bytes_total") if mode == "disagg" else 0.0
 
@@ -77,6 +96,7 @@ def run(mode: str, caching: bool, args, tokenizer, routing_weight: float | None 
                     errors.append(res.error)
                     return
                 records.append((t, res.ttft, len(tokenizer.encode(history, add_special_tokens=False))))
+                texts[f"{c}/{t}"] = res.text
                 progress.update()
                 history += res.text
                 time.sleep(args.think_s)
@@ -90,6 +110,7 @@ def run(mode: str, caching: bool, args, tokenizer, routing_weight: float | None 
         time.sleep(0.6)  # metrics refresh
         sent = (metric_sum(server.metrics_url, "kv_transfer_bytes_total") - bytes0) if mode == "disagg" else 0.0
         hits = metric_sum(server.metrics_url, "prefix_cache_hit_tokens_total")
+        tier_hits = metric_sum(server.metrics_url, "kv_tier_hit_tokens_total")
         decode_hits = sum(
             metric_sum(server.metrics_url, "prefix_cache_hit_tokens_total", model=f"decode_{i}") for i in range(2)
         )
@@ -105,6 +126,8 @@ def run(mode: str, caching: bool, args, tokenizer, routing_weight: float | None 
             "kv_bytes_per_request": sent / 2 / n if n and mode == "disagg" else None,
             "prefix_hit_tokens": hits,
             "decode_hit_tokens": decode_hits if mode == "disagg" else None,
+            "tier_hit_tokens": tier_hits,
+            "outputs": texts,
         }
 
 
@@ -118,6 +141,13 @@ def main(argv=None) -> int:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--think-s", type=float, default=1.0)
     p.add_argument(
+        "--tiers",
+        action="store_true",
+        help="instead: the KV tiers below the pool vs none (caching on, pools of --pool-tokens)",
+    )
+    p.add_argument("--pool-tokens", type=int, default=3072, help="--tiers: each instance's KV pool")
+    p.add_argument("--host-tokens", type=int, default=16384, help="--tiers: each instance's host tier")
+    p.add_argument(
         "--routing",
         action="store_true",
         help="instead: KV-aware routing vs least loaded (disaggregated, 1 prefill + 2 decode instances, caching on)",
@@ -126,6 +156,8 @@ def main(argv=None) -> int:
     tokenizer = loadgen.load_tokenizer()
     if args.routing:
         return _routing(args, tokenizer)
+    if args.tiers:
+        return _tiers(args, tokenizer)
     results = {}
     for mode in args.modes.split(","):
         for caching in (False, True):
@@ -173,6 +205,31 @@ def _routing(args, tokenizer) -> int:
         f"requests/s {kv['requests_per_s'] / ll['requests_per_s']:.2f}x"
     )
     return _write("multiturn-routing", args, results, rows)
+
+
+def _tiers(args, tokenizer) -> int:
+    results = {}
+    for mode in args.modes.split(","):
+        for tiers in (False, True):
+            results[f"{mode}, tiers {'on' if tiers else 'off'}"] = run(mode, True, args, tokenizer, tiers=tiers)
+    rows = [
+        "| deployment | TTFT p50 turn 1 (ms) | TTFT p50 turns 2+ (ms) | requests/s | hit tokens | tier hit tokens |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        rows.append(
+            f"| {name} | {1e3 * r['ttft_turn1_p50_s']:.0f} | {1e3 * r['ttft_later_p50_s']:.0f} "
+            f"| {r['requests_per_s']:.3f} | {r['prefix_hit_tokens']:.0f} | {r['tier_hit_tokens']:.0f} |"
+        )
+    for mode in args.modes.split(","):
+        off, on = results[f"{mode}, tiers off"], results[f"{mode}, tiers on"]
+        same = sum(on["outputs"].get(k) == v for k, v in off["outputs"].items())
+        rows.append(
+            f"\n{mode}: TTFT turns 2+ on/off {on['ttft_later_p50_s'] / off['ttft_later_p50_s']:.2f}x, "
+            f"requests/s on/off {on['requests_per_s'] / off['requests_per_s']:.2f}x, "
+            f"outputs identical {same}/{len(off['outputs'])}"
+        )
+    return _write("multiturn-tiers", args, results, rows)
 
 
 def _write(name: str, args, results: dict, rows: list[str]) -> int:

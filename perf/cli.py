@@ -30,7 +30,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "ttft": ("perf.bench_ttft", "TTFT of a long prompt, layer-by-layer against after-prefill KV streaming"),
     "serve": ("perf.compare_modes", "aggregated against disaggregated serving under Poisson load"),
     "sweep": ("perf.goodput", "goodput under SLOs over a rate sweep, aggregated budgets and disaggregated"),
-    "multiturn": ("perf.bench_multiturn", "multi-turn chat: prefix caching and KV-aware routing"),
+    "multiturn": ("perf.bench_multiturn", "multi-turn chat: prefix caching, KV-aware routing, KV tiers"),
+    "disk-tier": ("perf.bench_disk_tier", "KV blocks to and from files: the disk tier's file I/O vs NIXL POSIX"),
     "local-prefill": ("perf.bench_local_prefill", "conditional disaggregation of short prompts"),
     "migration": ("perf.bench_migration", "what a client sees when its decode instance dies"),
     "perplexity": ("perf.bench_perplexity", "perplexity on held-out text through the server, per format and mode"),
@@ -48,7 +49,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 # benchmark -> the flags that switch it to another measurement: the report keeps a section for each
 VARIANTS: dict[str, tuple[str, ...]] = {
-    "multiturn": ("--routing",),
+    "multiturn": ("--routing", "--tiers"),
     "formats": ("--server",),
     "cpp-baseline": ("--weights",),
 }

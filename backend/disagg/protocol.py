@@ -23,7 +23,8 @@ holds the pages before it already (its prefix cache), ``dst_pages`` are for the 
 on, and the prefill instance sends only those; 5 = the prefill instance reports its prefix cache
 and load (CacheReport, ``backend/engine/cache_summary.py``), so decode instances route by it;
 6 = a prefill request carries the request's ``cache_salt`` (its prefix-cache tenant: the prefill
-instance's cache and tiers match its pages only with requests of the same salt).
+instance's cache and tiers match its pages only with requests of the same salt), and a cache
+report's summary lists the blocks of the prefill instance's host and disk tiers (``tier_keys``).
 """
 
 from __future__ import annotations

@@ -39,17 +39,21 @@ class CacheSummary:
     free_pages: int  # free and evictable cached pages: what a new request can get
     running: int  # requests in the engine (running and waiting)
     waiting: int  # requests the instance holds that the engine has not taken yet (queues)
+    tier_keys: frozenset[int] = frozenset()  # blocks in its host and disk tiers (kv_tiers.py)
 
     def to_json(self, max_keys: int | None = None) -> dict:
-        """The wire form; ``max_keys``: at most that many keys (an arbitrary subset: a router
-        then misses some cached pages, which only costs it a better pick)."""
+        """The wire form; ``max_keys``: at most that many keys, the pool's first (an arbitrary
+        subset: a router then misses some cached pages, which only costs it a better pick)."""
         count = len(self.keys) if max_keys is None else min(len(self.keys), max_keys)
         keys = np.fromiter(self.keys, dtype="<u8", count=count)
+        left = len(self.tier_keys) if max_keys is None else min(len(self.tier_keys), max_keys - count)
+        tier_keys = np.fromiter(self.tier_keys, dtype="<u8", count=left)
         return {
             "salt": self.salt,
             "page_size": self.page_size,
             "version": self.version,
             "keys": base64.b64encode(keys.tobytes()).decode(),
+            "tier_keys": base64.b64encode(tier_keys.tobytes()).decode(),
             "total_pages": self.total_pages,
             "free_pages": self.free_pages,
             "running": self.running,
@@ -61,24 +65,51 @@ class CacheSummary:
         """A validated summary; ValueError says what is wrong."""
         if not isinstance(obj, dict):
             raise ValueError("a cache summary must be an object")
-        fields = ("salt", "page_size", "version", "keys", "total_pages", "free_pages", "running", "waiting")
+        fields = (
+            "salt",
+            "page_size",
+            "version",
+            "keys",
+            "total_pages",
+            "free_pages",
+            "running",
+            "waiting",
+            "tier_keys",
+        )
         extra, missing = sorted(set(obj) - set(fields)), [f for f in fields if f not in obj]
         if extra or missing:
             raise ValueError(f"cache summary: unknown fields {extra}, missing fields {missing}")
-        for name in fields[1:3] + fields[4:]:
+        for name in fields[1:3] + fields[4:8]:
             v = obj[name]
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"cache summary: {name} must be a non-negative integer, got {v!r}")
         if obj["page_size"] < 1:
             raise ValueError("cache summary: page_size must be >= 1")
-        if not isinstance(obj["salt"], str) or not isinstance(obj["keys"], str):
-            raise ValueError("cache summary: salt and keys must be strings")
+        if not all(isinstance(obj[f], str) for f in ("salt", "keys", "tier_keys")):
+            raise ValueError("cache summary: salt, keys and tier_keys must be strings")
         try:
             bytes.fromhex(obj["salt"])
-            raw = base64.b64decode(obj["keys"], validate=True)
         except ValueError as e:
-            raise ValueError(f"cache summary: bad salt or keys encoding: {e}") from None
-        if len(raw) % 8 or len(raw) // 8 > MAX_SUMMARY_KEYS:
-            raise ValueError(f"cache summary: keys are {len(raw)} bytes, not a multiple of 8 up to {MAX_SUMMARY_KEYS}")
-        keys = frozenset(int(k) for k in np.frombuffer(raw, dtype="<u8"))
-        return cls(obj["salt"], obj["page_size"], obj["version"], keys, *(obj[f] for f in fields[4:]))
+            raise ValueError(f"cache summary: bad salt encoding: {e}") from None
+        keys, tier_keys = _keys(obj["keys"], "keys"), _keys(obj["tier_keys"], "tier_keys")
+        return cls(
+            obj["salt"],
+            obj["page_size"],
+            obj["version"],
+            keys,
+            total_pages=obj["total_pages"],
+            free_pages=obj["free_pages"],
+            running=obj["running"],
+            waiting=obj["waiting"],
+            tier_keys=tier_keys,
+        )
+
+
+def _keys(text: str, name: str) -> frozenset[int]:
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except ValueError as e:
+        raise ValueError(f"cache summary: bad {name} encoding: {e}") from None
+    if len(raw) % 8 or len(raw) // 8 > MAX_SUMMARY_KEYS:
+        raise ValueError(f"cache summary: {name} are {len(raw)} bytes, not a multiple of 8 up to {MAX_SUMMARY_KEYS}")
+    return frozenset(int(k) for k in np.frombuffer(raw, dtype="<u8"))

@@ -93,7 +93,9 @@ class EngineConfig:
     KV tiers below the pool (with prefix caching, one process; ``kv_tiers.py``): a host tier of
     ``kv_host_tokens`` tokens (default: as many as the pool; 0: none) and a disk tier of at most
     ``kv_disk_bytes`` (0: none) under ``kv_disk_path`` (default: ``kv`` in the user's cache,
-    :func:`cache_root`), which takes blocks hit at least ``kv_disk_admit_hits`` times.
+    :func:`cache_root`), which takes blocks hit at least ``kv_disk_admit_hits`` times; a shared
+    tier in the store at ``kv_store_url`` (``redis://HOST:PORT``; empty: none), every call to it
+    bounded by ``kv_store_timeout_s`` (the serving layer connects: ``backend/cluster/kv_store.py``).
     """
 
     model_path: str
@@ -116,6 +118,8 @@ class EngineConfig:
     kv_disk_bytes: int = 4 << 30
     kv_disk_path: str = ""
     kv_disk_admit_hits: int = 2
+    kv_store_url: str = ""
+    kv_store_timeout_s: float = 0.5
     # why weights_dtype is what it is (set by __post_init__; "" where it was set explicitly)
     weights_choice: str = field(default="", init=False, compare=False)
 
@@ -158,6 +162,8 @@ class EngineConfig:
             self.num_pages = -(-self.kv_cache_tokens // self.page_size)
         if self.kv_host_tokens is None:
             self.kv_host_tokens = self.num_pages * self.page_size
+        if not isinstance(self.kv_store_timeout_s, (int, float)) or not 0 < self.kv_store_timeout_s <= 60:
+            raise ValueError(f"EngineConfig.kv_store_timeout_s must be in (0, 60], got {self.kv_store_timeout_s!r}")
         for name in ("kv_host_tokens", "kv_disk_bytes", "kv_disk_admit_hits"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:

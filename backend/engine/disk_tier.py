@@ -1,14 +1,12 @@
 """Disk tier: KV blocks kept as files, below the host tier, across restarts.
 
-A block is one page's KV for every layer (``[num_layers, 2, kv_heads, page_size, head_dim]``), named
-by its chained page hash (``page_allocator.page_hashes``: the tokens up to the page's end, salted
-with the model's identity, the weights and KV formats, the TP layout and the page size). The
-blocks of one salt and KV layout live in one folder (``<root>/<digest of salt and layout>/``), one
-file a block: ``<hash hex>.kv``, a header (magic, the folder's digest, the hash, the payload's
-length and BLAKE2b checksum) and the payload. A file is written whole under another name and
-renamed into place, so a reader never sees half of one; a file whose header or checksum does not
-match (truncated, altered, another layout's) is logged once, counted, removed and reported as a
-miss: its KV is computed again, never loaded. Instances of the same model and layout on one
+The blocks (``kv_block.py``: one page's KV for every layer, named by its chained page hash) of
+one salt and KV layout live in one folder (``<root>/<digest of salt and layout>/``), one file a
+block: ``<hash hex>.kv``, in ``kv_block``'s form (a header with the layout digest, the hash and a
+checksum, then the payload). A file is written whole under another name and renamed into place,
+so a reader never sees half of one; a file the codec refuses (truncated, altered, another
+layout's) is logged once, counted, removed and reported as a miss: its KV is computed again,
+never loaded. Instances of the same model and layout on one
 machine share the folder: a block another instance wrote is found by its name.
 
 Writes go through one writer thread with a bounded queue (a full queue drops the block and counts
@@ -19,43 +17,34 @@ instance knows (those it found at start, wrote, or read).
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
-import queue
 import tempfile
 import threading
-import time
 from collections import OrderedDict
 from pathlib import Path
 
 import torch
 
+from backend.engine.block_writer import BlockWriter
+from backend.engine.kv_block import BlockCodec, layout_digest
+
 log = logging.getLogger("triton_disagg.engine")
 
-MAGIC = b"TDKV1\n"
 WRITE_QUEUE = 256  # blocks waiting for the writer at most (a full queue drops)
-HEADER = len(MAGIC) + 16 + 16 + 8 + 32  # magic, folder digest, hash, payload length, checksum
-
-
-def _checksum(payload: bytes | memoryview) -> bytes:
-    return hashlib.blake2b(payload, digest_size=32).digest()
 
 
 class DiskTier:
     def __init__(self, root: Path, capacity_bytes: int, salt: bytes, layout: dict, block_shape: tuple, dtype):
         self.capacity_bytes = capacity_bytes
-        self.block_shape = tuple(block_shape)
-        self.dtype = dtype
-        self.digest = hashlib.blake2b(salt + json.dumps(layout, sort_keys=True).encode(), digest_size=16).digest()
-        self.folder = Path(root) / self.digest.hex()
+        self.codec = BlockCodec(layout_digest(salt, layout), block_shape, dtype)
+        self.folder = Path(root) / self.codec.digest.hex()
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.block_bytes = int(torch.empty(self.block_shape, dtype=dtype).nbytes)
         self.counters = {"writes": 0, "write_bytes": 0, "dropped": 0, "reads": 0, "read_bytes": 0, "corrupt": 0}
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] = OrderedDict()  # hash -> file size, least recently used first
         self._bytes = 0
+        self.version = 0  # changes whenever the set of blocks this instance knows does
         self._warned: set[str] = set()
         found = sorted(self.folder.glob("*.kv"), key=lambda p: p.stat().st_mtime_ns)
         for path in found:
@@ -63,9 +52,7 @@ class DiskTier:
         self._trim()
         if found:
             log.info("disk KV tier: %d blocks (%d bytes) found in %s", len(self._index), self._bytes, self.folder)
-        self._queue: queue.Queue[tuple[bytes, torch.Tensor] | None] = queue.Queue(WRITE_QUEUE)
-        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
-        self._writer.start()
+        self._writer = BlockWriter(self._write_logged, "kv-disk-writer", WRITE_QUEUE)
 
     def path(self, key: bytes) -> Path:
         return self.folder / f"{key.hex()}.kv"
@@ -90,9 +77,7 @@ class DiskTier:
             if key in self._index:
                 self._index.move_to_end(key)
                 return
-        try:
-            self._queue.put((key, block), timeout=wait_s) if wait_s > 0 else self._queue.put_nowait((key, block))
-        except queue.Full:
+        if not self._writer.offer(key, block, wait_s):
             with self._lock:
                 self.counters["dropped"] += 1
 
@@ -100,21 +85,30 @@ class DiskTier:
         """The block, or None: missing, or damaged (then logged once, counted and removed)."""
         path = self.path(key)
         try:
-            data = path.read_bytes()
+            with open(path, "rb") as f:
+                data = bytearray(self.codec.size)  # read in place: the block's tensor uses it
+                n = f.readinto(data)
+                longer = bool(f.read(1))
         except OSError:
             self._forget(key)
             return None
-        why = self._check(key, data)
-        if why is not None:
+        if n != len(data) or longer:
+            self._damaged(key, path, f"{'more than ' if longer else ''}{n} bytes, expected {len(data)}")
+            return None
+        block, why = self.codec.decode(key, data)
+        if block is None:
             self._damaged(key, path, why)
             return None
-        payload = bytearray(memoryview(data)[HEADER:])
         with self._lock:
             self.counters["reads"] += 1
-            self.counters["read_bytes"] += len(payload)
+            self.counters["read_bytes"] += len(data)
             if key in self._index:
                 self._index.move_to_end(key)
-        return torch.frombuffer(payload, dtype=self.dtype).view(self.block_shape)
+        return block
+
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._index)
 
     def stats(self) -> dict:
         with self._lock:
@@ -122,31 +116,9 @@ class DiskTier:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Write what is queued (at most ``timeout_s``), then stop the writer."""
-        deadline = time.monotonic() + timeout_s
-        try:
-            self._queue.put(None, timeout=timeout_s)
-        except queue.Full:
-            return
-        self._writer.join(max(0.0, deadline - time.monotonic()))
+        self._writer.close(timeout_s)
 
     # ---------------------------------------------------------------- internals
-    def _check(self, key: bytes, data: bytes) -> str | None:
-        if len(data) < HEADER or not data.startswith(MAGIC):
-            return "not a KV block file (short, or no magic)"
-        at = len(MAGIC)
-        digest, stored_key = data[at : at + 16], data[at + 16 : at + 32]
-        length = int.from_bytes(data[at + 32 : at + 40], "little")
-        checksum = data[at + 40 : HEADER]
-        if digest != self.digest:
-            return "written for another model identity or KV layout"
-        if stored_key != key:
-            return "holds another block than its name says"
-        if length != self.block_bytes or len(data) != HEADER + length:
-            return f"payload of {len(data) - HEADER} bytes, expected {self.block_bytes}"
-        if _checksum(memoryview(data)[HEADER:]) != checksum:
-            return "checksum mismatch"
-        return None
-
     def _damaged(self, key: bytes, path: Path, why: str) -> None:
         with self._lock:
             self.counters["corrupt"] += 1
@@ -159,6 +131,7 @@ class DiskTier:
         self._forget(key)
 
     def _know(self, key: bytes, size: int) -> None:  # lock held
+        self.version += 1
         if key in self._index:
             self._bytes -= self._index[key]
         self._index[key] = size
@@ -170,33 +143,29 @@ class DiskTier:
             size = self._index.pop(key, None)
             if size is not None:
                 self._bytes -= size
+                self.version += 1
 
     def _trim(self) -> None:  # lock held
         while self._bytes > self.capacity_bytes and self._index:
             key, size = self._index.popitem(last=False)
             self._bytes -= size
+            self.version += 1
             with contextlib.suppress(OSError):
                 self.path(key).unlink()
 
-    def _write_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            key, block = item
-            try:
-                self._write(key, block)
-            except OSError as e:  # a full or read-only disk: logged once, the block dropped
-                with self._lock:
-                    self.counters["dropped"] += 1
-                    first = "write" not in self._warned
-                    self._warned.add("write")
-                if first:
-                    log.warning("disk KV tier: cannot write to %s (%s); blocks are dropped", self.folder, e)
+    def _write_logged(self, key: bytes, block: torch.Tensor) -> None:
+        try:
+            self._write(key, block)
+        except OSError as e:  # a full or read-only disk: logged once, the block dropped
+            with self._lock:
+                self.counters["dropped"] += 1
+                first = "write" not in self._warned
+                self._warned.add("write")
+            if first:
+                log.warning("disk KV tier: cannot write to %s (%s); blocks are dropped", self.folder, e)
 
     def _write(self, key: bytes, block: torch.Tensor) -> None:
-        payload = block.contiguous().view(torch.uint8).numpy().tobytes()
-        header = MAGIC + self.digest + key + len(payload).to_bytes(8, "little") + _checksum(payload)
+        header, payload = self.codec.encode_parts(key, block)
         fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=self.folder)
         try:
             with os.fdopen(fd, "wb") as f:
@@ -209,6 +178,6 @@ class DiskTier:
             raise
         with self._lock:
             self.counters["writes"] += 1
-            self.counters["write_bytes"] += len(payload)
+            self.counters["write_bytes"] += len(header) + len(payload)
             self._know(key, len(header) + len(payload))
             self._trim()

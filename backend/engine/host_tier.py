@@ -19,10 +19,12 @@ class HostTier:
         self.capacity_blocks = capacity_blocks
         self._blocks: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
+        self.version = 0  # changes whenever the set of blocks does
 
     def put(self, key: bytes, block: torch.Tensor) -> list[tuple[bytes, torch.Tensor]]:
         """Keep ``block``; returns the blocks this pushed out (least recently used first)."""
         with self._lock:
+            self.version += 1
             self._blocks[key] = block
             self._blocks.move_to_end(key)
             out = []
@@ -40,6 +42,10 @@ class HostTier:
     def __contains__(self, key: bytes) -> bool:
         with self._lock:
             return key in self._blocks
+
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._blocks)
 
     def items(self) -> list[tuple[bytes, torch.Tensor]]:
         with self._lock:

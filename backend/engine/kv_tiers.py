@@ -1,14 +1,17 @@
 """KV tiers below the pool: what the page allocator keeps when it evicts a cached page, finds when
 a prompt's prefix is not in the pool, and the loader thread that copies found blocks into pages.
 
-The chain is pool -> host tier (``host_tier.py``) -> disk tier (``disk_tier.py``). A cached page
+The chain is pool -> host tier (``host_tier.py``) -> disk tier (``disk_tier.py``) -> shared tier
+(``shared_tier.py``, a store every instance reaches; every page the engine computes is written
+there too, :meth:`KVTiers.computed`). A cached page
 the allocator evicts is copied into the host tier (:meth:`KVTiers.spill`); a block the host tier
 pushes out moves on to the disk tier if it was hit at least ``admit_hits`` times (a hit: the block
 served a prompt's prefix from any tier, the pool included); at close, the pool's and the host
 tier's blocks hit that often are written to disk too, so a restarted instance finds them.
 
 When a prompt's prefix continues past the pool's pages, the allocator asks :meth:`KVTiers.find`
-which of the next blocks a tier holds (in order, up to the first miss), takes a page for each and
+which of the next blocks a tier holds (in order, up to the first miss; the shared tier is asked
+once, for all the blocks after the host and disk tiers' run), takes a page for each and
 hands the list to the engine, which parks the request and queues the copies on the loader thread
 (:meth:`KVTiers.load`); the engine's steps go on meanwhile. The loader reports ``(request, blocks
 loaded)`` (:meth:`KVTiers.finished`): a block that cannot be read (a damaged file) ends the
@@ -31,9 +34,11 @@ from dataclasses import dataclass
 
 import torch
 
+from backend.engine.cache_summary import page_key
 from backend.engine.disk_tier import DiskTier
 from backend.engine.host_tier import HostTier
 from backend.engine.kv_pool import KVPool
+from backend.engine.shared_tier import SharedTier
 
 log = logging.getLogger("triton_disagg.engine")
 
@@ -41,20 +46,27 @@ MAX_COUNTED = 1 << 16  # blocks whose hit counts are remembered (least recently 
 FLUSH_S = 10.0  # at close, how long the tiers may write blocks to disk at most
 
 
+DISK, SHARED = "disk", "shared"  # where a found block is read from (a host-tier block is itself)
+
+
 @dataclass(frozen=True)
 class TierLoad:
-    """One block to copy into ``page``: from the host tier (``block``) or the disk tier (None)."""
+    """One block to copy into ``page``: the host tier's ``block``, or read from :data:`DISK` or
+    :data:`SHARED`."""
 
     page: int
     key: bytes
-    block: torch.Tensor | None
+    block: torch.Tensor | str
 
 
 class KVTiers:
-    def __init__(self, pool: KVPool, host_blocks: int, disk: DiskTier | None, admit_hits: int):
+    def __init__(
+        self, pool: KVPool, host_blocks: int, disk: DiskTier | None, admit_hits: int, shared: SharedTier | None = None
+    ):
         self.pool = pool
         self.host = HostTier(host_blocks) if host_blocks > 0 else None
         self.disk = disk
+        self.shared = shared
         self.admit_hits = admit_hits
         self.waker: Callable[[], None] = lambda: None
         self.counters = {"host_hit_blocks": 0, "disk_hit_blocks": 0, "spilled_blocks": 0, "load_failures": 0}
@@ -66,6 +78,7 @@ class KVTiers:
         self._done_event = threading.Event()
         self._in_flight = 0
         self._flush_deadline = 0.0
+        self._keys: tuple[int, frozenset[int]] = (-1, frozenset())
         self._loader = threading.Thread(target=self._load_loop, name="kv-tier-loader", daemon=True)
         self._loader.start()
 
@@ -89,15 +102,25 @@ class KVTiers:
             while len(self._hits) > MAX_COUNTED:
                 self._hits.popitem(last=False)
 
-    def find(self, keys: list[bytes]) -> list[torch.Tensor | None]:
+    def computed(self, key: bytes, page: int) -> None:
+        """The engine computed this full page (it joins the prefix cache): the shared tier gets it."""
+        if self.shared is not None and self.shared.wants(key):
+            self.shared.put(key, self._block_of(page))
+
+    def find(self, keys: list[bytes]) -> list[torch.Tensor | str]:
         """Where the leading ``keys`` are, up to the first that no tier holds: the host tier's
-        block, or None for a block on disk."""
-        found: list[torch.Tensor | None] = []
+        block, :data:`DISK` or :data:`SHARED`."""
+        found: list[torch.Tensor | str] = []
         for key in keys:
             block = self.host.get(key) if self.host is not None else None
-            if block is None and not (self.disk is not None and self.disk.has(key)):
+            if block is not None:
+                found.append(block)
+            elif self.disk is not None and self.disk.has(key):
+                found.append(DISK)
+            else:
                 break
-            found.append(block)
+        if self.shared is not None and len(found) < len(keys):
+            found += [SHARED] * self.shared.find(keys[len(found) :])
         self.hit(keys[: len(found)])
         return found
 
@@ -153,6 +176,18 @@ class KVTiers:
         self._loader.join(10)
         if self.disk is not None:
             self.disk.close(max(1.0, self._flush_deadline - time.monotonic()))
+        if self.shared is not None:
+            self.shared.close()
+
+    def keys(self) -> tuple[int, frozenset[int]]:
+        """(version, the 64-bit keys of the blocks in the host and disk tiers): what a router
+        matches a prompt against after the pool's pages (``cache_summary.py``). The set is built
+        again only when the tiers' version changed."""
+        version = (self.host.version if self.host is not None else 0) + (self.disk.version if self.disk else 0)
+        if self._keys[0] != version:
+            held = (self.host.keys() if self.host is not None else []) + (self.disk.keys() if self.disk else [])
+            self._keys = (version, frozenset(page_key(k) for k in held))
+        return self._keys
 
     def stats(self) -> dict:
         with self._lock:
@@ -161,6 +196,8 @@ class KVTiers:
         out["host_capacity_blocks"] = self.host.capacity_blocks if self.host is not None else 0
         if self.disk is not None:
             out.update({f"disk_{k}": v for k, v in self.disk.stats().items()})
+        if self.shared is not None:
+            out.update({f"shared_{k}": v for k, v in self.shared.stats().items()})
         return out
 
     # ---------------------------------------------------------------- internals
@@ -203,16 +240,23 @@ class KVTiers:
 
     def _copy(self, loads: list[TierLoad]) -> int:
         for i, load in enumerate(loads):
-            block = load.block
+            block = self._read(load)
             if block is None:
-                assert self.disk is not None
-                block = self.disk.read(load.key)
-                if block is None:
-                    return i
-                with self._lock:
-                    self.counters["disk_hit_blocks"] += 1
-            else:
-                with self._lock:
-                    self.counters["host_hit_blocks"] += 1
+                return i
             self.pool.tensor[:, load.page].copy_(block)
         return len(loads)
+
+    def _read(self, load: TierLoad) -> torch.Tensor | None:
+        if isinstance(load.block, torch.Tensor):
+            with self._lock:
+                self.counters["host_hit_blocks"] += 1
+            return load.block
+        if load.block == DISK:
+            assert self.disk is not None
+            block = self.disk.read(load.key)
+            if block is not None:
+                with self._lock:
+                    self.counters["disk_hit_blocks"] += 1
+            return block
+        assert self.shared is not None
+        return self.shared.read(load.key)

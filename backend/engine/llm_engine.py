@@ -35,6 +35,7 @@ from backend.engine.cache_summary import CacheSummary
 from backend.engine.checkpoint_source import checkpoint_identity
 from backend.engine.config import EngineConfig
 from backend.engine.disk_tier import DiskTier
+from backend.engine.kv_block import BlockCodec, layout_digest
 from backend.engine.kv_tiers import KVTiers, TierLoad
 from backend.engine.model_runner import ModelRunner
 from backend.engine.outputs import EngineOutput, ErrorKind, FinishReason, TokenLogprobs
@@ -47,6 +48,7 @@ from backend.engine.sampling.sampler import make_generator, sample
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import ChunkInfo, ScheduledChunk, Scheduler, StepBatch
 from backend.engine.sequence import SeqStatus, Sequence
+from backend.engine.shared_tier import BlockStore, SharedTier
 
 log = logging.getLogger("triton_disagg.engine")
 
@@ -54,9 +56,11 @@ TIER_WAIT_S = 0.05  # a step with nothing to run but tier loads waits this long 
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None, store: BlockStore | None = None):
         """``runner``: the model runner to drive (a tensor-parallel lead is built by
-        ``backend.parallel.engine_factory.build_engine``); default: a plain ``ModelRunner``."""
+        ``backend.parallel.engine_factory.build_engine``); default: a plain ``ModelRunner``.
+        ``store``: the shared KV tier's store (``config.kv_store_url``'s, built by the serving
+        layer), or None."""
         self.config = config
         self.max_model_len = config.resolve_max_model_len()
         if runner is None:
@@ -68,7 +72,7 @@ class LLMEngine:
         self.runner = runner
         assert config.num_pages is not None  # EngineConfig resolves it from kv_cache_tokens
         salt = self._cache_salt()
-        self.tiers = self._build_tiers(salt)
+        self.tiers = self._build_tiers(salt, store)
         self.allocator = PageAllocator(
             config.num_pages, config.page_size, prefix_caching=config.enable_prefix_caching, salt=salt, tiers=self.tiers
         )
@@ -96,13 +100,13 @@ class LLMEngine:
             f"|tp{c.tensor_parallel_size}|ps{c.page_size}"
         ).encode()
 
-    def _build_tiers(self, salt: bytes) -> KVTiers | None:
+    def _build_tiers(self, salt: bytes, store: BlockStore | None) -> KVTiers | None:
         """The KV tiers below the pool, or None (no prefix caching, no tier configured, or a pool
         held by more than one process: a TP instance's pages are in its ranks)."""
         c = self.config
         assert c.kv_host_tokens is not None
         host_blocks = c.kv_host_tokens // c.page_size
-        if not c.enable_prefix_caching or (host_blocks == 0 and c.kv_disk_bytes == 0):
+        if not c.enable_prefix_caching or (host_blocks == 0 and c.kv_disk_bytes == 0 and store is None):
             return None
         if c.tensor_parallel_size != 1:
             log.info(
@@ -117,12 +121,15 @@ class LLMEngine:
                 disk = DiskTier(c.disk_tier_folder, c.kv_disk_bytes, salt, pool.layout(), block_shape, pool.dtype)
             except OSError as e:
                 log.warning("KV tiers: no disk tier (%s: %s)", c.disk_tier_folder, e)
-        tiers = KVTiers(pool, host_blocks, disk, c.kv_disk_admit_hits)
+        codec = BlockCodec(layout_digest(salt, pool.layout()), block_shape, pool.dtype)
+        shared = SharedTier(store, codec) if store is not None else None
+        tiers = KVTiers(pool, host_blocks, disk, c.kv_disk_admit_hits, shared)
         log.info(
-            "KV tiers: host %d blocks of %d tokens; disk %s",
+            "KV tiers: host %d blocks of %d tokens; disk %s; shared %s",
             host_blocks,
             c.page_size,
             f"{c.kv_disk_bytes} bytes in {disk.folder}, blocks hit {c.kv_disk_admit_hits}+ times" if disk else "none",
+            store.describe() if store is not None else "none",
         )
         return tiers
 
@@ -286,19 +293,22 @@ class LLMEngine:
         return stats
 
     def cache_summary(self) -> CacheSummary:
-        """The prefix cache's page keys and this engine's load, for routers (``cache_summary.py``)."""
+        """The prefix cache's page keys, its tiers' block keys and this engine's load, for
+        routers (``cache_summary.py``)."""
         version, keys = self.allocator.cached_keys()
+        tiers_version, tier_keys = self.tiers.keys() if self.tiers is not None else (0, frozenset())
         stats = self.allocator.stats()
         waiting, running = self.queue_lengths()
         return CacheSummary(
             self.allocator.salt.hex(),
             self.allocator.page_size,
-            version,
+            version + tiers_version,
             keys,
             stats["total"],
             stats["free"],
             waiting + running,
             0,
+            tier_keys,
         )
 
     def release(self, req_id: str) -> int:

@@ -78,6 +78,9 @@ class PageTiers(Protocol):
     def hit(self, keys: list[bytes]) -> None:
         """These pages served a prompt's prefix from the pool."""
 
+    def computed(self, key: bytes, page: int) -> None:
+        """The engine computed this full page (called with the allocator's lock held)."""
+
     def find(self, keys: list[bytes]) -> list:
         """A handle for each of the leading ``keys`` some tier holds, up to the first miss."""
 
@@ -222,6 +225,8 @@ class PageAllocator:
                     self._page_of[h] = page
                     self._hash_of[page] = h
                     self._version += 1
+                    if self.tiers is not None:
+                        self.tiers.computed(h, page)
                 prev = h
             self._hashed[req_id] = (n_full, prev)
 

@@ -10,15 +10,13 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import requests
 
 from backend.launch.ports import free_port
+from backend.launch.service_process import ServiceProcess
 
 log = logging.getLogger("triton_disagg.etcd")
 
@@ -34,8 +32,10 @@ def etcd_binary() -> str | None:
     return None
 
 
-class EtcdServer:
+class EtcdServer(ServiceProcess):
     """One ``etcd`` process; ``data_dir`` None: a temporary one, removed by ``stop()``."""
+
+    name = "etcd"
 
     def __init__(
         self,
@@ -57,12 +57,11 @@ class EtcdServer:
         else:
             self.data_dir = Path(data_dir)
         if log_file is not None:
-            self.log_file = Path(log_file)
+            super().__init__(Path(log_file))
         elif self._own_root is not None:
-            self.log_file = self._own_root / "etcd.log"
+            super().__init__(self._own_root / "etcd.log")
         else:
-            self.log_file = self.data_dir.with_name(self.data_dir.name + ".etcd.log")
-        self.proc: subprocess.Popen | None = None
+            super().__init__(self.data_dir.with_name(self.data_dir.name + ".etcd.log"))
 
     @property
     def url(self) -> str:
@@ -93,70 +92,29 @@ class EtcdServer:
             "--auto-compaction-retention", "5m",
         ]  # fmt: skip
 
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
     def start(self, timeout_s: float = 20.0) -> EtcdServer:
         """Start etcd and wait until it answers ``/health`` (a leader elected); raise with the
         tail of its log if it exits or does not answer within ``timeout_s``."""
-        if self.running():
-            raise RuntimeError(f"etcd at {self.url} is already running")
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
-        self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_file, "ab") as out:
-            self.proc = subprocess.Popen(
-                self.command(), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                code = self.proc.returncode
-                self.proc = None
-                raise RuntimeError(f"etcd exited with code {code} while starting; its log:\n{self._log_tail()}")
-            try:
-                answer = requests.get(self.http_url + "/health", timeout=1.0)
-                if answer.status_code == 200 and answer.json().get("health") == "true":
-                    log.info("etcd %s serving (pid %d, data %s)", self.url, self.proc.pid, self.data_dir)
-                    return self
-            except (requests.RequestException, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"etcd at {self.url} not healthy after {timeout_s} s; its log:\n{self._log_tail()}")
-            time.sleep(0.1)
+        self._launch(self.command(), self._healthy, self.url, timeout_s)
+        assert self.proc is not None
+        log.info("etcd %s serving (pid %d, data %s)", self.url, self.proc.pid, self.data_dir)
+        return self
 
-    def _log_tail(self, lines: int = 30) -> str:
+    def _healthy(self) -> bool:
         try:
-            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def _signal(self, sig: int) -> None:
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
+            answer = requests.get(self.http_url + "/health", timeout=1.0)
+            return answer.status_code == 200 and answer.json().get("health") == "true"
+        except (requests.RequestException, ValueError):
+            return False
 
     def kill(self) -> None:
         """SIGKILL, as a crash would; the data directory stays for a ``start()`` again."""
-        if self.proc is None:
-            return
-        self._signal(signal.SIGKILL)
-        self.proc.wait()
-        self.proc = None
+        super().kill()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout_s``; a temporary data directory is removed."""
-        if self.proc is not None:
-            self._signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self._signal(signal.SIGKILL)
-                self.proc.wait()
-            self.proc = None
+        super().stop(timeout_s)
         if self._own_root is not None:
             shutil.rmtree(self._own_root, ignore_errors=True)
 

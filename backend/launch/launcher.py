@@ -43,7 +43,9 @@ class Launch:
     secret's file ("" : the environment's, else a new one for ``disagg``). ``discovery``: the
     deployment's etcd ("" : a private one for ``disagg``; ``prefill``/``decode`` need one unless
     ``prefill_endpoints`` fixes the prefill instances). ``openai_port``: also start the OpenAI
-    frontend there (0: a free port; None: none)."""
+    frontend there (0: a free port; None: none). ``kv_store``: the shared KV tier's store
+    (``redis://HOST:PORT``; "" : a private one of ``kv_store_bytes`` for ``disagg`` where
+    ``redis-server`` is installed, none otherwise; ``none``: no shared tier)."""
 
     mode: str = "aggregated"
     model_dir: str | Path = ""
@@ -69,6 +71,8 @@ class Launch:
     router: dict = field(default_factory=dict)
     openai_port: int | None = None
     openai_log_file: str | Path | None = None
+    kv_store: str = ""
+    kv_store_bytes: int = 2 << 30
     timeout_s: float = 400.0
     # what the start used: the membership's etcd and the secret's file ("" : none / the environment's)
     used_discovery: str = field(default="", init=False)
@@ -127,7 +131,9 @@ class Launch:
         self.used_discovery = discovery
         server = None
         frontend = None
+        store = None
         try:
+            store = self._kv_store(repo_dir, overrides)
             repo = render_deployment(
                 repo_dir,
                 mode=self.mode,
@@ -153,6 +159,7 @@ class Launch:
                 extra_env=extra_env,
             )
             server.etcd = etcd
+            server.kv_store = store
             if self.mode != "aggregated":
                 log.info("membership: %s (deployment %r)", discovery or "none", self.deployment or "default")
             server.start(timeout_s=self.timeout_s)
@@ -160,9 +167,37 @@ class Launch:
                 frontend = self._frontend(server, discovery, overrides.get("deployment_secret_file", ""))
                 frontend.start()
         except BaseException:
-            stop(server, frontend, 0.0) if server is not None else (etcd.stop() if etcd is not None else None)
+            if server is not None:
+                stop(server, frontend, 0.0)
+            else:
+                for service in (store, etcd):
+                    if service is not None:
+                        service.stop()
             raise
         return server, frontend
+
+    def _kv_store(self, repo_dir: Path, overrides: dict):
+        """The shared KV tier's store for every instance (``kv_store_url``): the one named, or a
+        private one started here (returned, to stop with the server), or none."""
+        if "kv_store_url" in overrides or self.kv_store == "none":
+            return None
+        if self.kv_store:
+            overrides["kv_store_url"] = self.kv_store
+            return None
+        if self.mode != "disagg":
+            return None
+        from backend.launch.kv_store_server import KVStoreServer, redis_binary
+
+        if redis_binary() is None:
+            log.warning("no shared KV tier: redis-server is not installed (scripts/setup.sh installs it)")
+            return None
+        store = KVStoreServer(
+            host=self.etcd_host or self.messenger_host,
+            max_bytes=self.kv_store_bytes,
+            log_file=repo_dir.with_name(repo_dir.name + ".redis.log"),
+        ).start()
+        overrides["kv_store_url"] = store.url
+        return store
 
     def _frontend(self, server: TritonServer, discovery: str, secret_file: str) -> OpenAIFrontend:
         from backend.launch.openai_frontend import OpenAIFrontend
@@ -196,5 +231,7 @@ def stop(server: TritonServer, frontend: OpenAIFrontend | None = None, drain_tim
             frontend.stop()
         server.stop(drain_timeout_s=drain_timeout_s)
     finally:
+        if server.kv_store is not None:
+            server.kv_store.stop()
         if server.etcd is not None:
             server.etcd.stop()  # last: the instances deregister while they stop

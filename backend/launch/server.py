@@ -26,6 +26,7 @@ from backend.triton.lifecycle import drain_file, drain_now_file
 
 if TYPE_CHECKING:
     from backend.launch.etcd_server import EtcdServer
+    from backend.launch.kv_store_server import KVStoreServer
     from backend.launch.supervisor import Supervisor
 
 log = logging.getLogger("triton_disagg.server")
@@ -63,6 +64,7 @@ class TritonServer:
         self.exit_timeout_s = exit_timeout_s
         self.supervisor: Supervisor | None = None
         self.etcd: EtcdServer | None = None  # the deployment's private etcd, if its launcher started one
+        self.kv_store: KVStoreServer | None = None  # its private shared-KV-tier store, likewise
         self.proc: subprocess.Popen | None = None
         self.deployment_secret = ""  # the deployment secret, set at the first start, kept over restarts
 

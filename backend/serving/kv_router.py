@@ -4,7 +4,11 @@ round trip per request. The front model routes to decode models with one; each d
 picks its prefill instance with another.
 
 ``cost = overlap_weight x uncached prompt pages + pages of this router's requests in flight there``
-(NVIDIA Dynamo's KV router weighs prefill and decode blocks the same way). Lowest cost wins; ties
+(NVIDIA Dynamo's KV router weighs prefill and decode blocks the same way). A prompt page in the
+instance's host or disk tier (the summary's ``tier_keys``, matched after its pool's pages) counts
+as :data:`TIER_PAGE_COST` of an uncached page: it is copied into the pool, not computed (a copy
+of a page's KV for every layer takes about 0.1 ms here against milliseconds to compute it), and
+the pool's own pages still win a tie. Lowest cost wins; ties
 go to fewer requests in flight, then round-robin. An instance whose last summary says it has
 fewer free pages than the request needs goes after every instance that has them. With
 ``overlap_weight`` 0 it is least-loaded routing (by pages in flight).
@@ -28,6 +32,8 @@ from collections.abc import Hashable, Sequence
 
 from backend.engine.cache_summary import CacheSummary, page_key
 from backend.engine.page_allocator import chain_start, page_hashes
+
+TIER_PAGE_COST = 0.1  # a prompt page in an instance's host or disk tier, against an uncached one (1)
 
 
 class KVRouter:
@@ -76,7 +82,7 @@ class KVRouter:
         """Tokens of the prompt ``token_ids`` that ``name`` is judged to hold (whole pages, never
         the last token, as the page allocator attaches them)."""
         with self._lock:
-            return self._matched_pages(name, token_ids, cache_salt, time.monotonic(), {}) * self._page_size(name)
+            return sum(self._matched_pages(name, token_ids, cache_salt, time.monotonic(), {})) * self._page_size(name)
 
     def pick(
         self,
@@ -98,14 +104,16 @@ class KVRouter:
         with self._lock:
             ranked = []
             for i, name in enumerate(order):
-                matched = self._matched_pages(name, token_ids, cache_salt, now, keys) if self.overlap_weight else 0
+                matched, in_tiers = (
+                    self._matched_pages(name, token_ids, cache_salt, now, keys) if self.overlap_weight else (0, 0)
+                )
                 page_size = self._page_size(name)
-                uncached = -(-len(token_ids) // page_size) - matched
+                uncached = -(-len(token_ids) // page_size) - matched - in_tiers + TIER_PAGE_COST * in_tiers
                 inflight = self._inflight.get(name, {})
                 summary = self._summaries.get(name)
                 short = summary is not None and summary.free_pages < request_pages
                 cost = self.overlap_weight * uncached + sum(inflight.values())
-                ranked.append(((short, cost, len(inflight), i), name, matched * page_size))
+                ranked.append(((short, cost, len(inflight), i), name, (matched + in_tiers) * page_size))
             _, best, hit = min(ranked)
             self._inflight.setdefault(best, {})[request] = request_pages
             self.counters["query_tokens"] += len(token_ids)
@@ -136,17 +144,24 @@ class KVRouter:
             memo[at] = [page_key(h) for h in page_hashes(ids, summary.page_size, start)]
         return memo[at]
 
-    def _matched_pages(self, name: str, token_ids: Sequence[int], cache_salt: str, now: float, memo: dict) -> int:
+    def _matched_pages(
+        self, name: str, token_ids: Sequence[int], cache_salt: str, now: float, memo: dict
+    ) -> tuple[int, int]:
+        """(prompt pages ``name`` holds in its pool, or was sent lately; the pages after those in
+        its host or disk tier)."""
         summary = self._summaries.get(name)
         if summary is None:
-            return 0
+            return 0, 0
         predicted = self._predicted.get(name, {})
-        matched = 0
+        matched = in_tiers = 0
         for key in self._prompt_keys(summary, token_ids, cache_salt, memo):
-            if key not in summary.keys and now - predicted.get(key, -1e18) >= self.predict_ttl_s:
+            if not in_tiers and (key in summary.keys or now - predicted.get(key, -1e18) < self.predict_ttl_s):
+                matched += 1
+            elif key in summary.tier_keys:
+                in_tiers += 1
+            else:
                 break
-            matched += 1
-        return matched
+        return matched, in_tiers
 
     def _predict(self, name: str, token_ids: Sequence[int], cache_salt: str, now: float, memo: dict) -> None:
         summary = self._summaries.get(name)

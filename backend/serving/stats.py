@@ -21,6 +21,12 @@ TIER_STATS = {
     "kv_tier_disk_corrupt_total": "tier_disk_corrupt",
     "kv_tier_load_failures_total": "tier_load_failures",
     "kv_tier_load_seconds_total": "tier_load_seconds",
+    "kv_tier_shared_up": "tier_shared_up",
+    "kv_tier_shared_hit_blocks_total": "tier_shared_hits",
+    "kv_tier_shared_writes_total": "tier_shared_writes",
+    "kv_tier_shared_dropped_total": "tier_shared_dropped",
+    "kv_tier_shared_errors_total": "tier_shared_errors",
+    "kv_tier_shared_corrupt_total": "tier_shared_corrupt",
 }
 
 
@@ -48,6 +54,12 @@ class InstanceStats:
     kv_tier_disk_corrupt_total: int = 0
     kv_tier_load_failures_total: int = 0
     kv_tier_load_seconds_total: float = 0.0
+    kv_tier_shared_up: int = 0
+    kv_tier_shared_hit_blocks_total: int = 0
+    kv_tier_shared_writes_total: int = 0
+    kv_tier_shared_dropped_total: int = 0
+    kv_tier_shared_errors_total: int = 0
+    kv_tier_shared_corrupt_total: int = 0
     requests_active: int = 0
 
     def set_pool(self, pool: dict) -> None:

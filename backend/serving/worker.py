@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+from backend.cluster.kv_store import RedisBlockStore
 from backend.engine.cache_summary import CacheSummary
 from backend.engine.outputs import EngineOutput
 from backend.engine.protocol import Engine
@@ -92,9 +93,12 @@ class Drain:
 
 
 def start_engine(config: InstanceConfig) -> Engine:
-    """Pin the process (``cpu_affinity``), then build this instance's engine."""
+    """Pin the process (``cpu_affinity``), then build this instance's engine (with the shared KV
+    tier's store when ``kv_store_url`` names one)."""
     config.serving.apply_cpu_affinity()
-    return build_engine(config.engine)
+    engine = config.engine
+    store = RedisBlockStore(engine.kv_store_url, engine.kv_store_timeout_s) if engine.kv_store_url else None
+    return build_engine(engine, store)
 
 
 def sampling_params(session: GenerationSession, serving: ServingConfig) -> SamplingParams:

@@ -32,6 +32,7 @@ GAUGES = {
     "kv_tier_host_blocks": "KV blocks (a page, every layer) in this instance's host tier",
     "kv_tier_disk_blocks": "KV blocks in the disk tier that this instance knows",
     "kv_tier_disk_bytes": "bytes of the disk tier's block files that this instance knows",
+    "kv_tier_shared_up": "1 while the shared KV tier's store answers (0: down, or no shared tier)",
 }
 COUNTERS = {
     "requests_total": "requests finished, any outcome",
@@ -59,6 +60,11 @@ COUNTERS = {
     "kv_tier_disk_corrupt_total": "disk tier block files refused (damaged, or another model or layout) and removed",
     "kv_tier_load_failures_total": "tier loads that ended early (a block could not be read): the rest was computed",
     "kv_tier_load_seconds_total": "time the tier loader spent copying blocks into the pool",
+    "kv_tier_shared_hit_blocks_total": "KV blocks loaded from the shared tier",
+    "kv_tier_shared_writes_total": "KV blocks written to the shared tier",
+    "kv_tier_shared_dropped_total": "KV blocks not written to the shared tier (queue full, or the store down)",
+    "kv_tier_shared_errors_total": "calls to the shared tier's store that failed or timed out",
+    "kv_tier_shared_corrupt_total": "shared tier blocks refused (damaged, or another model or layout)",
     "kv_posts_deferred_total": "prefill instance: KV posts that waited for the device to execute the write (0 on CPU)",
 }
 

@@ -89,3 +89,47 @@ def test_a_decode_instance_loads_an_evicted_turn_from_its_host_tier(model_dir, t
         assert _settled(url, "prefix_cache_hit_tokens_total", "decode_0") == hits
         for m in ("prefill_0", "decode_0"):
             wait_pool_free(url, m)
+
+
+def test_two_servers_share_a_prefix_through_the_store_and_survive_its_loss(
+    model_dir, tmp_path_factory, tokenizer, hf_model
+):
+    """Two servers on one real Redis: a prefix one computed is loaded by the other (none of it
+    computed there); with the store killed under load no request fails (they compute); once it is
+    back, hits resume."""
+    from backend.launch.kv_store_server import KVStoreServer
+
+    store = KVStoreServer(log_file=tmp_path_factory.mktemp("redis") / "redis.log").start()
+    overrides = {"kv_cache_tokens": "1024", "num_threads": "1", "kv_store_url": store.url, "kv_host_tokens": "0"}
+    settings = dict(mode="aggregated", model_path=str(model_dir), overrides=overrides, timeout_s=300)
+    want = lambda text: hf_greedy(hf_model, tokenizer(text)["input_ids"], 8)  # noqa: E731
+    hits = lambda url: _settled(url, "kv_tier_shared_hit_blocks_total", "llm")  # noqa: E731
+    try:
+        with (
+            deployment_server(tmp_path_factory, "shared-a", **settings) as a,
+            deployment_server(tmp_path_factory, "shared-b", **settings) as b,
+        ):
+            assert _greedy(a.grpc_url, FIRST) == want(FIRST)
+            time.sleep(1.0)  # a's writer puts turn 1's blocks in the store
+            assert _greedy(b.grpc_url, SECOND) == want(SECOND)
+            n_first = len(tokenizer(FIRST)["input_ids"])
+            assert hits(b.metrics_url) >= (n_first - 1) // 16  # all of turn 1 came from the store
+
+            store.kill()
+            other = "Tell me about rivers. " + SYSTEM
+            results = [stream_generate(b.grpc_url, other + f" Question {i}?", 8, temperature=0.0) for i in range(3)]
+            assert all(r.error is None for r in results), [r.error for r in results]
+            assert _settled(b.metrics_url, "kv_tier_shared_errors_total", "llm") >= 1
+            assert _settled(b.metrics_url, "kv_tier_shared_up", "llm") == 0
+
+            store = KVStoreServer(port=store.port, log_file=store.log_file).start()
+            time.sleep(6.0)  # past the 5 s both servers leave a failed store alone
+            third = "Tell me about mountains. " + SYSTEM
+            assert _greedy(a.grpc_url, third + " Why?") == want(third + " Why?")
+            time.sleep(1.0)
+            before = hits(b.metrics_url)
+            assert _greedy(b.grpc_url, third + " How?") == want(third + " How?")
+            assert hits(b.metrics_url) > before  # hits resumed
+            wait_pool_free(b.metrics_url, "llm")
+    finally:
+        store.stop()

@@ -133,3 +133,20 @@ def test_a_cache_salt_matches_only_pages_cached_under_it():
     assert router.cached_tokens("b", PREFIX + [1], "tenant-a") == 0
     assert router.pick("r1", PREFIX + [1], ["b", "a"], 7, "tenant-a") == "a"
     assert router.pick("r2", PREFIX + [1], ["a", "b"], 7) == "b"
+
+
+def test_pages_in_an_instances_tiers_count_as_nearly_cached():
+    """A prompt whose pages are in an instance's host or disk tier (``tier_keys``) goes there
+    rather than to an instance without them; one holding them in its pool still wins."""
+    pool = _summary_of([PREFIX])
+    tiers = CacheSummary(SALT.hex(), PS, 1, frozenset(), 64, 64, 0, 0, pool.keys)
+    assert CacheSummary.from_json(tiers.to_json()) == tiers
+    assert len(CacheSummary.from_json(tiers.to_json(max_keys=2)).tier_keys) == 2
+    router = KVRouter()
+    router.update("none", _summary_of([[7] * 24]))
+    router.update("tiers", tiers)
+    assert router.cached_tokens("tiers", PREFIX + [1]) == len(PREFIX)
+    assert router.pick("r1", PREFIX + [1], ["none", "tiers"], 7) == "tiers"
+    router.done("tiers", "r1")
+    router.update("pool", pool)
+    assert router.pick("r2", PREFIX + [1], ["tiers", "pool"], 7) == "pool"

@@ -55,6 +55,13 @@ def test_a_prefix_evicted_from_the_pool_comes_back_from_the_host_tier(tiny_dir, 
     _evict_everything(engine)
     stats = engine.pool_stats()
     assert stats["prefix_evictions"] > 0 and stats["tier_host_blocks"] > 0, stats
+    # routers see the evicted history in the summary's tier keys (cache_summary.py)
+    from backend.engine.cache_summary import page_key
+    from backend.engine.page_allocator import page_hashes
+
+    summary = engine.cache_summary()
+    chat_keys = {page_key(h) for h in page_hashes(CHAT, PS, engine.allocator.salt)}
+    assert chat_keys <= summary.tier_keys and not chat_keys & summary.keys
     assert _run(engine, "f", FOLLOW_UP) == reference["follow_up"]
     stats = engine.pool_stats()
     assert stats["prefix_tier_hit_tokens"] >= 15 * PS, stats  # the whole history came from the tier
@@ -187,3 +194,112 @@ def test_a_request_ended_while_its_blocks_load_frees_its_pages_after_the_load(ti
     run_to_completion(engine)  # the engine has work until the load is done and its pages freed
     assert_pool_idle(engine)
     assert _run(engine, "again", FOLLOW_UP) == reference["follow_up"]
+
+
+class DictStore:
+    """A shared store in this process (the real one, Redis, in tests/integration/test_kv_tiers_e2e.py):
+    ``down`` makes every call fail as an unreachable store's would."""
+
+    def __init__(self):
+        self.values: dict[str, bytes] = {}
+        self.down = False
+        self.calls = 0
+
+    def _call(self):
+        self.calls += 1
+        if self.down:
+            raise ConnectionError("connection refused")
+
+    def exists(self, names):
+        self._call()
+        return [n in self.values for n in names]
+
+    def get(self, name):
+        self._call()
+        return self.values.get(name)
+
+    def put(self, name, data):
+        self._call()
+        self.values[name] = data
+
+    def describe(self):
+        return "dict://test"
+
+
+def _shared_engine(tiny_dir, store):
+    return make_engine(tiny_dir, store=store, page_size=PS, kv_host_tokens=0)
+
+
+def _settle(engine):
+    assert engine.tiers.shared.drain()  # the writer has written what it was given
+
+
+def test_a_prefix_one_engine_computed_is_loaded_by_another_from_the_shared_tier(tiny_dir, reference):
+    store = DictStore()
+    first = _shared_engine(tiny_dir, store)
+    assert _run(first, "c", CHAT) == reference["chat"]
+    _settle(first)
+    assert len(store.values) >= 15  # every computed full page went to the store
+    second = _shared_engine(tiny_dir, store)
+    assert _run(second, "f", FOLLOW_UP) == reference["follow_up"]
+    stats = second.pool_stats()
+    assert stats["tier_shared_hits"] >= 15 and stats["prefix_tier_hit_tokens"] >= 15 * PS, stats
+    assert stats["tier_shared_up"] == 1 and stats["tier_shared_errors"] == 0
+    assert_pool_idle(second)
+
+
+def test_a_store_that_is_down_costs_only_recomputation_and_is_tried_again(tiny_dir, reference, caplog):
+    store = DictStore()
+    first = _shared_engine(tiny_dir, store)
+    _run(first, "c", CHAT)
+    _settle(first)
+    store.down = True
+    second = _shared_engine(tiny_dir, store)
+    second.tiers.shared.retry_s = 0.2
+    assert _run(second, "f1", FOLLOW_UP) == reference["follow_up"]  # computed: no error, no hang
+    stats = second.pool_stats()
+    assert stats["tier_shared_hits"] == 0 and stats["tier_shared_errors"] >= 1 and stats["tier_shared_up"] == 0
+    assert caplog.text.count("dict://test") == 1  # one line per outage
+    calls = store.calls
+    assert _run(second, "f2", CHAT + _tokens(3, 9)) == _run(
+        make_engine(tiny_dir, page_size=PS), "x", CHAT + _tokens(3, 9)
+    )
+    assert store.calls == calls  # while down, nothing is asked of it
+    store.down = False
+    __import__("time").sleep(0.25)
+    third = CHAT + _tokens(4, 9)
+    assert _run(second, "f3", third) == _run(make_engine(tiny_dir, page_size=PS), "y", third)
+    assert second.pool_stats()["tier_shared_up"] == 1  # tried again, and it answers
+
+
+def test_a_damaged_shared_block_is_computed_again(tiny_dir, reference):
+    store = DictStore()
+    first = _shared_engine(tiny_dir, store)
+    _run(first, "c", CHAT)
+    _settle(first)
+    from backend.engine.page_allocator import page_hashes
+
+    third = page_hashes(CHAT, PS, first.allocator.salt)[2]
+    name = next(n for n in store.values if n.endswith(third.hex()))
+    data = bytearray(store.values[name])
+    data[-3] ^= 0x55
+    store.values[name] = bytes(data)
+    second = _shared_engine(tiny_dir, store)
+    assert _run(second, "f", FOLLOW_UP) == reference["follow_up"]
+    stats = second.pool_stats()
+    assert stats["tier_shared_corrupt"] == 1 and stats["prefix_tier_hit_tokens"] == 2 * PS, stats
+    assert_pool_idle(second)
+
+
+def test_a_truncated_or_longer_block_file_is_refused(tmp_path):
+    block = torch.randn(2, 2, 2, PS, 16)
+    tier = DiskTier(tmp_path, 1 << 20, b"s", {}, block.shape, block.dtype)
+    for key in (b"a" * 16, b"b" * 16, b"c" * 16):
+        tier.put(key, block)
+    tier.close()
+    short, long_ = tier.path(b"a" * 16), tier.path(b"b" * 16)
+    short.write_bytes(short.read_bytes()[:-100])
+    long_.write_bytes(long_.read_bytes() + b"x")
+    assert tier.read(b"a" * 16) is None and tier.read(b"b" * 16) is None
+    assert torch.equal(tier.read(b"c" * 16), block)
+    assert tier.stats()["corrupt"] == 2 and not short.exists() and not long_.exists()
