@@ -18,10 +18,10 @@ decode instances), with the decode instances' own prefix-cache hits.
 
 With ``--tiers``: the KV tiers below the pool against none (caching on in both), each instance's
 pool cut to ``--pool-tokens`` (default 3,072: the conversations' KV is then about 4x it) so that
-turns are evicted between visits; tiers on: a host tier of ``--host-tokens`` and the disk tier
-(its own folder per run, admission after one hit), off: ``kv_host_tokens`` 0 and
-``kv_disk_bytes`` 0. Also checks that every turn's output is the same text with and without
-tiers. Writes ``multiturn-tiers.{json,md}``.
+turns are evicted between visits; tiers on: a host tier of ``--host-tokens``, the disk tier (its
+own folder per run, admission after one hit) and, disaggregated, the shared tier (the private
+Redis the launcher starts); off: ``kv_host_tokens`` 0, ``kv_disk_bytes`` 0, no ``kv_store_url``.
+Also checks that every turn's output is the same text with and without tiers. Writes ``multiturn-tiers.{json,md}``.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def run(
         overrides.update(
             {"kv_host_tokens": str(args.host_tokens), "kv_disk_path": str(disk), "kv_disk_admit_hits": "1"}
             if tiers
-            else {"kv_host_tokens": "0", "kv_disk_bytes": "0"}
+            else {"kv_host_tokens": "0", "kv_disk_bytes": "0", "kv_store_url": ""}
         )
     if routing_weight is not None:
         overrides["kv_routing_weight"] = str(routing_weight)

@@ -303,3 +303,25 @@ def test_a_truncated_or_longer_block_file_is_refused(tmp_path):
     assert tier.read(b"a" * 16) is None and tier.read(b"b" * 16) is None
     assert torch.equal(tier.read(b"c" * 16), block)
     assert tier.stats()["corrupt"] == 2 and not short.exists() and not long_.exists()
+
+
+def test_a_load_in_flight_does_not_hold_up_the_other_requests(tiny_dir, reference):
+    """While one request's blocks load (held here), another request's steps go on and finish."""
+    engine = make_engine(tiny_dir, page_size=PS, kv_cache_tokens=24 * PS, kv_host_tokens=200 * PS)
+    _run(engine, "c", CHAT)
+    _evict_everything(engine)
+    release = __import__("threading").Event()
+    copy = engine.tiers._copy
+    engine.tiers._copy = lambda loads: (release.wait(10), copy(loads))[1]
+    engine.add_request("f", FOLLOW_UP, PARAMS)
+    engine.add_request("other", _tokens(9, 7), PARAMS)
+    tokens = []
+    for _ in range(40):
+        tokens += [t for out in engine.step() if out.req_id == "other" for t in out.new_token_ids]
+        if len(tokens) == PARAMS.max_tokens:
+            break
+    assert len(tokens) == PARAMS.max_tokens  # all of it while f's load was still held
+    assert engine._seqs["f"].status is SeqStatus.WAITING_TIER_KV
+    release.set()
+    assert tokens_of(run_to_completion(engine)["f"]) == reference["follow_up"]
+    assert_pool_idle(engine)
