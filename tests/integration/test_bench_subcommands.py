@@ -63,6 +63,7 @@ TINY: dict[str, list[str]] = {
     "multiturn": ["--modes", "disagg", "--conversations", "2", "--turns", "2", "--system-tokens", "64"]
     + ["--user-tokens", "8", "--output-tokens", "4", "--think-s", "0"],
     "local-prefill": ["--lengths", "16", "--reps", "1"],
+    "disk-tier": ["--blocks", "8", "--repeats", "1"],
     "migration": ["--rounds", "1", "--seconds", "6", "--kill-every", "3", "--log-dir", "{results}/migration-logs"],
     "autoscale": ["--phases", "12:0.5", "--fixed", "", "--max-prefill", "1", "--max-decode", "1"]
     + ["--prompt-tokens", "16", "32", "--output-tokens", "4", "8"],
@@ -379,6 +380,15 @@ def _multiturn(run: Run) -> None:
         assert row["requests"] == 2 * 2 and not row["errors"], row
         positive(row["ttft_turn1_p50_s"], row["ttft_later_p50_s"], row["requests_per_s"], row["kv_bytes_per_request"])
     assert off["prefix_hit_tokens"] == 0 and on["prefix_hit_tokens"] > 0, (off, on)
+
+
+@check("disk-tier")
+def _disk_tier(run: Run) -> None:
+    ways = run.figure("disk-tier.json")["ways"]
+    ours = ways["DiskTier (plain file I/O)"]
+    assert ours["matched"] and ours["write_mb_s"] > 0 and ours["read_mb_s"] > 0, ours
+    nixl = ways["NIXL POSIX"]  # NIXL's POSIX backend, or the error it gave
+    assert nixl.get("matched") or nixl.get("error"), nixl
 
 
 @check("local-prefill")
