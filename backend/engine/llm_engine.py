@@ -316,6 +316,8 @@ class LLMEngine:
         prefill-only request, or one that waited for remote KV); returns how many."""
         if req_id in self._seqs:
             raise ValueError(f"request {req_id!r} is still running; abort it first")
+        if req_id in self._orphans:  # its tier load still writes them: freed when it is done
+            return 0
         return self.allocator.free(req_id) if self.allocator.has(req_id) else 0
 
     def step(self) -> list[EngineOutput]:
@@ -504,9 +506,13 @@ class LLMEngine:
         prompt_logprobs: TokenLogprobs | None = None,
     ) -> EngineOutput:
         # a transfer may still read (prefill-only) or write (waiting for remote KV) its pages
-        held = self.allocator.has(seq.req_id) and (seq.prefill_only or seq.status is SeqStatus.WAITING_REMOTE_KV)
         loading = seq.status is SeqStatus.WAITING_TIER_KV  # the tier loader still writes its pages
-        if loading:
+        held = (
+            self.allocator.has(seq.req_id)
+            and not loading
+            and (seq.prefill_only or seq.status is SeqStatus.WAITING_REMOTE_KV)
+        )
+        if loading:  # freed here once the load is done (nothing else read or wrote them yet)
             self._orphans.add(seq.req_id)
         self.scheduler.remove(seq)
         seq.finish_reason = reason

@@ -196,6 +196,25 @@ def test_a_request_ended_while_its_blocks_load_frees_its_pages_after_the_load(ti
     assert _run(engine, "again", FOLLOW_UP) == reference["follow_up"]
 
 
+def test_a_prefill_only_request_ended_mid_load_is_not_released_under_the_loader(tiny_dir):
+    """A prefill instance's request (its pages are normally held until ``release``) ended while
+    its blocks load: ``release`` leaves the pages to the load, which frees them when it is done."""
+    engine = make_engine(tiny_dir, page_size=PS, kv_cache_tokens=24 * PS, kv_host_tokens=200 * PS)
+    _run(engine, "c", CHAT)
+    _evict_everything(engine)
+    release = __import__("threading").Event()
+    copy = engine.tiers._copy
+    engine.tiers._copy = lambda loads: (release.wait(10), copy(loads))[1]
+    engine.add_request("p", FOLLOW_UP, SamplingParams(max_tokens=1), prefill_only=True)
+    engine.step()
+    out = engine.abort("p")
+    assert out is not None and not out.pages_held
+    assert engine.release("p") == 0 and engine.allocator.has("p")  # not freed under the loader
+    release.set()
+    run_to_completion(engine)
+    assert_pool_idle(engine)
+
+
 class DictStore:
     """A shared store in this process (the real one, Redis, in tests/integration/test_kv_tiers_e2e.py):
     ``down`` makes every call fail as an unreachable store's would."""
