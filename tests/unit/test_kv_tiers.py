@@ -177,13 +177,22 @@ def test_a_cache_salt_keeps_tenants_apart(tiny_dir, reference):
         SamplingParams(cache_salt="x" * 1000)
 
 
-def test_a_request_ended_while_its_blocks_load_frees_its_pages_after_the_load(tiny_dir, reference):
+def _engine_with_held_loads(tiny_dir):
+    """An engine whose pool evicted the chat into its host tier, and whose tier loads wait (in
+    flight) until the returned event is set."""
+    import threading
+
     engine = make_engine(tiny_dir, page_size=PS, kv_cache_tokens=24 * PS, kv_host_tokens=200 * PS)
     _run(engine, "c", CHAT)
     _evict_everything(engine)
-    release = __import__("threading").Event()
+    release = threading.Event()
     copy = engine.tiers._copy
-    engine.tiers._copy = lambda loads: (release.wait(10), copy(loads))[1]  # hold the load in flight
+    engine.tiers._copy = lambda loads: (release.wait(10), copy(loads))[1]
+    return engine, release
+
+
+def test_a_request_ended_while_its_blocks_load_frees_its_pages_after_the_load(tiny_dir, reference):
+    engine, release = _engine_with_held_loads(tiny_dir)
     engine.add_request("f", FOLLOW_UP, PARAMS)
     engine.step()
     assert engine._seqs["f"].status is SeqStatus.WAITING_TIER_KV
@@ -199,12 +208,7 @@ def test_a_request_ended_while_its_blocks_load_frees_its_pages_after_the_load(ti
 def test_a_prefill_only_request_ended_mid_load_is_not_released_under_the_loader(tiny_dir):
     """A prefill instance's request (its pages are normally held until ``release``) ended while
     its blocks load: ``release`` leaves the pages to the load, which frees them when it is done."""
-    engine = make_engine(tiny_dir, page_size=PS, kv_cache_tokens=24 * PS, kv_host_tokens=200 * PS)
-    _run(engine, "c", CHAT)
-    _evict_everything(engine)
-    release = __import__("threading").Event()
-    copy = engine.tiers._copy
-    engine.tiers._copy = lambda loads: (release.wait(10), copy(loads))[1]
+    engine, release = _engine_with_held_loads(tiny_dir)
     engine.add_request("p", FOLLOW_UP, SamplingParams(max_tokens=1), prefill_only=True)
     engine.step()
     out = engine.abort("p")
@@ -326,12 +330,7 @@ def test_a_truncated_or_longer_block_file_is_refused(tmp_path):
 
 def test_a_load_in_flight_does_not_hold_up_the_other_requests(tiny_dir, reference):
     """While one request's blocks load (held here), another request's steps go on and finish."""
-    engine = make_engine(tiny_dir, page_size=PS, kv_cache_tokens=24 * PS, kv_host_tokens=200 * PS)
-    _run(engine, "c", CHAT)
-    _evict_everything(engine)
-    release = __import__("threading").Event()
-    copy = engine.tiers._copy
-    engine.tiers._copy = lambda loads: (release.wait(10), copy(loads))[1]
+    engine, release = _engine_with_held_loads(tiny_dir)
     engine.add_request("f", FOLLOW_UP, PARAMS)
     engine.add_request("other", _tokens(9, 7), PARAMS)
     tokens = []
