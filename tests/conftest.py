@@ -48,6 +48,20 @@ def wait_pool_free(url: str, model: str, timeout_s: float = 30.0) -> None:
         time.sleep(0.2)
 
 
+def wait_metric(url: str, name: str, at_least: float, timeout_s: float = 15.0, **labels) -> float:
+    """Wait until the sum of metric ``name`` (with ``labels``) is at least ``at_least`` (an
+    instance refreshes its metrics from a thread of its own, later on a loaded machine); return
+    it, or fail with the last value read."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = sum(metric_values(url, name, **labels))
+        if value >= at_least:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{name}{labels} is {value}, not at least {at_least}, after {timeout_s:g} s")
+        time.sleep(0.1)
+
+
 @contextlib.contextmanager
 def running_server(repo, log_file, timeout_s: float = 400, **kw):
     """A started TritonServer that is stopped (whole process group) however the block ends."""

@@ -7,7 +7,6 @@ decode host's address; nothing lists the prefill instance's address by hand)."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -19,8 +18,8 @@ from tests.conftest import (
     etcd_server,
     fabric_env,
     hf_greedy,
-    metric_values,
     running_server,
+    wait_metric,
     wait_pool_free,
 )
 
@@ -70,6 +69,10 @@ def test_cross_host_one_prefill_two_decode(split_servers, hf_model, tokenizer):
     prefill, decode = split_servers
     prompts = [PROMPTS[0], PROMPTS[6], PROMPTS[7], PROMPTS[2]]
     results = [None] * len(prompts)
+    # Triton is ready before each decode instance has connected to the prefill instance across
+    # the namespaces: requests sent before both serve all go to the first that does
+    for m in ("decode_0", "decode_1"):
+        wait_metric(decode.metrics_url, "triton_disagg_decode_target_up", 1, timeout_s=60, target=m)
 
     def run(i):
         results[i] = stream_generate(decode.grpc_url, prompts[i], 8, ignore_eos=True)
@@ -81,9 +84,8 @@ def test_cross_host_one_prefill_two_decode(split_servers, hf_model, tokenizer):
         assert res.error is None, res.error
         ids = tokenizer.encode(prompt, add_special_tokens=False)
         assert res.token_ids == hf_greedy(hf_model, ids, 8)
-    time.sleep(0.6)
     for m in ("decode_0", "decode_1"):  # the front spread the requests over both decode instances
-        assert metric_values(decode.metrics_url, "triton_disagg_requests_total", model=m)[0] > 0, m
+        wait_metric(decode.metrics_url, "triton_disagg_requests_total", 1, model=m)
     chat = stream_generate(decode.grpc_url, "What is the capital of France?", 24, chat=True)
     assert "Paris" in chat.text
     log = prefill.log_file.read_text()

@@ -12,7 +12,15 @@ import time
 import pytest
 
 from backend.client import stream_generate
-from tests.conftest import DISAGG_MODELS, PROMPTS, generate_concurrently, hf_greedy, metric_values, wait_pool_free
+from tests.conftest import (
+    DISAGG_MODELS,
+    PROMPTS,
+    generate_concurrently,
+    hf_greedy,
+    metric_values,
+    wait_metric,
+    wait_pool_free,
+)
 
 N_TOKENS = 12
 
@@ -63,12 +71,11 @@ def test_disagg_outputs_identical_to_aggregated_and_transformers(disagg_server, 
 
 def test_both_decode_and_prefill_instances_serve(disagg_server):
     run_concurrently(disagg_server.grpc_url, PROMPTS[:4], "llm", n_tokens=4)
-    time.sleep(0.6)
     url = disagg_server.metrics_url
     for m in ("decode_0", "decode_1"):
-        assert metric_values(url, "triton_disagg_requests_total", model=m)[0] > 0, m
+        wait_metric(url, "triton_disagg_requests_total", 1, model=m)
     for m in ("prefill_0", "prefill_1"):
-        assert metric_values(url, "triton_disagg_kv_writes_total", model=m)[0] > 0, m
+        wait_metric(url, "triton_disagg_kv_writes_total", 1, model=m)
 
 
 def test_streams_paris_over_http(disagg_server):

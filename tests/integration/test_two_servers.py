@@ -53,6 +53,7 @@ from tests.conftest import (
     metric_values,
     private_etcd,
     read_metrics,
+    wait_metric,
 )
 
 pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
@@ -408,10 +409,10 @@ def test_triton_api_streams_move_off_a_killed_server(cluster, tokenizer, hf_mode
         for prompt, r in zip(prompts, results):
             want = hf_greedy(hf_model, prompt_token_ids(tokenizer, prompt, False), SERVER_KILL_TOKENS)
             assert r.token_ids == want, prompt
-        time.sleep(0.6)  # the front's metrics refresh
-        moved = front_migrations(cluster.a) - before
+        assert on_b >= 1
+        moved = wait_metric(cluster.a.metrics_url, "triton_disagg_migrations_total", before + on_b, model="llm")
+        moved -= before
         print(f"{on_b:.0f} of {len(prompts)} streams were on server B when it was killed; {moved:.0f} moved")
-        assert moved >= on_b >= 1
     finally:
         [t.join(300) for t in threads]
 
