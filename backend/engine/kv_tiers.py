@@ -10,13 +10,18 @@ served a prompt's prefix from any tier, the pool included); at close, the pool's
 tier's blocks hit that often are written to disk too, so a restarted instance finds them.
 
 When a prompt's prefix continues past the pool's pages, the allocator asks :meth:`KVTiers.find`
-which of the next blocks a tier holds (in order, up to the first miss; the shared tier is asked
-once, for all the blocks after the host and disk tiers' run), takes a page for each and
+which of the next blocks a tier holds (in order, up to the first miss), takes a page for each and
 hands the list to the engine, which parks the request and queues the copies on the loader thread
 (:meth:`KVTiers.load`); the engine's steps go on meanwhile. The loader reports ``(request, blocks
 loaded)`` (:meth:`KVTiers.finished`): a block that cannot be read (a damaged file) ends the
 request's load there, and the rest of its prompt is computed. ``waker`` is called from the loader
 thread when a result is ready (the engine loop wakes up for it).
+
+The shared tier is a network round trip away, so :meth:`find` never asks it: when a request
+arrives whose prefix the pool, host and disk tiers do not hold whole, the engine asks the store
+first (:meth:`look_up`, on the lookup thread; the request waits meanwhile, holding nothing, and
+:meth:`looked_up` reports it), and :meth:`find` counts the blocks the store is known to hold
+(those looked up, and those this instance wrote).
 
 Blocks are copied with the allocator's lock held when spilled (the page is about to be reused);
 loads copy into pages that only the loading request holds.
@@ -81,6 +86,11 @@ class KVTiers:
         self._keys: tuple[int, frozenset[int]] = (-1, frozenset())
         self._loader = threading.Thread(target=self._load_loop, name="kv-tier-loader", daemon=True)
         self._loader.start()
+        self._lookups: queue.SimpleQueue[tuple[str, list[bytes]] | None] = queue.SimpleQueue()
+        self._looked_up: list[str] = []
+        if shared is not None:
+            self._looker = threading.Thread(target=self._look_up_loop, name="kv-shared-lookup", daemon=True)
+            self._looker.start()
 
     # ---------------------------------------------------------------- the allocator's side
     def spill(self, key: bytes, page: int) -> None:
@@ -110,19 +120,38 @@ class KVTiers:
     def find(self, keys: list[bytes]) -> list[torch.Tensor | str]:
         """Where the leading ``keys`` are, up to the first that no tier holds: the host tier's
         block, :data:`DISK` or :data:`SHARED`."""
-        found: list[torch.Tensor | str] = []
-        for key in keys:
-            block = self.host.get(key) if self.host is not None else None
-            if block is not None:
-                found.append(block)
-            elif self.disk is not None and self.disk.has(key):
-                found.append(DISK)
-            else:
-                break
+        found = self._private(keys)
         if self.shared is not None and len(found) < len(keys):
-            found += [SHARED] * self.shared.find(keys[len(found) :])
+            found += [SHARED] * self.shared.held(keys[len(found) :])
         self.hit(keys[: len(found)])
         return found
+
+    def look_up(self, req_id: str, keys: list[bytes]) -> bool:
+        """Ask the shared tier, on the lookup thread, which of a prompt's ``keys`` (its blocks past
+        the pool's) it holds, unless the host and disk tiers, or what is known of the store, cover
+        them already; True if it is asked (:meth:`looked_up` reports ``req_id`` when answered)."""
+        if self.shared is None or not keys or not self.shared.up():
+            return False
+        held = 0
+        while held < len(keys) and (
+            (self.host is not None and keys[held] in self.host) or (self.disk is not None and self.disk.has(keys[held]))
+        ):
+            held += 1
+        rest = keys[held:]
+        if not rest or self.shared.held(rest) == len(rest):
+            return False
+        with self._lock:
+            self._in_flight += 1
+        self._lookups.put((req_id, rest))
+        return True
+
+    def looked_up(self) -> list[str]:
+        """The requests whose lookups were answered since the last call."""
+        with self._lock:
+            done, self._looked_up = self._looked_up, []
+            if not self._done:
+                self._done_event.clear()
+            return done
 
     # ---------------------------------------------------------------- the engine's side
     def load(self, req_id: str, loads: list[TierLoad]) -> None:
@@ -136,7 +165,8 @@ class KVTiers:
         last call."""
         with self._lock:
             done, self._done = self._done, []
-            self._done_event.clear()
+            if not self._looked_up:
+                self._done_event.clear()
             return done
 
     def in_flight(self) -> int:
@@ -144,7 +174,7 @@ class KVTiers:
             return self._in_flight
 
     def wait(self, timeout_s: float) -> bool:
-        """Block until a load is done (True) or ``timeout_s`` passed."""
+        """Block until a load or lookup is done (True) or ``timeout_s`` passed."""
         return self._done_event.wait(timeout_s)
 
     def flush(self, cached: list[tuple[bytes, int]], within_s: float = FLUSH_S) -> None:
@@ -173,6 +203,7 @@ class KVTiers:
 
     def close(self) -> None:
         self._jobs.put(None)
+        self._lookups.put(None)
         self._loader.join(10)
         if self.disk is not None:
             self.disk.close(max(1.0, self._flush_deadline - time.monotonic()))
@@ -201,6 +232,40 @@ class KVTiers:
         return out
 
     # ---------------------------------------------------------------- internals
+    def _private(self, keys: list[bytes]) -> list[torch.Tensor | str]:
+        """The host tier's block or :data:`DISK` for each of the leading ``keys`` this instance's
+        own tiers hold."""
+        found: list[torch.Tensor | str] = []
+        for key in keys:
+            block = self.host.get(key) if self.host is not None else None
+            if block is not None:
+                found.append(block)
+            elif self.disk is not None and self.disk.has(key):
+                found.append(DISK)
+            else:
+                break
+        return found
+
+    def _look_up_loop(self) -> None:
+        assert self.shared is not None
+        while True:
+            job = self._lookups.get()
+            if job is None:
+                return
+            req_id, keys = job
+            try:
+                self.shared.look_up(keys)  # what it finds is held() from now on
+            except Exception:
+                log.exception("shared KV tier lookup for %s failed; its prompt is computed", req_id)
+            with self._lock:
+                self._in_flight -= 1
+                self._looked_up.append(req_id)
+                self._done_event.set()
+            try:
+                self.waker()
+            except Exception:
+                log.exception("KV tier waker raised")
+
     def _block_of(self, page: int) -> torch.Tensor:
         view = self.pool.tensor[:, page]
         block = torch.empty(view.shape, dtype=view.dtype, device="cpu")

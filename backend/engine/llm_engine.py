@@ -15,6 +15,9 @@ KV tiers (``kv_tiers.py``): blocks of a prompt's prefix that the host or disk ti
 copied into the request's pages on the tiers' loader thread while the engine steps the others
 (the request waits in ``WAITING_TIER_KV``); each step first folds in the loads that finished. A
 request ended while its load runs keeps its pages until the load is done (then they are freed).
+A request whose prefix the shared tier may hold first waits, holding nothing, while the store is
+asked on the tiers' lookup thread (``WAITING_TIER_LOOKUP``, at most ``LOOKUP_WAIT_S``): no step
+ever waits on the store.
 
 Decode side (aggregated and decode roles): speculative decoding (a decoding sequence runs its
 last token plus draft tokens in one chunk; the accepted drafts and one target token are
@@ -27,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -53,6 +57,7 @@ from backend.engine.shared_tier import BlockStore, SharedTier
 log = logging.getLogger("triton_disagg.engine")
 
 TIER_WAIT_S = 0.05  # a step with nothing to run but tier loads waits this long for one at most
+LOOKUP_WAIT_S = 1.0  # a request waits this long at most for the shared tier's answer, then queues
 
 
 class LLMEngine:
@@ -82,6 +87,7 @@ class LLMEngine:
         if self.tiers is not None:
             self.scheduler.load_tiers = self._load_tiers
         self._orphans: set[str] = set()  # ended while their tier load ran: freed when it is done
+        self._lookups: dict[str, float] = {}  # request -> since when the shared tier is asked for it
         self.default_end_ids = self.runner.end_token_ids()
         self.kv_listener: KVStepListener | None = None
         self.kv_loader: KVLoader | None = None
@@ -148,6 +154,15 @@ class LLMEngine:
         """The tier loads that finished: their requests go on (or, ended meanwhile, free their pages)."""
         if self.tiers is None:
             return
+        now = time.monotonic()
+        answered = self.tiers.looked_up()
+        late = [r for r, since in self._lookups.items() if now - since > LOOKUP_WAIT_S]
+        for req_id in answered + late:
+            if self._lookups.pop(req_id, None) is None:
+                continue
+            seq = self._seqs.get(req_id)
+            if seq is not None and seq.status is SeqStatus.WAITING_TIER_LOOKUP:
+                self.scheduler.looked_up(seq)
         for req_id, loaded in self.tiers.finished():
             if req_id in self._orphans:
                 self._orphans.discard(req_id)
@@ -211,8 +226,9 @@ class LLMEngine:
         return self.allocator.page_table(req_id)
 
     def queue_lengths(self) -> tuple[int, int]:
-        """(waiting, running) sequences."""
-        return len(self.scheduler.waiting), len(self.scheduler.running)
+        """(waiting, running) sequences (waiting: queued, or waiting for the tiers' answer or load)."""
+        s = self.scheduler
+        return len(s.waiting) + len(s.looking_up) + len(s.tier_parked), len(s.running)
 
     def close(self) -> None:
         if self.tiers is not None:
@@ -250,7 +266,14 @@ class LLMEngine:
             except RuntimeError:
                 raise ValueError("the resumed output does not follow the request's grammar") from None
         self._seqs[req_id] = seq
-        self.scheduler.add(seq)
+        look_up = (
+            self.tiers is not None
+            and not seq.wants_prompt_logprobs
+            and self.tiers.look_up(req_id, self.allocator.uncached_keys(prompt, params.cache_salt))
+        )
+        if look_up:
+            self._lookups[req_id] = time.monotonic()
+        self.scheduler.add(seq, look_up=look_up)
 
     def abort(self, req_id: str) -> EngineOutput | None:
         """Stop a request now; returns its final output, or None if it is not active."""
@@ -278,7 +301,12 @@ class LLMEngine:
         return True
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.scheduler.tier_parked or self._orphans)
+        return self.scheduler.has_work() or self._tier_work()
+
+    def _tier_work(self) -> bool:
+        """Requests wait for the tiers (a lookup, a load) or a load writes pages of an ended one."""
+        s = self.scheduler
+        return bool(s.tier_parked or s.looking_up or self._orphans)
 
     def stalled(self) -> bool:
         """The last step found nothing it could run (its queue waits for pages or seats that only
@@ -330,7 +358,7 @@ class LLMEngine:
         )
         self._fold_tier_loads()
         chunks = self.scheduler.schedule()
-        if not chunks and (self.scheduler.tier_parked or self._orphans) and self.tiers is not None:
+        if not chunks and self._tier_work() and self.tiers is not None:
             # nothing else to run: wait a little for a load rather than spin (or sleep a whole
             # command wait: the loader's waker wakes an engine loop too)
             self.tiers.wait(TIER_WAIT_S)

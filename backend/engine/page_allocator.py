@@ -82,7 +82,8 @@ class PageTiers(Protocol):
         """The engine computed this full page (called with the allocator's lock held)."""
 
     def find(self, keys: list[bytes]) -> list:
-        """A handle for each of the leading ``keys`` some tier holds, up to the first miss."""
+        """A handle for each of the leading ``keys`` some tier holds, up to the first miss (never
+        waits on I/O: it is called with the allocator's lock held)."""
 
 
 class PageAllocator:
@@ -173,6 +174,18 @@ class PageAllocator:
             self._committed[req_id] = commit
             self._committed_total += commit
             return list(table)
+
+    def uncached_keys(self, token_ids, cache_salt: str = "") -> list[bytes]:
+        """The page hashes of the prompt ``token_ids`` (its full pages, never the last token)
+        past the pool's cached prefix: what the tiers may hold of it ([] without prefix caching)."""
+        if not self.prefix_caching or len(token_ids) < 2:
+            return []
+        hashes = page_hashes(token_ids[: len(token_ids) - 1], self.page_size, chain_start(self.salt, cache_salt))
+        with self._lock:
+            n = 0
+            while n < len(hashes) and hashes[n] in self._page_of:
+                n += 1
+        return hashes[n:]
 
     def tier_loads(self, req_id: str) -> list[tuple[int, bytes, Any]]:
         """``(page, hash, handle)`` of the blocks of ``req_id``'s prefix that the tiers hold, in

@@ -20,6 +20,10 @@ KV tiers: a sequence admitted with blocks of its prefix in the tiers below the p
 ``load_tiers`` copies them; :meth:`tier_loaded` then sends it on as if it had just been admitted
 with those tokens cached (a ``remote_kv`` sequence goes to its KV loader next).
 
+A sequence whose prefix the shared KV tier may hold is added with ``look_up``: it waits in
+``WAITING_TIER_LOOKUP`` (``looking_up``, no pages, no seat) while the store is asked (off the
+engine's thread) and joins the waiting queue at :meth:`looked_up`.
+
 ``stalled``: the last :meth:`schedule` found nothing to run (the engine loop then waits for a
 command instead of spinning: only a command, or the tier loader's wake-up, can free pages or
 seats then).
@@ -96,6 +100,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.parked: dict[str, Sequence] = {}  # WAITING_REMOTE_KV
         self.tier_parked: dict[str, Sequence] = {}  # WAITING_TIER_KV
+        self.looking_up: dict[str, Sequence] = {}  # WAITING_TIER_LOOKUP
         self.ready: deque[Sequence] = deque()  # remote KV landed, waiting for a seat (pages held)
         self.stalled = False
         # (seq) -> True when its prompt's KV will be loaded from elsewhere (it then waits)
@@ -103,7 +108,20 @@ class Scheduler:
         # (seq) -> start loading the tier blocks the allocator found for it (see tier_loaded)
         self.load_tiers: Callable[[Sequence], None] | None = None
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, look_up: bool = False) -> None:
+        """Queue ``seq``; with ``look_up`` it waits for :meth:`looked_up` first."""
+        if look_up:
+            seq.status = SeqStatus.WAITING_TIER_LOOKUP
+            self.looking_up[seq.req_id] = seq
+        else:
+            self.waiting.append(seq)
+
+    def looked_up(self, seq: Sequence) -> None:
+        """The shared tier answered for ``seq``'s prefix (or was not waited for longer): it queues."""
+        if seq.status is not SeqStatus.WAITING_TIER_LOOKUP:
+            raise ValueError(f"request {seq.req_id!r} is not waiting for a tier lookup ({seq.status.value})")
+        del self.looking_up[seq.req_id]
+        seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -119,6 +137,8 @@ class Scheduler:
             del self.parked[seq.req_id]
         elif seq.status is SeqStatus.WAITING_TIER_KV:
             del self.tier_parked[seq.req_id]
+        elif seq.status is SeqStatus.WAITING_TIER_LOOKUP:
+            del self.looking_up[seq.req_id]
         seq.status = SeqStatus.FINISHED
 
     def tier_loaded(self, seq: Sequence) -> None:

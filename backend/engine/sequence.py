@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # queued for pages (admission)
+    WAITING_TIER_LOOKUP = "waiting_tier_lookup"  # not queued yet: the shared KV tier is asked for its prefix
     WAITING_TIER_KV = "waiting_tier_kv"  # has its pages; blocks of its prefix are loaded from the KV tiers
     WAITING_REMOTE_KV = "waiting_remote_kv"  # has its pages; its prompt's KV is loaded from elsewhere
     RUNNING = "running"

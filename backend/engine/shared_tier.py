@@ -63,8 +63,10 @@ class SharedTier:
         with self._lock:
             return time.monotonic() >= self._down_until
 
-    def find(self, keys: list[bytes]) -> int:
-        """How many of the leading ``keys`` the store holds (0 while it is down)."""
+    def look_up(self, keys: list[bytes]) -> int:
+        """Ask the store how many of the leading ``keys`` it holds (0 while it is down); they are
+        then :meth:`held` (one round trip, bounded by the store's timeout: never called on the
+        engine's thread)."""
         if not keys or not self.up():
             return 0
         try:
@@ -80,6 +82,17 @@ class SharedTier:
                 self._remember(key)
         return n
 
+    def held(self, keys: list[bytes]) -> int:
+        """How many of the leading ``keys`` are known to be in the store (this instance wrote them,
+        or a lookup found them), without asking it; 0 while it is down."""
+        with self._lock:
+            if time.monotonic() < self._down_until:
+                return 0
+            n = 0
+            while n < len(keys) and keys[n] in self._known:
+                n += 1
+            return n
+
     def read(self, key: bytes) -> torch.Tensor | None:
         """The block, or None (gone meanwhile, refused, or the store is down)."""
         if not self.up():
@@ -89,7 +102,9 @@ class SharedTier:
         except Exception as e:
             self._failed("read", e)
             return None
-        if data is None:
+        if data is None:  # evicted by the store since
+            with self._lock:
+                self._known.pop(key, None)
             return None
         block, why = self.codec.decode(key, data)
         with self._lock:
@@ -136,6 +151,7 @@ class SharedTier:
             first = time.monotonic() >= self._down_until
             self._down_until = time.monotonic() + self.retry_s
             self.counters["errors"] += 1
+            self._known.clear()  # it may come back empty: its blocks are looked up (and written) again
         if first:
             log.warning(
                 "shared KV tier %s: %s failed (%s: %s); not used for %.0f s, requests compute their KV",

@@ -8,6 +8,8 @@ server: ``tests/integration/test_kv_tiers_e2e.py``."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from engine_helpers import TINY_VOCAB, assert_pool_idle, build_tiny_llama, make_engine, run_to_completion, tokens_of
@@ -227,6 +229,8 @@ class DictStore:
         self.values: dict[str, bytes] = {}
         self.down = False
         self.calls = 0
+        self.answer = threading.Event()  # cleared: a lookup waits (a slow store) until it is set
+        self.answer.set()
 
     def _call(self):
         self.calls += 1
@@ -235,6 +239,7 @@ class DictStore:
 
     def exists(self, names):
         self._call()
+        self.answer.wait(30)
         return [n in self.values for n in names]
 
     def get(self, name):
@@ -342,4 +347,56 @@ def test_a_load_in_flight_does_not_hold_up_the_other_requests(tiny_dir, referenc
     assert engine._seqs["f"].status is SeqStatus.WAITING_TIER_KV
     release.set()
     assert tokens_of(run_to_completion(engine)["f"]) == reference["follow_up"]
+    assert_pool_idle(engine)
+
+
+def _slow_store_engines(tiny_dir):
+    """A store holding CHAT's blocks (computed by another engine) that does not answer lookups
+    until ``store.answer`` is set, and a fresh engine that knows nothing of it."""
+    store = DictStore()
+    first = _shared_engine(tiny_dir, store)
+    _run(first, "c", CHAT)
+    _settle(first)
+    store.answer.clear()
+    return store, _shared_engine(tiny_dir, store)
+
+
+def test_a_slow_store_never_holds_up_a_step(tiny_dir, reference, monkeypatch):
+    """The shared tier is asked off the engine's thread: while it has not answered, the request
+    it is asked for waits (holding no pages) and another request's steps go on and finish; once
+    it answers, the request loads its prefix from it."""
+    from backend.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "LOOKUP_WAIT_S", 60.0)  # the test answers, not the clock
+    store, engine = _slow_store_engines(tiny_dir)
+    engine.add_request("other", _tokens(9, PS), PARAMS)  # no full page: nothing to look up
+    engine.add_request("f", FOLLOW_UP, PARAMS)
+    assert engine._seqs["f"].status is SeqStatus.WAITING_TIER_LOOKUP and not engine.allocator.has("f")
+    tokens = []
+    for _ in range(40):
+        tokens += [t for out in engine.step() if out.req_id == "other" for t in out.new_token_ids]
+        if len(tokens) == PARAMS.max_tokens:
+            break
+    assert len(tokens) == PARAMS.max_tokens  # all of it while f's lookup was unanswered
+    assert engine._seqs["f"].status is SeqStatus.WAITING_TIER_LOOKUP
+    store.answer.set()
+    assert tokens_of(run_to_completion(engine)["f"]) == reference["follow_up"]
+    assert engine.pool_stats()["tier_shared_hits"] >= 15
+    assert_pool_idle(engine)
+
+
+def test_a_store_that_does_not_answer_in_time_is_not_waited_for(tiny_dir, reference, monkeypatch):
+    """After ``LOOKUP_WAIT_S`` without an answer the request is computed; an abort while it waits
+    leaves nothing behind."""
+    from backend.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "LOOKUP_WAIT_S", 0.2)
+    store, engine = _slow_store_engines(tiny_dir)
+    engine.add_request("gone", FOLLOW_UP + [5], PARAMS)
+    assert engine.abort("gone") is not None
+    try:
+        assert _run(engine, "f", FOLLOW_UP) == reference["follow_up"]
+        assert engine.pool_stats()["tier_shared_hits"] == 0
+    finally:
+        store.answer.set()
     assert_pool_idle(engine)
