@@ -2,7 +2,10 @@
 disk tier serves a conversation's follow-up turn from the blocks its predecessor wrote at close; in
 a disaggregated deployment, a decode instance whose pool evicted turn 1 loads it back from its host
 tier and asks the prefill instance only for the rest; a request of another ``cache_salt`` (tenant)
-finds none of it. Greedy outputs equal transformers' throughout."""
+finds none of it; of two prefill instances on one real Redis, the second loads the prefix the
+first computed from the shared tier (computes none of it) and sends it on to the decode instance;
+two servers share a prefix through the store, lose it and get it back. Greedy outputs equal
+transformers' throughout."""
 
 from __future__ import annotations
 
@@ -131,5 +134,46 @@ def test_two_servers_share_a_prefix_through_the_store_and_survive_its_loss(
             assert _greedy(b.grpc_url, third + " How?") == want(third + " How?")
             assert hits(b.metrics_url) > before  # hits resumed
             wait_pool_free(b.metrics_url, "llm")
+    finally:
+        store.stop()
+
+
+def test_a_prefix_one_prefill_instance_computed_is_a_shared_tier_hit_on_the_other(
+    model_dir, tmp_path_factory, tokenizer, hf_model
+):
+    """Two prefill instances and one decode instance (no prefix cache of its own, and picking
+    prefill instances in turn, so each turn's prompt reaches a prefill instance whole): turn 1 is
+    computed by one prefill instance, which writes its pages to the store; turn 2 goes to the
+    other, which loads turn 1's pages from the store and computes only the rest."""
+    from backend.launch.kv_store_server import KVStoreServer
+
+    store = KVStoreServer(log_file=tmp_path_factory.mktemp("redis") / "redis.log").start()
+    try:
+        with deployment_server(
+            tmp_path_factory,
+            "shared-prefill",
+            mode="disagg",
+            model_path=str(model_dir),
+            prefill_instances=2,
+            decode_instances=1,
+            overrides={"kv_cache_tokens": "1024", "num_threads": "1", "kv_store_url": store.url, "kv_host_tokens": "0"},
+            per_model={"decode_0": {"enable_prefix_caching": "false", "kv_routing_weight": "0"}},
+        ) as server:
+            url, grpc = server.metrics_url, server.grpc_url
+            sent = {m: _settled(url, "kv_transfer_bytes_total", m) for m in ("prefill_0", "prefill_1")}
+            assert _greedy(grpc, FIRST) == hf_greedy(hf_model, tokenizer(FIRST)["input_ids"], 8)
+            first = next(m for m in sent if _settled(url, "kv_transfer_bytes_total", m) > sent[m])
+            other = "prefill_1" if first == "prefill_0" else "prefill_0"
+            n_first = len(tokenizer(FIRST)["input_ids"])
+            pages = (n_first - 1) // 16
+            assert _settled(url, "kv_tier_shared_writes_total", first) >= pages  # written through
+            hit_before = _settled(url, "prefix_cache_hit_tokens_total", other)
+            assert _greedy(grpc, SECOND) == hf_greedy(hf_model, tokenizer(SECOND)["input_ids"], 8)
+            assert _settled(url, "kv_transfer_bytes_total", other) > 0, f"turn 2 went to {first} again"
+            assert _settled(url, "kv_tier_shared_hit_blocks_total", other) >= pages
+            # none of turn 1's full pages was computed on the other prefill instance
+            assert _settled(url, "prefix_cache_hit_tokens_total", other) - hit_before >= pages * 16
+            for m in ("prefill_0", "prefill_1", "decode_0"):
+                wait_pool_free(url, m)
     finally:
         store.stop()
