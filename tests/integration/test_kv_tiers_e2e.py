@@ -1,5 +1,6 @@
 """KV tiers through real servers, the real model and real files: a server restarted on the same
-disk tier serves a conversation's follow-up turn from the blocks its predecessor wrote at close; in
+disk tier serves a conversation's follow-up turn from the blocks its predecessor wrote at close
+(aggregated, and the decode instance of a disaggregated one); in
 a disaggregated deployment, a decode instance whose pool evicted turn 1 loads it back from its host
 tier and asks the prefill instance only for the rest; a request of another ``cache_salt`` (tenant)
 finds none of it; of two prefill instances on one real Redis, the second loads the prefix the
@@ -10,6 +11,8 @@ transformers' throughout."""
 from __future__ import annotations
 
 import time
+
+import pytest
 
 from backend.client import stream_generate
 from tests.conftest import deployment_server, hf_greedy, metric_values, wait_pool_free
@@ -37,24 +40,33 @@ def _greedy(grpc: str, prompt: str, **kw):
     return out.token_ids
 
 
-def test_a_restarted_server_serves_the_follow_up_from_the_disk_tier(model_dir, tmp_path_factory, tokenizer, hf_model):
+@pytest.mark.parametrize("mode", ["aggregated", "disagg"])
+def test_a_restarted_server_serves_the_follow_up_from_the_disk_tier(
+    mode, model_dir, tmp_path_factory, tokenizer, hf_model
+):
+    """Turn 1, then the server stops (its instances write the blocks hit often enough to disk) and
+    starts again on the same folder: turn 2 loads turn 1 from the disk tier (aggregated: the
+    instance; disaggregated: the decode instance, which asks the prefill instance for the rest)."""
     disk = tmp_path_factory.mktemp("kv-disk")
     overrides = {"kv_cache_tokens": "1024", "num_threads": "2", "kv_disk_path": str(disk), "kv_disk_admit_hits": "1"}
-    settings = dict(mode="aggregated", model_path=str(model_dir), overrides=overrides, timeout_s=300)
+    if mode == "disagg":
+        overrides["num_threads"] = "1"
+    settings = dict(mode=mode, model_path=str(model_dir), overrides=overrides, timeout_s=300)
+    model = "llm" if mode == "aggregated" else "decode_0"
     n_first = len(tokenizer(FIRST)["input_ids"])
-    with deployment_server(tmp_path_factory, "tiers-before", **settings) as server:
+    with deployment_server(tmp_path_factory, f"tiers-before-{mode}", **settings) as server:
         for _ in range(2):  # turn 1 twice: its blocks are hit once, enough for the disk tier here
             assert _greedy(server.grpc_url, FIRST) == hf_greedy(hf_model, tokenizer(FIRST)["input_ids"], 8)
     files = list(disk.rglob("*.kv"))
     assert len(files) >= (n_first - 1) // 16, files  # written when the server stopped
-    with deployment_server(tmp_path_factory, "tiers-after", **settings) as server:
+    with deployment_server(tmp_path_factory, f"tiers-after-{mode}", **settings) as server:
         url = server.metrics_url
         assert _greedy(server.grpc_url, SECOND) == hf_greedy(hf_model, tokenizer(SECOND)["input_ids"], 8)
-        disk_hits = _settled(url, "kv_tier_disk_hit_blocks_total", "llm")
+        disk_hits = _settled(url, "kv_tier_disk_hit_blocks_total", model)
         assert disk_hits >= (n_first - 1) // 16, disk_hits  # all of turn 1 came from the files
-        assert _settled(url, "kv_tier_hit_tokens_total", "llm") == disk_hits * 16
-        assert _settled(url, "kv_tier_disk_corrupt_total", "llm") == 0
-        wait_pool_free(url, "llm")
+        assert _settled(url, "kv_tier_hit_tokens_total", model) == disk_hits * 16
+        assert _settled(url, "kv_tier_disk_corrupt_total", model) == 0
+        wait_pool_free(url, model)
 
 
 def test_a_decode_instance_loads_an_evicted_turn_from_its_host_tier(model_dir, tmp_path_factory, tokenizer, hf_model):
