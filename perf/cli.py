@@ -49,7 +49,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 # benchmark -> the flags that switch it to another measurement: the report keeps a section for each
 VARIANTS: dict[str, tuple[str, ...]] = {
-    "multiturn": ("--routing", "--tiers"),
+    "multiturn": ("--routing", "--tiers", "--modes"),
     "formats": ("--server",),
     "cpp-baseline": ("--weights",),
 }
