@@ -69,6 +69,13 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
         "private Redis on this machine when redis-server is installed; none: no shared tier)",
     )
     p.add_argument(
+        "--otlp-endpoint",
+        default="",
+        metavar="http://HOST:PORT",
+        help="export OpenTelemetry trace spans of every request (front, decode, prefill, KV transfer) to this "
+        "collector over OTLP/HTTP; a client's traceparent header joins them to its trace (default: no tracing)",
+    )
+    p.add_argument(
         "--set",
         action="append",
         default=[],
@@ -168,6 +175,7 @@ def start_server(args):
         openai_port=args.openai_port,
         openai_log_file=Path(args.log_file).with_suffix(".openai.log") if args.log_file else None,
         kv_store=args.kv_store,
+        otlp_endpoint=args.otlp_endpoint,
         timeout_s=300.0,
     )
     try:

@@ -105,10 +105,12 @@ def stream_generate(
     timeout_s: float = 300.0,
     cancel_after: int | None = None,
     cancel_after_s: float | None = None,
+    traceparent: str = "",
     **kw,
 ) -> GenerationResult:
     """Stream one request over gRPC; ``cancel_after=n`` cancels it after n responses,
-    ``cancel_after_s`` after that many seconds (responses or not)."""
+    ``cancel_after_s`` after that many seconds (responses or not). ``traceparent``: the caller's
+    W3C trace context, sent as gRPC metadata (a traced deployment's spans join that trace)."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
@@ -117,7 +119,10 @@ def stream_generate(
     q: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     try:
-        client.start_stream(callback=lambda result, error: q.put((result, error, time.perf_counter())))
+        client.start_stream(
+            callback=lambda result, error: q.put((result, error, time.perf_counter())),
+            headers={"traceparent": traceparent} if traceparent else None,
+        )
         res.t_start = time.perf_counter()
         client.async_stream_infer(
             model, build_inputs(grpcclient, prompt, max_tokens, **kw), enable_empty_final_response=True

@@ -1,6 +1,6 @@
-"""The membership settings of an instance (``MembershipConfig``): where its deployment's etcd
-is, the deployment's name, the lease and grace of its records and the deployment secret's file;
-parsed once by ``backend/serving/config.py`` like every other section."""
+"""The deployment settings of an instance (``MembershipConfig``): where its deployment's etcd
+is, the deployment's name, the lease and grace of its records, the deployment secret's file and
+where its trace spans go; parsed once by ``backend/serving/config.py`` like every other section."""
 
 from __future__ import annotations
 
@@ -19,7 +19,10 @@ class MembershipConfig:
     when they changed, writes them into its record (what routers route by).
     ``deployment_secret_file``: the deployment secret, which signs the membership records,
     drain requests and the agents' API and which KV messenger peers prove (default: the
-    environment variable ``TRITON_DISAGG_DEPLOYMENT_SECRET``; see ``backend/disagg/auth.py``)."""
+    environment variable ``TRITON_DISAGG_DEPLOYMENT_SECRET``; see ``backend/disagg/auth.py``).
+    ``otlp_endpoint`` (``http://HOST:PORT``): the OpenTelemetry collector every process of the
+    deployment exports its trace spans to (OTLP/HTTP, ``backend/cluster/tracing.py``); empty:
+    no tracing."""
 
     discovery: str = ""
     deployment: str = "default"
@@ -27,6 +30,7 @@ class MembershipConfig:
     membership_grace_s: float = 10.0
     deployment_secret_file: str = ""
     state_interval_s: float = 1.0
+    otlp_endpoint: str = ""
 
     def __post_init__(self) -> None:
         if self.membership_ttl_s < 1:
@@ -42,6 +46,8 @@ class MembershipConfig:
             host, colon, port = rest.rpartition(":")
             if scheme not in ("etcd", "http") or not sep or not host or not port.isdigit():
                 raise ValueError(f"discovery {self.discovery!r} must be etcd://HOST:PORT")
+        if self.otlp_endpoint and not self.otlp_endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"otlp_endpoint {self.otlp_endpoint!r} must be http://HOST:PORT (OTLP over HTTP)")
         if not self.deployment or "/" in self.deployment:
             raise ValueError(f"deployment {self.deployment!r} must be a non-empty name without '/'")
 

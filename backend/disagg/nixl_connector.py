@@ -339,9 +339,7 @@ class NixlKVReceiver(KVReceiver):
                     self._observe("kv_transfer_time_seconds", now - started)
                 self.totals["kv_transfer_seconds_total"] += now - rec.t_start
                 self.totals["kv_writes_total"] += rec.expected
-                self.totals["kv_transfer_bytes_total"] += (
-                    rec.n_pages * self.layout.num_layers * self.layout.page_bytes * self.layout.tp_size
-                )
+                self.totals["kv_transfer_bytes_total"] += self.bytes_of(rec.n_pages)
             on_ready(rid, ok, err, self.split_meta(meta) if ok else None)
 
         handle = self.agent.expect(
@@ -354,6 +352,11 @@ class NixlKVReceiver(KVReceiver):
             waiting_for="queued at the prefill instance",
         )
         return ReceiveTicket(handle.generation, handle.slot, n_pages, expected)
+
+    def bytes_of(self, n_pages: int) -> int:
+        """The KV bytes ``n_pages`` pages of every layer (and every TP rank) take: what a receive of
+        them moves."""
+        return n_pages * self.layout.num_layers * self.layout.page_bytes * self.layout.tp_size
 
     def started(self, req_id: str, generation: int) -> None:
         """The prefill instance began the request: from now on the transfer deadline applies, as

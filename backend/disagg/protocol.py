@@ -9,7 +9,8 @@ The KV bytes never travel here: they go over NIXL.
   prefill -> decode   AuthResponse(nonce, proof)
   decode -> prefill   Hello(version, name, fabric, proof)    fabric: the agent's handshake payload
   prefill -> decode   Hello(version, name, fabric, "")  or  {"error": reason} (refused)
-  decode -> prefill   PrefillRequest(req_id, generation, slot, tokens, dst_pages, first_page, cache_salt)
+  decode -> prefill   PrefillRequest(req_id, generation, slot, tokens, dst_pages, first_page, cache_salt,
+                                     traceparent)
   prefill -> decode   PrefillStarted(req_id, generation)   its first chunk is scheduled
   decode -> prefill   Cancel(req_id)
   prefill -> decode   PrefillFailed(req_id, kind, message)   the prefill will not complete
@@ -24,7 +25,9 @@ on, and the prefill instance sends only those; 5 = the prefill instance reports 
 and load (CacheReport, ``backend/engine/cache_summary.py``), so decode instances route by it;
 6 = a prefill request carries the request's ``cache_salt`` (its prefix-cache tenant: the prefill
 instance's cache and tiers match its pages only with requests of the same salt), and a cache
-report's summary lists the blocks of the prefill instance's host and disk tiers (``tier_keys``).
+report's summary lists the blocks of the prefill instance's host and disk tiers (``tier_keys``);
+7 = a prefill request carries the W3C ``traceparent`` of the decode instance's KV transfer span
+("" : not traced), so the prefill instance's spans join the request's trace.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from backend.engine.cache_summary import CacheSummary
 from backend.engine.outputs import ErrorKind
 from backend.engine.sampling_params import MAX_CACHE_SALT
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
+MAX_TRACEPARENT = 256
 MAX_FRAME_BYTES = 4 << 20  # a prefill request of 100k tokens is about 1 MiB of JSON
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_REQ_ID_LEN = 256
@@ -77,6 +81,7 @@ class PrefillRequest:
     dst_pages: list[int]
     first_page: int  # pages [0, first_page) of the prompt are not sent: the decode instance has them
     cache_salt: str = ""  # the request's prefix-cache tenant (SamplingParams.cache_salt)
+    traceparent: str = ""  # the decode side's KV transfer span (W3C), "" when not traced
 
 
 @dataclass(frozen=True)
@@ -152,6 +157,8 @@ def decode(obj) -> Message:
         raise ProtocolError(f"prefill: {len(msg.tokens)} tokens exceed {MAX_PROMPT_TOKENS}")
     if isinstance(msg, PrefillRequest) and len(msg.cache_salt) > MAX_CACHE_SALT:
         raise ProtocolError(f"prefill: cache_salt longer than {MAX_CACHE_SALT} characters")
+    if isinstance(msg, PrefillRequest) and len(msg.traceparent) > MAX_TRACEPARENT:
+        raise ProtocolError(f"prefill: traceparent longer than {MAX_TRACEPARENT} characters")
     return msg
 
 

@@ -45,7 +45,8 @@ class Launch:
     ``prefill_endpoints`` fixes the prefill instances). ``openai_port``: also start the OpenAI
     frontend there (0: a free port; None: none). ``kv_store``: the shared KV tier's store
     (``redis://HOST:PORT``; "" : a private one of ``kv_store_bytes`` for ``disagg`` where
-    ``redis-server`` is installed, none otherwise; ``none``: no shared tier)."""
+    ``redis-server`` is installed, none otherwise; ``none``: no shared tier). ``otlp_endpoint``:
+    the OpenTelemetry collector every process exports its trace spans to ("" : no tracing)."""
 
     mode: str = "aggregated"
     model_dir: str | Path = ""
@@ -73,6 +74,7 @@ class Launch:
     openai_log_file: str | Path | None = None
     kv_store: str = ""
     kv_store_bytes: int = 2 << 30
+    otlp_endpoint: str = ""
     timeout_s: float = 400.0
     # what the start used: the membership's etcd and the secret's file ("" : none / the environment's)
     used_discovery: str = field(default="", init=False)
@@ -100,6 +102,8 @@ class Launch:
         self.check()
         repo_dir = Path(self.repo_dir or tempfile.mkdtemp(prefix="triton-disagg-repo-"))
         overrides = dict(self.overrides)
+        if self.otlp_endpoint:
+            overrides["otlp_endpoint"] = self.otlp_endpoint
         extra_env = dict(self.extra_env)
         if self.secret_file:
             overrides["deployment_secret_file"] = str(Path(self.secret_file).resolve())

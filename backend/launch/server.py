@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import requests
 
+from backend.cluster.tracing import TRACE_HEADER
 from backend.disagg import auth
 from backend.disagg.auth import SECRET_ENV, accept_renamed
 from backend.launch.ports import free_port
@@ -115,6 +116,10 @@ class TritonServer:
             "--model-control-mode=explicit",
             "--load-model=*",
             f"--log-verbose={self.log_verbose}",
+            # a client's W3C trace context (an HTTP header, gRPC metadata) reaches the models as a
+            # request parameter, where a traced request's spans join the client's trace
+            f"--http-header-forward-pattern={TRACE_HEADER}",
+            f"--grpc-header-forward-pattern={TRACE_HEADER}",
         ]
         if self.netns:
             cmd = ["ip", "netns", "exec", self.netns] + cmd

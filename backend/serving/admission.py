@@ -3,7 +3,9 @@ validate the tensors, compile a grammar (on a worker thread, with size and time 
 tokenize, enforce the in-flight limit, open a
 :class:`GenerationSession` and hand it to the worker; cancel by the caller's request id; tell
 the owner (metrics) when a session ends. The Triton model (``backend/triton/llm_model.py``)
-only adapts its tensors and response sender to this."""
+only adapts its tensors and response sender to this. With tracing on (``otlp_endpoint``) each
+request gets a span here (``decode`` or ``generate``), the child of the caller's ``traceparent``;
+it ends with the request, or with its refusal."""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+from backend.cluster.tracing import Span, start_tracing
 from backend.engine.outputs import ErrorKind
 from backend.engine.sampling.grammar import GrammarCompiler, GrammarError
 from backend.serving.config import InstanceConfig
@@ -48,26 +52,37 @@ class Admission:
         self._tag = uuid.uuid4().hex[:6]  # request ids stay unique across servers and restarts
         self._draining: str | None = None  # set once: why new requests are refused
         self._drain_kind = ErrorKind.OUT_OF_SERVICE  # DRAINING while in-flight requests may finish
+        self.tracer = start_tracing(config.membership.otlp_endpoint, config.role, name)
+        self._span_name = "generate" if config.role == "aggregated" else config.role
+        self._model = Path(config.engine.model_path).name
 
-    def admit(self, get: Getter, sink: ResponseSink, external_id: str = "") -> None:
+    def admit(self, get: Getter, sink: ResponseSink, external_id: str = "", traceparent: str = "") -> None:
         """Start one request; every failure is answered through ``sink`` with its kind. A request
         with a grammar returns at once: its grammar compiles on a worker thread and the rest of
-        the admission runs when it is ready (:meth:`_admit_guided`)."""
+        the admission runs when it is ready (:meth:`_admit_guided`). ``traceparent``: the
+        caller's trace context (W3C; "" : none)."""
+        span = self.tracer.span(
+            self._span_name,
+            traceparent,
+            {"gen_ai.operation.name": "text_completion", "gen_ai.request.model": self._model},
+        )
         try:
             req = parse_request(
                 get, max_tokens_limit=self.max_tokens_limit, max_input_bytes=self.config.serving.max_input_bytes
             )
+            span.set({"gen_ai.request.max_tokens": req.max_tokens, "triton_disagg.resumed_tokens": len(req.resume_ids)})
             if req.guided_json is not None or req.guided_regex is not None:
-                self._admit_guided(req, sink, external_id)
+                self._admit_guided(req, sink, external_id, span)
             else:
-                self._start(req, sink, external_id)
+                self._start(req, sink, external_id, span)
         except RequestError as e:
-            self._refuse(sink, e)
+            self._refuse(sink, e, span)
         except Exception as e:  # never let one request take the instance down
             log.exception("failed to admit request")
             sink.error(f"internal error: {e}", ErrorKind.INTERNAL)
+            span.end(error=f"internal error: {e}")
 
-    def _start(self, req, sink: ResponseSink, external_id: str) -> None:
+    def _start(self, req, sink: ResponseSink, external_id: str, span: Span) -> None:
         """Tokenize, take an in-flight slot, open the session, hand it to the worker."""
         prompt_ids = self._tokenize(req)
         with self._lock:
@@ -90,7 +105,9 @@ class Admission:
                 cancel_engine=self.worker.cancel,
                 on_done=self._on_done,
                 resumed=len(req.resume_ids),
+                span=span,
             )
+            span.set({"triton_disagg.request_id": req_id})
             session.triton_id = external_id
             self.sessions[req_id] = session
             if external_id:
@@ -98,11 +115,12 @@ class Admission:
         self.worker.submit(session)
 
     @staticmethod
-    def _refuse(sink: ResponseSink, e: RequestError) -> None:
+    def _refuse(sink: ResponseSink, e: RequestError, span: Span) -> None:
         log.info("refused request: %s", e)
         sink.error(str(e), e.kind)
+        span.end(error=f"{e.kind}: {e}")
 
-    def _admit_guided(self, req, sink: ResponseSink, external_id: str) -> None:
+    def _admit_guided(self, req, sink: ResponseSink, external_id: str, span: Span) -> None:
         """Compile the grammar on the compile thread; whichever comes first, the compiled grammar
         or ``max_grammar_compile_s``, decides the request (a late grammar still lands in the
         cache, so a retry of the same schema is fast)."""
@@ -126,7 +144,8 @@ class Admission:
 
         def too_slow() -> None:
             if first():
-                self._refuse(sink, RequestError(f"'{name}' did not compile within {limit:g} s (max_grammar_compile_s)"))
+                why = f"'{name}' did not compile within {limit:g} s (max_grammar_compile_s)"
+                self._refuse(sink, RequestError(why), span)
 
         def compiled(future) -> None:
             timer.cancel()
@@ -137,15 +156,17 @@ class Admission:
                 if sink.is_cancelled():
                     log.info("a guided request was cancelled while its grammar compiled")
                     sink.close()  # its final flag: Triton lets go of the request's response factory
+                    span.end(error="cancelled by the client")
                 else:
-                    self._start(req, sink, external_id)
+                    self._start(req, sink, external_id, span)
             except GrammarError as e:
-                self._refuse(sink, RequestError(str(e)))
+                self._refuse(sink, RequestError(str(e)), span)
             except RequestError as e:
-                self._refuse(sink, e)
+                self._refuse(sink, e, span)
             except Exception as e:
                 log.exception("failed to admit a guided request")
                 sink.error(f"internal error: {e}", ErrorKind.INTERNAL)
+                span.end(error=f"internal error: {e}")
 
         timer = threading.Timer(limit, too_slow)
         timer.daemon = True
@@ -162,6 +183,7 @@ class Admission:
 
     def close(self) -> None:
         self._compile_pool.shutdown(wait=False, cancel_futures=True)
+        self.tracer.close()
 
     @property
     def draining(self) -> str | None:

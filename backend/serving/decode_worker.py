@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from backend.cluster.records import InstanceRecord
+from backend.cluster.tracing import NO_SPAN, Span
 from backend.disagg import auth
 from backend.disagg.messenger import PrefillEndpoint
 from backend.disagg.nixl_connector import NixlKVReceiver
@@ -145,6 +146,7 @@ class _Request:
     connection: int = 0  # the endpoint's connection (generation) the prefill request went on
     cancelled: bool = False  # by the client, or by this worker (page wait)
     tried: set[str] = field(default_factory=set)  # prefill instances whose KV load failed (recompute)
+    kv_span: Span = NO_SPAN  # the KV transfer from the prefill instance asked (tracing)
 
 
 class DecodeWorker:
@@ -287,6 +289,7 @@ class DecodeWorker:
             return None
         new = r.state.state
         if new is DecodeState.FINISHED:
+            r.kv_span.end(error="the request ended first")  # (ended already when its KV landed)
             del self.requests[req_id]
             if old is not DecodeState.RUNNING and old is not DecodeState.QUEUED:
                 self.loop.release(req_id)  # it ended while waiting for KV: the engine kept its pages
@@ -330,6 +333,14 @@ class DecodeWorker:
         r = self._apply(req_id, DecodeEvent.KV_NEEDED if remote else DecodeEvent.LOCAL)
         if r is None:
             return
+        r.session.span.event(
+            "pages",
+            {
+                "triton_disagg.pages": len(pages),
+                "triton_disagg.cached_tokens": cached,
+                "triton_disagg.kv_remote": remote,
+            },
+        )
         if not remote:
             self.counters.prefill_local_total += 1
             return
@@ -382,6 +393,17 @@ class DecodeWorker:
         r.endpoint, r.connection = endpoint, endpoint.generation
         endpoint.outstanding.add(req_id)
         self.counters.prefill_remote_total += 1
+        r.kv_span = session.span.child(
+            "kv_transfer",
+            {
+                "triton_disagg.prefill_instance": endpoint.address,
+                "triton_disagg.kv.pages": ticket.n_pages,
+                "triton_disagg.kv.bytes": self.receiver.bytes_of(ticket.n_pages),
+                "triton_disagg.kv.first_page": first_page,
+                "triton_disagg.prompt_tokens": n_remote,
+            },
+            kind="client",
+        )
         try:
             endpoint.send(
                 PrefillRequest(
@@ -392,6 +414,7 @@ class DecodeWorker:
                     r.pages[first_page : first_page + ticket.n_pages],
                     first_page,
                     session.request.cache_salt,
+                    r.kv_span.traceparent(),
                 )
             )
         except ConnectionError as e:
@@ -486,6 +509,7 @@ class DecodeWorker:
             r.endpoint.outstanding.discard(req_id)
             self.router.done(r.endpoint.address, req_id)
         state = r.state.state
+        r.kv_span.end(error=None if ok else (error or "the KV transfer failed"))
         if ok:
             if self._apply(req_id, DecodeEvent.KV_LANDED) is not None and state is DecodeState.WAITING_KV:
                 hidden, logits = meta if meta is not None else (None, None)
@@ -500,6 +524,8 @@ class DecodeWorker:
         message = f"KV transfer from prefill instance {address} failed: {error}"
         if self.config.serving.kv_load_failure_policy == "recompute":
             r.tried.add(address)
+            failed = {"triton_disagg.prefill_instance": address, "exception.message": message}
+            r.session.span.event("kv_load_failed", failed)
             self._apply(req_id, DecodeEvent.RECOMPUTE)
             self.counters.kv_loads_recomputed_total += 1
             log.warning(
@@ -526,6 +552,7 @@ class DecodeWorker:
         if self._apply(req_id, DecodeEvent.LOCAL) is None:
             return
         log.warning("decode %s: request %s: computing its prompt here (tried %s)", self.name, req_id, sorted(r.tried))
+        r.session.span.event("computed_here", {"triton_disagg.tried": sorted(r.tried)})
         self.counters.prefill_local_total += 1
         self.loop.compute_here(req_id)
 
@@ -540,6 +567,7 @@ class DecodeWorker:
         if r is None or r.endpoint is not endpoint:
             return  # not a request of this connection (or one that ended)
         if isinstance(msg, PrefillStarted):
+            r.kv_span.event("prefill_started")
             if self._apply(msg.req_id, DecodeEvent.PREFILL_STARTED) and r.state.state is DecodeState.WAITING_KV:
                 self.receiver.started(msg.req_id, msg.generation)
             return

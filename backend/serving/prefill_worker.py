@@ -15,6 +15,10 @@ One loop owns every request's state (``request_state.py``, the prefill table): m
 connections (messenger threads), the sender's start, error and freeable reports (engine and fabric
 threads), the engine's final outputs and losing a TP rank are queued to this worker as events and
 applied by its loop thread, in order; the cache reports go out from that loop too.
+
+With tracing on (``otlp_endpoint``), each request is a ``prefill`` span, the child of the decode
+instance's KV transfer span (the request's ``traceparent``), with events when its first chunk is
+scheduled, when its prompt is computed, and when its last page is written.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from backend.cluster.tracing import NO_SPAN, Span, start_tracing
 from backend.disagg import auth
 from backend.disagg.connector import SendRequest
 from backend.disagg.messenger import Connection, MessengerServer
@@ -102,6 +107,7 @@ class _Request:
     state: RequestState
     conn: Connection
     peer: str
+    span: Span = NO_SPAN
 
 
 class PrefillWorker:
@@ -113,6 +119,7 @@ class PrefillWorker:
         self.vocab_size = self.engine.dims().vocab_size
         self.max_model_len = self.engine.max_model_len
         self.requests: dict[str, _Request] = {}  # the loop thread's alone
+        self.tracer = start_tracing(config.membership.otlp_endpoint, "prefill", name)
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self.sender = NixlKVSender(
             self.engine,
@@ -185,14 +192,21 @@ class PrefillWorker:
             case Started(req_id, generation):
                 r = self._apply(req_id, PrefillEvent.STARTED)
                 if r is not None:
+                    r.span.event("started")
                     self._send(r.conn, PrefillStarted(req_id, generation))
             case SendError(req_id, reason):
                 log.warning("prefill %s: transfer error %s", req_id, reason)
+                failed = self.requests.get(req_id)
+                if failed is not None:
+                    failed.span.end(error=f"transfer error: {reason}")
                 if self._apply(req_id, PrefillEvent.CANCEL) is not None:
                     self.loop.cancel(req_id)
             case EngineDone(output):
                 self._engine_done(output)
             case Freeable(req_id):
+                sent = self.requests.get(req_id)
+                if sent is not None:
+                    sent.span.event("kv_sent")
                 self._apply(req_id, PrefillEvent.FREEABLE)
             case OutOfService(reason, told):
                 try:
@@ -211,6 +225,7 @@ class PrefillWorker:
             log.warning("prefill %s: %s", self.name, e)
             return None
         if r.state.state is PrefillState.FINISHED:
+            r.span.end()  # (with an error, ended already where it failed)
             del self.requests[req_id]
             self.loop.release(req_id)
         return r
@@ -242,8 +257,20 @@ class PrefillWorker:
             kind = ErrorKind.OUT_OF_SERVICE if down else ErrorKind.BAD_REQUEST
             log.warning("refused prefill %s from %s (%s): %s", msg.req_id, peer, kind, e)
             self._send(conn, PrefillFailed(msg.req_id, kind, str(e)))
+            self.tracer.span("prefill", msg.traceparent).end(error=f"{kind}: {e}")
             return
-        self.requests[msg.req_id] = _Request(RequestState.prefill(msg.req_id), conn, peer)
+        span = self.tracer.span(
+            "prefill",
+            msg.traceparent,
+            {
+                "triton_disagg.request_id": msg.req_id,
+                "triton_disagg.decode_instance": peer,
+                "triton_disagg.prompt_tokens": len(msg.tokens),
+                "triton_disagg.kv.first_page": msg.first_page,
+                "triton_disagg.kv.pages": len(msg.dst_pages),
+            },
+        )
+        self.requests[msg.req_id] = _Request(RequestState.prefill(msg.req_id), conn, peer, span)
         log.debug("prefill %s: %d tokens -> %d pages of %s", msg.req_id, len(msg.tokens), len(msg.dst_pages), peer)
         params = SamplingParams(max_tokens=1, cache_salt=msg.cache_salt)
         self.loop.submit(msg.req_id, msg.tokens, params, self._on_output, prefill_only=True)
@@ -258,11 +285,20 @@ class PrefillWorker:
             raise ValueError(f"token id {max(msg.tokens)} is outside the vocabulary of {self.vocab_size}")
 
     def _cancel(self, req_id: str, reason: str) -> None:
+        r = self.requests.get(req_id)
+        if r is not None:
+            r.span.end(error=reason)
         if self._apply(req_id, PrefillEvent.CANCEL) is not None:
             self.loop.cancel(req_id)
             self.sender.cancel(req_id, reason)
 
     def _engine_done(self, out: EngineOutput) -> None:
+        r = self.requests.get(out.req_id)
+        if r is not None:
+            if out.finish_reason == FinishReason.ERROR:
+                r.span.end(error=out.error or "prefill failed")
+            else:
+                r.span.event("computed", {"gen_ai.usage.input_tokens": out.num_prompt_tokens})
         r = self._apply(out.req_id, PrefillEvent.ENGINE_FINISHED)
         if r is not None and out.finish_reason == FinishReason.ERROR:
             kind = out.error_kind or ErrorKind.ENGINE
@@ -274,6 +310,7 @@ class PrefillWorker:
         instance hears why before its receive sees the sender stop."""
         log.error("prefill %s out of service: %s; failing %d request(s)", self.name, reason, len(self.requests))
         for req_id, r in list(self.requests.items()):
+            r.span.end(error=reason)
             self._send(r.conn, PrefillFailed(req_id, ErrorKind.OUT_OF_SERVICE, reason))
         self.server.close()
 
@@ -321,6 +358,7 @@ class PrefillWorker:
         s = PrefillStats()
         s.set_pool(self.engine.pool_stats())
         s.update(self.sender.stats())
+        s.trace_spans_dropped_total = self.tracer.stats()["spans_dropped"]
         return s
 
     def health(self) -> str | None:
@@ -355,3 +393,4 @@ class PrefillWorker:
         self._loop_thread.join(timeout=5)
         self.sender.close()
         self.engine.close()
+        self.tracer.close()

@@ -1,7 +1,9 @@
 """One client request's life on the response side: engine outputs -> text deltas -> sink.
 
 Independent of Triton: a ``ResponseSink`` sends responses (the Triton adapter wraps a
-response sender). Runs on the engine loop thread, so every method must be cheap.
+response sender). Runs on the engine loop thread, so every method must be cheap. ``span``: the
+request's trace span in this instance (``backend/cluster/tracing.py``; it records its first token
+and ends with the request).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
+from backend.cluster.tracing import NO_SPAN, Span
 from backend.engine.outputs import ErrorKind, FinishReason, TokenLogprobs
 from backend.serving.detokenizer import IncrementalDetokenizer
 from backend.serving.request import ClientRequest
@@ -65,6 +68,8 @@ class GenerationSession:
     _pending_logprobs: list = field(default_factory=list)  # TokenLogprobs of the unsent tokens
     _prompt_extras: Extras | None = None  # the prompt's log-probabilities, until the first response
     cum_logprob: float = 0.0
+    span: Span = NO_SPAN
+    error: str = ""  # why it failed, once it did
 
     def __post_init__(self) -> None:
         self.n_output = self.resumed  # num_output_tokens counts the whole output
@@ -116,6 +121,7 @@ class GenerationSession:
             now = time.perf_counter()
             if self.t_first is None:
                 self.t_first = now
+                self.span.event("first_token")
             else:  # a batch of k tokens (speculative decoding) after a gap: k tokens at gap/k each
                 assert self.t_last is not None  # set with t_first
                 self.token_gaps.extend([(now - self.t_last) / len(token_ids)] * len(token_ids))
@@ -161,6 +167,7 @@ class GenerationSession:
 
     def _finish_error(self, message: str, kind: ErrorKind) -> None:
         log.error("request %s failed (%s): %s", self.req_id, kind, message)
+        self.error = f"{kind}: {message}"
         try:
             self.sink.error(message, kind)
         except Exception as e:
@@ -186,6 +193,15 @@ class GenerationSession:
                 ttft,
                 time.perf_counter() - self.t_start,
             )
+        self.span.set(
+            {
+                "gen_ai.usage.input_tokens": self.n_input,
+                "gen_ai.usage.output_tokens": self.n_output,
+                "gen_ai.response.finish_reasons": [reason],
+                "triton_disagg.ttft_s": (self.t_first - self.t_start) if self.t_first else -1.0,
+            }
+        )
+        self.span.end(error=self.error or ("the response could not be sent" if reason == "send-failed" else None))
         if self.on_done:
             self.on_done(self, reason)
 

@@ -61,6 +61,7 @@ class InstanceStats:
     kv_tier_shared_errors_total: int = 0
     kv_tier_shared_corrupt_total: int = 0
     requests_active: int = 0
+    trace_spans_dropped_total: int = 0  # set by whoever holds the instance's tracer
 
     def set_pool(self, pool: dict) -> None:
         """From ``PageAllocator.stats()``."""

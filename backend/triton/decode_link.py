@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from backend.cluster.tracing import TRACE_HEADER
 from backend.serving.errors import parse_error
 from backend.serving.routing import Target
 
@@ -68,7 +69,10 @@ class Attempt(Protocol):
 class DecodeLink(Protocol):
     target: Target
 
-    def open(self, request_id: str, inputs: dict[str, np.ndarray]) -> Attempt: ...
+    def open(self, request_id: str, inputs: dict[str, np.ndarray], traceparent: str = "") -> Attempt:
+        """Send the request (with ``traceparent``, the attempt's trace context, as the request
+        parameter of that name when it is set)."""
+        ...
 
     def probe(self) -> Reply:
         """Whether Triton has the decode model ready: a reply without an error if so."""
@@ -83,8 +87,8 @@ class BlsLink:
     def __init__(self, pb_utils, target: Target, outputs: list[str]):
         self.pb, self.target, self._outputs = pb_utils, target, outputs
 
-    def open(self, request_id: str, inputs: dict[str, np.ndarray]) -> Attempt:
-        return _BlsAttempt(self, request_id, inputs)
+    def open(self, request_id: str, inputs: dict[str, np.ndarray], traceparent: str = "") -> Attempt:
+        return _BlsAttempt(self, request_id, inputs, traceparent)
 
     def probe(self) -> Reply:
         """Ready: this Triton's BLS ``is_model_ready``, called from a thread of ours, crashes the
@@ -104,16 +108,18 @@ class BlsLink:
 class _BlsAttempt:
     local = True
 
-    def __init__(self, link: BlsLink, request_id: str, inputs: dict[str, np.ndarray]):
-        self.link, self.request_id, self.inputs = link, request_id, inputs
+    def __init__(self, link: BlsLink, request_id: str, inputs: dict[str, np.ndarray], traceparent: str):
+        self.link, self.request_id, self.inputs, self.traceparent = link, request_id, inputs, traceparent
 
     def replies(self) -> Iterator[Reply]:
         pb, link = self.link.pb, self.link
+        kw = {"parameters": {TRACE_HEADER: self.traceparent}} if self.traceparent else {}
         request = pb.InferenceRequest(
             model_name=link.target.model,
             inputs=[pb.Tensor(name, arr) for name, arr in self.inputs.items()],
             request_id=self.request_id,
             requested_output_names=link._outputs,
+            **kw,
         )
         for resp in request.exec(decoupled=True):
             yield link._reply(resp)
@@ -145,8 +151,8 @@ class GrpcLink:
         self.target, self.timeout_s = target, timeout_s
         self._probe_client: Any = None  # a tritonclient gRPC client
 
-    def open(self, request_id: str, inputs: dict[str, np.ndarray]) -> Attempt:
-        return _GrpcAttempt(self.target, request_id, inputs)
+    def open(self, request_id: str, inputs: dict[str, np.ndarray], traceparent: str = "") -> Attempt:
+        return _GrpcAttempt(self.target, request_id, inputs, traceparent)
 
     def probe(self) -> Reply:
         import tritonclient.grpc as grpcclient
@@ -177,8 +183,8 @@ class _GrpcAttempt:
 
     local = False
 
-    def __init__(self, target: Target, request_id: str, inputs: dict[str, np.ndarray]):
-        self.target, self.request_id, self.inputs = target, request_id, inputs
+    def __init__(self, target: Target, request_id: str, inputs: dict[str, np.ndarray], traceparent: str = ""):
+        self.target, self.request_id, self.inputs, self.traceparent = target, request_id, inputs, traceparent
         self._queue: queue.Queue = queue.Queue()
         self._client: Any = None  # a tritonclient gRPC client
         self._started = False
@@ -205,7 +211,11 @@ class _GrpcAttempt:
                 t.set_data_from_numpy(arr)
                 tensors.append(t)
             client.async_stream_infer(
-                self.target.model, tensors, request_id=self.request_id, enable_empty_final_response=True
+                self.target.model,
+                tensors,
+                request_id=self.request_id,
+                enable_empty_final_response=True,
+                parameters={TRACE_HEADER: self.traceparent} if self.traceparent else None,
             )
         except InferenceServerException as e:
             self.broken = True

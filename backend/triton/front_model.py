@@ -27,6 +27,11 @@ overloaded (no KV pages for it in time) before any output moves too, to a target
 just added, say); with none, the refusal is its answer. At most ``migration_limit`` moves per
 request. When the deployment stops (``backend/triton/lifecycle.py``), every request fails
 with the drain message.
+
+Tracing (``otlp_endpoint``): a request is a span here (``text_completion <model>``, the child of
+the client's ``traceparent``), each attempt on a decode model a child span of it (``route
+<target>``) whose context goes to the decode model with the call (the decode and prefill
+instances' spans then join it), and each move an event on the request's span.
 """
 
 from __future__ import annotations
@@ -36,9 +41,11 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
+from backend.cluster.tracing import NO_SPAN, Span, Tracer, start_tracing
 from backend.engine.outputs import ErrorKind
 from backend.serving.config import FrontConfig
 from backend.serving.errors import parse_error
@@ -46,8 +53,10 @@ from backend.serving.request import parse_request, prompt_token_ids
 from backend.serving.routing import FIRST_PICK_POLL_S, REASONS, Journey, NotMoved, move_reason
 from backend.triton.decode_targets import DecodeTargets
 from backend.triton.lifecycle import DRAIN_MESSAGE, DrainWatch
+from backend.triton.metrics import COUNTERS
 from backend.triton.model_args import init_model
 from backend.triton.sender import GuardedSender, triton_error
+from backend.triton.trace_context import traceparent_of
 
 log = logging.getLogger("triton_disagg.front")
 RESUME = "resume_token_ids"
@@ -55,8 +64,10 @@ RESUME = "resume_token_ids"
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.pb, cfg, params, _ = init_model(args)
+        self.pb, cfg, params, instance = init_model(args)
         config = FrontConfig.from_parameters(params)
+        self.tracer = start_tracing(config.membership.otlp_endpoint, "front", instance)
+        self.served_model = Path(config.model_path).name or cfg["name"]
         self.draining = False
         self.config = config
         self.targets = DecodeTargets(self.pb, config, self._fail_lost)
@@ -68,7 +79,7 @@ class TritonPythonModel:
             self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         else:
             log.warning("front model %s: no model_path, so no tokenizer: routing by load alone", cfg["name"])
-        self.metrics = FrontMetrics(self.pb, cfg["name"], self.targets)
+        self.metrics = FrontMetrics(self.pb, cfg["name"], self.targets, self.tracer)
         self.drain = DrainWatch(args["model_repository"], self._drain)
         self.targets.start()
         log.info("front model %s: routing to %s", cfg["name"], config.targets())
@@ -79,6 +90,15 @@ class TritonPythonModel:
             sender = GuardedSender(pb, request.get_response_sender())
             arrays = {t.name(): t.as_numpy() for t in request.inputs()}
             prompt_ids, pages, cache_salt = self._route_key(arrays)
+            span = self.tracer.span(
+                f"text_completion {self.served_model}",
+                traceparent_of(request),
+                {
+                    "gen_ai.operation.name": "text_completion",
+                    "gen_ai.request.model": self.served_model,
+                    "gen_ai.usage.input_tokens": len(prompt_ids),
+                },
+            )
             fwd = Forwarding(
                 f"front-{uuid.uuid4().hex}",
                 prompt_ids,
@@ -87,7 +107,9 @@ class TritonPythonModel:
                 cache_salt=cache_salt,
                 sender=sender,
                 inputs={name: arr for name, arr in arrays.items() if name != RESUME},
+                span=span,
             )
+            span.set({"triton_disagg.request_id": fwd.request_id})
             target = None if self.draining else self.table.pick(fwd)
             if target is None and not self.draining and self.table.awaiting_first_probe():
                 threading.Thread(target=self._begin_when_served, args=(fwd,), daemon=True).start()
@@ -98,7 +120,7 @@ class TritonPythonModel:
     def _begin(self, fwd: "Forwarding", target: str | None) -> None:
         if target is None:
             why = DRAIN_MESSAGE if self.draining else f"no {self.table.noun} is serving ({self.table.down_reasons()})"
-            _send_error(self.pb, fwd.sender, ErrorKind.OUT_OF_SERVICE, why)
+            _send_error(self.pb, fwd, ErrorKind.OUT_OF_SERVICE, why)
             return
         with fwd.lock:
             self._start(fwd, target)
@@ -141,7 +163,16 @@ class TritonPythonModel:
         inputs = dict(fwd.inputs)
         if fwd.sent:
             inputs[RESUME] = np.array(fwd.sent, dtype=np.int32)
-        threading.Thread(target=self._forward, args=(fwd, target, fwd.attempt, inputs), daemon=True).start()
+        span = fwd.attempt_span = fwd.span.child(
+            f"route {target}",
+            {
+                "triton_disagg.attempt": fwd.attempt,
+                "triton_disagg.target": target,
+                "triton_disagg.resumed_tokens": len(fwd.sent),
+            },
+            kind="client",
+        )
+        threading.Thread(target=self._forward, args=(fwd, target, fwd.attempt, inputs, span), daemon=True).start()
 
     def _relayed(self, fwd: "Forwarding", outputs: dict) -> list:
         """A decode model's response as the client gets it across moves: the prompt's
@@ -167,14 +198,24 @@ class TritonPythonModel:
                 return  # moved or answered already
             if fwd.sender.is_cancelled():
                 return
+            fwd.attempt_span.end(error=why)  # this attempt failed, whether the request moves or not
             try:
                 if self.draining:
                     raise NotMoved(DRAIN_MESSAGE)
                 retry = self.table.move(fwd, target, why, reason)
             except NotMoved as e:
                 fwd.attempt += 1  # no relay of the old attempt may follow the error
-                _send_error(self.pb, fwd.sender, e.kind, e.message)
+                _send_error(self.pb, fwd, e.kind, e.message)
                 return
+            fwd.span.event(
+                "triton_disagg.migration",
+                {
+                    "triton_disagg.from": target,
+                    "triton_disagg.to": retry,
+                    "triton_disagg.reason": reason,
+                    "triton_disagg.sent_tokens": len(fwd.sent),
+                },
+            )
             self._start(fwd, retry)
 
     def _fail_lost(self, target: str, reason: str, lost: list) -> None:
@@ -192,16 +233,19 @@ class TritonPythonModel:
         self.targets.close()  # no more probes: the decode models drain too
         log.warning("front model: the server stops; %d request(s) in flight may finish", len(self.table.in_flight()))
 
-    def _forward(self, fwd: "Forwarding", target: str, attempt: int, inputs: dict) -> None:
-        ended = self._forward_once(fwd, target, attempt, inputs)
+    def _forward(self, fwd: "Forwarding", target: str, attempt: int, inputs: dict, span: Span) -> None:
+        ended = self._forward_once(fwd, target, attempt, inputs, span.traceparent())
         self.table.done(target, fwd)
+        span.end(error=ended[0] if ended is not None else None)
+        if fwd.sender.is_cancelled():
+            fwd.span.end(error="cancelled by the client")
         if ended is not None:
             why, reason = ended
             if reason == "stream_error":
                 self.targets.failed(target, why)  # counts as a failed probe of it
             self._move(fwd, attempt, target, why, reason)
 
-    def _forward_once(self, fwd: "Forwarding", target: str, attempt: int, inputs: dict):
+    def _forward_once(self, fwd: "Forwarding", target: str, attempt: int, inputs: dict, traceparent: str):
         """Relay one attempt. Returns why the target stopped serving the request before its end
         (its out-of-service error, an error that is not ours, e.g. Triton's for a dead stub or
         a broken call to a dead server, a stream that ended without a final response, or an
@@ -210,7 +254,7 @@ class TritonPythonModel:
         link = self.targets.link(target)
         if link is None:
             return "it left the membership", "stream_error"
-        call = link.open(f"{fwd.request_id}-{attempt}", inputs)
+        call = link.open(f"{fwd.request_id}-{attempt}", inputs, traceparent)
         stop = threading.Event()
         # the first response may take long (a prefill): the watcher must run already
         threading.Thread(target=self._watch, args=(fwd, attempt, target, call, stop), daemon=True).start()
@@ -239,7 +283,7 @@ class TritonPythonModel:
                     if moves is not None:  # a dead stub or server, or ours (draining, overloaded, ...)
                         return message, moves
                     assert kind is not None  # an error without a kind moves
-                    _send_error(pb, sender, kind, message)
+                    _send_error(pb, fwd, kind, message)
                     return None
                 self.targets.heard(target)
                 if not reply.outputs:
@@ -253,6 +297,15 @@ class TritonPythonModel:
                 if ids is not None:
                     fwd.sent.extend(int(t) for t in ids.reshape(-1))
                 if last:
+                    assert reason is not None
+                    fwd.span.set(
+                        {
+                            "gen_ai.usage.output_tokens": len(fwd.sent),
+                            "gen_ai.response.finish_reasons": [str(_text(reason.reshape(-1)[0]))],
+                            "triton_disagg.attempts": attempt,
+                        }
+                    )
+                    fwd.span.end()
                     return None
         with fwd.lock:
             if fwd.attempt != attempt or sender.closed or sender.is_cancelled():
@@ -282,8 +335,9 @@ class TritonPythonModel:
         self.targets.close()
         for fwd in self.table.in_flight():
             assert isinstance(fwd, Forwarding)
-            _send_error(self.pb, fwd.sender, ErrorKind.OUT_OF_SERVICE, DRAIN_MESSAGE)
+            _send_error(self.pb, fwd, ErrorKind.OUT_OF_SERVICE, DRAIN_MESSAGE)
         self.metrics.close()
+        self.tracer.close()
 
 
 @dataclass(eq=False, kw_only=True)
@@ -297,6 +351,8 @@ class Forwarding(Journey):
     attempt: int = 0
     target: str = ""
     lock: threading.Lock = field(default_factory=threading.Lock)
+    span: Span = NO_SPAN  # the request's span here (tracing)
+    attempt_span: Span = NO_SPAN  # its current attempt's
 
 
 def _resume_ids(arrays: dict) -> list[int]:
@@ -308,13 +364,19 @@ def _resume_ids(arrays: dict) -> list[int]:
         return []
 
 
-def _send_error(pb, sender: GuardedSender, kind: ErrorKind, message: str) -> None:
+def _send_error(pb, fwd: Forwarding, kind: ErrorKind, message: str) -> None:
+    """Answer ``fwd`` with an error (its last response); its span ends with it."""
+    fwd.span.end(error=f"{kind}: {message}")
     try:
-        sender.send(
+        fwd.sender.send(
             pb.InferenceResponse(error=triton_error(pb, kind, message)), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         )
     except Exception:
         pass  # the final response went already
+
+
+def _text(value) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 class FrontMetrics:
@@ -324,10 +386,19 @@ class FrontMetrics:
     ``triton_disagg_router_query_tokens_total`` / ``_router_predicted_hit_tokens_total``: prompt
     tokens routed, and how many of them the chosen decode model was judged to cache;
     ``triton_disagg_migrations_total{model, reason}``: requests moved to another decode model
-    (``instance_down``: its probes failed or it left; ``stream_error``: its stream failed or stopped)."""
+    (``instance_down``: its probes failed or it left; ``stream_error``: its stream failed or stopped);
+    ``triton_disagg_trace_spans_dropped_total{model}``: its trace spans not exported."""
 
-    def __init__(self, pb, model: str, targets: DecodeTargets, period_s: float = 0.25):
+    def __init__(self, pb, model: str, targets: DecodeTargets, tracer: Tracer, period_s: float = 0.25):
         self._targets = targets
+        self._tracer = tracer
+        self._dropped_family = pb.MetricFamily(
+            name="triton_disagg_trace_spans_dropped_total",
+            description=COUNTERS["trace_spans_dropped_total"],
+            kind=pb.MetricFamily.COUNTER,
+        )
+        self._dropped = self._dropped_family.Metric(labels={"model": model, "instance": model})
+        self._dropped_seen = 0
         self._migrations = targets.table.migrations
         self._migration_family = pb.MetricFamily(
             name="triton_disagg_migrations_total",
@@ -381,6 +452,9 @@ class FrontMetrics:
                 n = self._migrations[reason]
                 metric.increment(n - self._migrated_seen[reason])
                 self._migrated_seen[reason] = n
+            dropped = self._tracer.stats()["spans_dropped"]
+            self._dropped.increment(dropped - self._dropped_seen)
+            self._dropped_seen = dropped
 
     def close(self) -> None:
         self._stop.set()

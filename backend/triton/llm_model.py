@@ -30,6 +30,7 @@ from backend.triton.lifecycle import DRAIN_MESSAGE, DrainWatch
 from backend.triton.metrics import InstanceMetrics
 from backend.triton.model_args import init_model
 from backend.triton.sender import TritonSink
+from backend.triton.trace_context import traceparent_of
 
 log = logging.getLogger("triton_disagg.model")
 
@@ -77,6 +78,7 @@ class TritonPythonModel:
     def _stats(self) -> InstanceStats:
         stats = self.worker.stats()
         stats.requests_active = self.admission.active()
+        stats.trace_spans_dropped_total = self.admission.tracer.stats()["spans_dropped"]
         return stats
 
     def execute(self, requests):
@@ -93,7 +95,7 @@ class TritonPythonModel:
                 self.admission.cancel_by_external_id(cancel_id.reshape(-1)[0].decode())
                 sink.sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            self.admission.admit(get, sink, request.request_id())
+            self.admission.admit(get, sink, request.request_id(), traceparent_of(request))
         return None
 
     def _on_done(self, session: GenerationSession, reason: str) -> None:

@@ -36,6 +36,7 @@ GAUGES = {
 }
 COUNTERS = {
     "requests_total": "requests finished, any outcome",
+    "trace_spans_dropped_total": "trace spans not exported (the collector unreachable or slow, or its queue full)",
     "requests_failed_total": "requests that ended with an error",
     "output_tokens_total": "tokens generated",
     "ttft_seconds_total": "sum of time to first token over finished requests",

@@ -1,0 +1,164 @@
+"""One request's trace across a real disaggregated deployment (the front, 1 prefill and 2 decode
+instances of a real tritonserver, real NIXL, the real model) exported over OTLP/HTTP to a real
+receiver in the test:
+
+- a request whose client sends a W3C ``traceparent`` (gRPC metadata, forwarded by Triton) yields
+  one trace with spans from three processes (front, decode, prefill) in parent/child order
+  (client -> front request -> route attempt -> decode -> KV transfer -> prefill), its KV bytes
+  equal to the transfer metric, its token counts equal to what the client got;
+- a malformed ``traceparent`` starts a new trace, and the request is served;
+- a request whose decode instance is killed mid-stream shows both attempts and the move.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from backend.client import stream_generate
+from perf.lib.otlp_receiver import OTLPReceiver
+from tests.conftest import EXACT, deployment_server, hf_greedy, metric_values, wait_metric, wait_pool_free
+
+pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+PROMPT = "The three primary colors are red, yellow and blue. Mixing red and yellow gives"
+
+
+@pytest.fixture(scope="module")
+def traced(model_dir, tmp_path_factory):
+    with OTLPReceiver() as receiver:
+        with deployment_server(
+            tmp_path_factory,
+            "traced",
+            mode="disagg",
+            model_path=str(model_dir),
+            prefill_instances=1,
+            decode_instances=2,
+            overrides={
+                "kv_cache_tokens": "2048",
+                "num_threads": "1",
+                "otlp_endpoint": receiver.url,
+                "local_prefill_max_tokens": "0",  # every prompt goes to the prefill instance
+                **EXACT,
+            },
+            per_model={"front": {"health_probe_interval_s": "0.5"}},
+        ) as server:
+            yield server, receiver
+
+
+def _trace(receiver: OTLPReceiver, trace_id: str, want: set[str]) -> dict:
+    spans = receiver.wait_for(lambda s: want <= {x.name.split(" ")[0] for x in s if x.trace_id == trace_id})
+    return {s.span_id: s for s in spans if s.trace_id == trace_id}
+
+
+def test_one_request_is_one_trace_across_front_decode_and_prefill(traced, tokenizer, hf_model):
+    server, receiver = traced
+    for m in ("decode_0", "decode_1"):
+        wait_metric(server.metrics_url, "triton_disagg_decode_target_up", 1, timeout_s=60, target=m)
+    received = lambda m: sum(metric_values(server.metrics_url, "triton_disagg_kv_transfer_bytes_total", model=m))  # noqa: E731
+    before = {m: received(m) for m in ("decode_0", "decode_1")}
+    res = stream_generate(server.grpc_url, PROMPT, 8, ignore_eos=True, traceparent=f"00-{TRACE_ID}-{CLIENT_SPAN}-01")
+    assert res.error is None
+    assert res.token_ids == hf_greedy(hf_model, tokenizer(PROMPT, add_special_tokens=False)["input_ids"], 8)
+    spans = _trace(receiver, TRACE_ID, {"text_completion", "route", "decode", "kv_transfer", "prefill"})
+    by_name = {s.name.split(" ")[0]: s for s in spans.values()}
+    front, route, decode = by_name["text_completion"], by_name["route"], by_name["decode"]
+    kv, prefill = by_name["kv_transfer"], by_name["prefill"]
+    # parent/child across the three processes
+    assert front.parent_span_id == CLIENT_SPAN
+    assert route.parent_span_id == front.span_id and decode.parent_span_id == route.span_id
+    assert kv.parent_span_id == decode.span_id and prefill.parent_span_id == kv.span_id
+    services = {s.service for s in (front, decode, prefill)}
+    assert services == {"triton-disagg-front", "triton-disagg-decode", "triton-disagg-prefill"}
+    assert len({s.instance for s in (front, decode, prefill)}) == 3
+    assert front.start_ns <= route.start_ns <= decode.start_ns <= kv.start_ns <= prefill.start_ns
+    assert prefill.end_ns <= decode.end_ns <= front.end_ns
+    # what the spans say equals what happened
+    n_prompt = len(tokenizer(PROMPT, add_special_tokens=False)["input_ids"])
+    assert front.attributes["gen_ai.usage.output_tokens"] == 8
+    assert front.attributes["gen_ai.usage.input_tokens"] == n_prompt
+    assert decode.attributes["gen_ai.usage.output_tokens"] == 8
+    assert decode.attributes["gen_ai.usage.input_tokens"] == n_prompt
+    assert front.attributes["gen_ai.operation.name"] == "text_completion"
+    model = decode.instance.rsplit("_", 2)[0]  # its Triton instance decode_<i>_0_0
+    assert route.attributes["triton_disagg.target"].startswith(f"vm-{model}-")  # its membership name
+    sent = wait_metric(server.metrics_url, "triton_disagg_kv_transfer_bytes_total", before[model] + 1, model=model)
+    assert kv.attributes["triton_disagg.kv.bytes"] == sent - before[model]
+    assert prefill.attributes["triton_disagg.prompt_tokens"] == n_prompt - 1  # all but the last
+    assert [e[0] for e in prefill.events] == ["started", "computed", "kv_sent"]
+    assert "first_token" in [e[0] for e in decode.events] and "prefill_started" in [e[0] for e in kv.events]
+    assert all(s.status_code != 2 for s in spans.values())  # none failed
+    assert sum(metric_values(server.metrics_url, "triton_disagg_trace_spans_dropped_total")) == 0
+
+
+def test_a_malformed_traceparent_starts_a_new_trace(traced):
+    server, receiver = traced
+    res = stream_generate(server.grpc_url, "Hello", 4, ignore_eos=True, traceparent="00-not-a-trace-01")
+    assert res.error is None and len(res.token_ids) == 4
+    fronts = receiver.wait_for(
+        lambda s: any(x.name.startswith("text_completion") and x.parent_span_id == "" for x in s)
+    )
+    root = next(x for x in fronts if x.name.startswith("text_completion") and x.parent_span_id == "")
+    assert root.trace_id != TRACE_ID
+    assert "malformed traceparent" in server.log_file.read_text(errors="replace")
+
+
+def test_a_moved_request_shows_both_attempts(traced, tokenizer, hf_model):
+    """kill -9 of the decode instance serving a stream: its trace has two route spans (the first
+    failed), the move as an event, and the client's tokens equal transformers'."""
+    server, receiver = traced
+    trace_id = "5bf92f3577b34da6a3ce929d0e0e4737"
+    received: list[str] = []
+    result: list = []
+    thread = threading.Thread(
+        target=lambda: result.append(
+            stream_generate(
+                server.grpc_url,
+                PROMPT,
+                96,
+                ignore_eos=True,
+                on_text=received.append,
+                traceparent=f"00-{trace_id}-{CLIENT_SPAN}-01",
+            )
+        )
+    )
+    thread.start()
+    deadline = time.monotonic() + 120
+    while len(received) < 10:
+        assert time.monotonic() < deadline and thread.is_alive(), "the stream did not start"
+        time.sleep(0.05)
+    victim = None
+    for m in ("decode_0", "decode_1"):
+        if sum(metric_values(server.metrics_url, "triton_disagg_requests_active", model=m)):
+            victim = m
+    assert victim is not None
+    os.kill(server.instance_pids()[f"{victim}_0_0"], signal.SIGKILL)
+    thread.join(300)
+    res = result[0]
+    assert res.error is None
+    assert res.token_ids == hf_greedy(hf_model, tokenizer(PROMPT, add_special_tokens=False)["input_ids"], 96)
+    spans = receiver.wait_for(
+        lambda s: (
+            sum(x.name.startswith("route") for x in s if x.trace_id == trace_id) == 2
+            and any(x.name.startswith("text_completion") for x in s if x.trace_id == trace_id)
+        )
+    )
+    mine = [s for s in spans if s.trace_id == trace_id]
+    routes = sorted((s for s in mine if s.name.startswith("route")), key=lambda s: s.start_ns)
+    front = next(s for s in mine if s.name.startswith("text_completion"))
+    assert [r.attributes["triton_disagg.attempt"] for r in routes] == [1, 2]
+    assert routes[0].attributes["triton_disagg.target"].startswith(f"vm-{victim}-") and routes[0].status_code == 2
+    assert not routes[1].attributes["triton_disagg.target"].startswith(f"vm-{victim}-")
+    assert routes[1].status_code != 2
+    assert routes[1].attributes["triton_disagg.resumed_tokens"] >= 10
+    moves = [e for e in front.events if e[0] == "triton_disagg.migration"]
+    assert len(moves) == 1 and moves[0][1]["triton_disagg.from"] == routes[0].attributes["triton_disagg.target"]
+    assert front.attributes["gen_ai.usage.output_tokens"] == 96 and front.attributes["triton_disagg.attempts"] == 2
+    for m in ("prefill_0", "decode_0", "decode_1"):
+        wait_pool_free(server.metrics_url, m, timeout_s=240)
