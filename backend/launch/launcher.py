@@ -223,6 +223,7 @@ class Launch:
             host=self.host,
             port=self.openai_port or None,
             log_file=self.openai_log_file,
+            otlp_endpoint=self.otlp_endpoint or str(self.overrides.get("otlp_endpoint", "")),
             **member,
         )
 

@@ -41,6 +41,7 @@ class OpenAIFrontend:
         deployment_secret_file: str | Path | None = None,
         router: dict[str, str] | None = None,
         extra_env: dict[str, str] | None = None,
+        otlp_endpoint: str = "",
     ):
         self.triton_url, self.tokenizer, self.host = triton_url, str(tokenizer), host
         self.port = port or free_port()
@@ -51,6 +52,7 @@ class OpenAIFrontend:
         self.deployment_secret_file = str(deployment_secret_file) if deployment_secret_file else ""
         self.router = dict(router or {})
         self.extra_env = dict(extra_env or {})
+        self.otlp_endpoint = otlp_endpoint
         self.proc: subprocess.Popen | None = None
         self._log: IO[bytes] | None = None
 
@@ -91,6 +93,7 @@ class OpenAIFrontend:
             ("--discovery", self.discovery),
             ("--deployment", self.deployment),
             ("--deployment-secret-file", self.deployment_secret_file),
+            ("--otlp-endpoint", self.otlp_endpoint),
             *(("--" + name.replace("_", "-"), str(value)) for name, value in self.router.items()),
         ):
             if value:

@@ -31,6 +31,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="route across the decode instances registered in this etcd (instead of one Triton model)",
     )
     p.add_argument("--deployment", default="default", help="the deployment's name in etcd (with --discovery)")
+    p.add_argument(
+        "--otlp-endpoint",
+        default="",
+        metavar="http://HOST:PORT",
+        help="export each request's trace spans to this OpenTelemetry collector (OTLP/HTTP); a client's "
+        "traceparent header joins them to its trace, and the deployment's own spans join them (default: off)",
+    )
     add_secret_flag(
         p, "the deployment secret that signs membership records (default: $TRITON_DISAGG_DEPLOYMENT_SECRET)"
     )
@@ -80,6 +87,8 @@ def run(args) -> int:
         deployment=args.deployment,
         secret=secret,
         router=router,
+        otlp_endpoint=args.otlp_endpoint,
+        instance=f"openai-{args.host}:{args.port}",
     )
     if args.discovery:
         log.info(

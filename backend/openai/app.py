@@ -38,6 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from backend.cluster.tracing import TRACE_HEADER, Span, start_tracing
 from backend.engine.outputs import ErrorKind
 from backend.openai.fleet import DecodeFleet
 from backend.openai.logprobs import CompletionLogprobs, TokenTexts, chat_content
@@ -76,7 +77,9 @@ class FrontendConfig:
     model's tokenizer (its chat template); ``max_tokens_default``: a chat request without a
     limit gets this many tokens at most. ``discovery`` (``etcd://HOST:PORT``): route across the
     decode instances of ``deployment`` instead (records verified with ``secret``), probed,
-    routed and moved by ``router``'s settings (the Triton front model's too)."""
+    routed and moved by ``router``'s settings (the Triton front model's too). ``otlp_endpoint``:
+    the OpenTelemetry collector it exports each request's spans to ("" : no tracing), as
+    ``instance``."""
 
     triton_url: str
     triton_model: str = "llm"
@@ -87,6 +90,8 @@ class FrontendConfig:
     deployment: str = "default"
     secret: bytes = field(default=b"", repr=False)
     router: RouterSettings = field(default_factory=RouterSettings)
+    otlp_endpoint: str = ""
+    instance: str = "openai"
 
 
 def _finish_reason(ours: str | None) -> str:
@@ -214,6 +219,7 @@ def build_app(config: FrontendConfig, *, triton_stream: TritonStream | None = No
         state["triton"] = triton_stream
     if tokenizer_obj is not None:
         state["tokenizer"] = tokenizer_obj
+    tracer = start_tracing(config.otlp_endpoint, "openai", config.instance)
     fleet = None
     if config.discovery:
         router = Router(config.router)
@@ -230,6 +236,7 @@ def build_app(config: FrontendConfig, *, triton_stream: TritonStream | None = No
             await fleet.close()
         if "triton" in state:
             await state["triton"].close()
+        tracer.close()
 
     app = FastAPI(title="triton-disagg OpenAI-compatible API", lifespan=lifespan)
 
@@ -307,6 +314,17 @@ def build_app(config: FrontendConfig, *, triton_stream: TritonStream | None = No
         stream: bool,
         include_usage: bool,
     ):
+        operation = "chat" if answer.kind == "chat" else "text_completion"
+        span = tracer.span(
+            f"{operation} {answer.model}",
+            request.headers.get(TRACE_HEADER, ""),
+            {
+                "gen_ai.operation.name": operation,
+                "gen_ai.request.model": answer.model,
+                "gen_ai.request.max_tokens": params.max_tokens,
+                "triton_disagg.request_id": answer.id,
+            },
+        )
         if fleet is not None:
             if not isinstance(prompt, str):
                 ids = list(prompt)
@@ -314,9 +332,11 @@ def build_app(config: FrontendConfig, *, triton_stream: TritonStream | None = No
                 ids = prompt_token_ids(tokenizer(), prompt, False)  # as sent: text_input
             else:
                 ids = []
-            deltas = fleet.generate(answer.id, prompt, params, ids)
+            span.set({"gen_ai.usage.input_tokens": len(ids)})
+            deltas = traced(fleet.generate(answer.id, prompt, params, ids, span), span)
         else:
-            deltas = triton().generate(config.triton_model, prompt, params)
+            one = triton().generate(config.triton_model, prompt, params, traceparent=span.traceparent())
+            deltas = traced(one, span)
         try:
             first = await _first_or_disconnect(request, deltas)
         except GenerationError as exc:
@@ -374,6 +394,28 @@ def build_app(config: FrontendConfig, *, triton_stream: TritonStream | None = No
         return await _run(request, answer, prompt, params, body.stream, body.include_usage)
 
     return app
+
+
+async def traced(deltas: AsyncGenerator[Delta, None], span: Span) -> AsyncGenerator[Delta, None]:
+    """``deltas`` as they come; ``span`` (the request's) ends with them: with the output's token
+    count and finish reason, the error that ended them, or the client gone (closing this closes
+    ``deltas``, which cancels the call)."""
+    n_output, reason = 0, None
+    error: str | None = "the client went away"
+    try:
+        async with contextlib.aclosing(deltas):
+            async for delta in deltas:
+                n_output += len(delta.token_ids)
+                reason = delta.finish_reason or reason
+                if reason is not None:
+                    error = None
+                yield delta
+    except GenerationError as exc:
+        error = f"{exc.kind}: {exc.message}"
+        raise
+    finally:
+        span.set({"gen_ai.usage.output_tokens": n_output, "gen_ai.response.finish_reasons": [reason or ""]})
+        span.end(error=error)
 
 
 async def _cancel(task: asyncio.Future, deltas: AsyncGenerator[Delta, None]) -> None:

@@ -23,6 +23,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from backend.cluster.etcd import EtcdClient
 from backend.cluster.membership import Membership, Registration
 from backend.cluster.records import InstanceRecord, routable
+from backend.cluster.tracing import NO_SPAN, Span
 from backend.openai.router import Router, Target
 from backend.openai.triton_stream import Delta, GenerationError, GenerationParams, StreamLost, TritonStream
 
@@ -100,17 +101,25 @@ class DecodeFleet:
         return self._clients[url]
 
     def generate(
-        self, request_id: str, prompt: str | list[int], params: GenerationParams, token_ids: list[int]
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: GenerationParams,
+        token_ids: list[int],
+        span: Span = NO_SPAN,
     ) -> AsyncGenerator[Delta, None]:
         """The request's deltas; ``prompt``: text or token ids; ``token_ids``: its prompt
         tokenized as the decode models do. An attempt that resumes after output tokens is not
-        asked for the prompt's log-probabilities: they came with the first response."""
+        asked for the prompt's log-probabilities: they came with the first response. ``span``:
+        the request's (each attempt is a child span, its context sent with the call)."""
         resumed = dataclasses.replace(params, prompt_log_probs=False)
 
-        def open_stream(target: Target, resume: list[int]) -> AsyncIterator[Delta]:
-            return self._client(target.grpc_url).generate(target.model, prompt, resumed if resume else params, resume)
+        def open_stream(target: Target, resume: list[int], traceparent: str) -> AsyncIterator[Delta]:
+            return self._client(target.grpc_url).generate(
+                target.model, prompt, resumed if resume else params, resume, traceparent
+            )
 
-        return self.router.generate(request_id, token_ids, params.max_tokens, open_stream, params.cache_salt)
+        return self.router.generate(request_id, token_ids, params.max_tokens, open_stream, params.cache_salt, span)
 
     async def close(self) -> None:
         if self._loop_task is not None:

@@ -24,6 +24,10 @@ answer. Any other error (bad request, ...) is the request's answer and ends it a
 request while no instance serves fails at once, unless one has not passed a probe yet (a server
 starting): it waits for that at most ``health_probe_timeout_s``.
 
+With tracing, each attempt is a child span (``route <instance>``) of the request's span, its
+context sent with the call (``OpenStream``'s third argument), and each move an event of the
+request's span.
+
 Everything here runs on the frontend's event loop (membership changes are handed to it); opening
 a stream is the caller's (``OpenStream``), so the logic runs in unit tests with fake targets.
 """
@@ -37,6 +41,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 from backend.cluster.records import InstanceRecord
+from backend.cluster.tracing import NO_SPAN, Span
 from backend.engine.outputs import ErrorKind
 from backend.openai.triton_stream import Delta, GenerationError, StreamLost
 from backend.serving.config import RouterSettings
@@ -54,8 +59,9 @@ __all__ = ["Router", "Target"]
 
 log = logging.getLogger("triton_disagg.openai")
 
-# opens one attempt of a request on a target, after the output the client already has
-OpenStream = Callable[[Target, list[int]], AsyncIterator[Delta]]
+# opens one attempt of a request on a target, after the output the client already has, with the
+# attempt's trace context ("" : not traced)
+OpenStream = Callable[[Target, list[int], str], AsyncIterator[Delta]]
 
 
 @dataclass(eq=False, kw_only=True)
@@ -119,7 +125,13 @@ class Router:
 
     # ------------------------------------------------------------ routing
     async def generate(
-        self, request_id: str, token_ids: list[int], max_tokens: int, open_stream: OpenStream, cache_salt: str = ""
+        self,
+        request_id: str,
+        token_ids: list[int],
+        max_tokens: int,
+        open_stream: OpenStream,
+        cache_salt: str = "",
+        span: Span = NO_SPAN,
     ) -> AsyncGenerator[Delta, None]:
         """The request's deltas until the one with a finish reason, across as many members as it
         takes (at most ``migration_limit`` moves); :class:`GenerationError` when it fails for
@@ -131,8 +143,17 @@ class Router:
         )
         target = await self._first_pick(journey)
         while True:
+            attempt = span.child(
+                f"route {target.name}",
+                {
+                    "triton_disagg.attempt": journey.moves + 1,
+                    "triton_disagg.target": target.name,
+                    "triton_disagg.resumed_tokens": len(journey.sent),
+                },
+                kind="client",
+            )
             try:
-                stream = open_stream(target, list(journey.sent))
+                stream = open_stream(target, list(journey.sent), attempt.traceparent())
                 # closed explicitly (aclosing): a client that leaves must cancel the call at once
                 async with contextlib.aclosing(self._attempt(target, journey, stream)) as deltas:
                     async for delta in deltas:
@@ -141,9 +162,11 @@ class Router:
                             delta = delta.without_prompt()  # sent by an earlier attempt
                         yield delta
                         if delta.finish_reason is not None:
+                            attempt.end()
                             return
                 raise _Moved("stream_error", "its stream ended before the request finished")
             except _Moved as moved:
+                attempt.end(error=moved.why)
                 if moved.reason == "stream_error":  # counts as a failed probe of that instance
                     _lose(self.table.failed(target.name, moved.why), f"its streams failed ({moved.why})")
                 try:
@@ -154,7 +177,18 @@ class Router:
                     raise GenerationError(
                         ErrorKind.OUT_OF_SERVICE, f"{target.name}: {moved.why}; its successor left"
                     ) from None
+                span.event(
+                    "triton_disagg.migration",
+                    {
+                        "triton_disagg.from": target.name,
+                        "triton_disagg.to": retry.name,
+                        "triton_disagg.reason": moved.reason,
+                        "triton_disagg.sent_tokens": len(journey.sent),
+                    },
+                )
                 target = retry
+            finally:
+                attempt.end(error="the request ended during this attempt")  # (a no-op once ended)
 
     async def _first_pick(self, journey: _Journey) -> Target:
         deadline = asyncio.get_running_loop().time() + self.settings.health_probe_timeout_s

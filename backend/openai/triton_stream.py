@@ -15,6 +15,7 @@ import dataclasses
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import numpy as np
@@ -22,6 +23,7 @@ import tritonclient.grpc.aio as grpcaio
 from tritonclient.grpc import InferInput
 from tritonclient.utils import InferenceServerException
 
+from backend.cluster.tracing import TRACE_HEADER
 from backend.engine.outputs import ErrorKind
 from backend.serving.errors import parse_error
 
@@ -204,14 +206,22 @@ class TritonStream:
             return False
 
     async def generate(
-        self, model: str, prompt: str | list[int], params: GenerationParams, resume_token_ids: list[int] | None = None
+        self,
+        model: str,
+        prompt: str | list[int],
+        params: GenerationParams,
+        resume_token_ids: list[int] | None = None,
+        traceparent: str = "",
     ) -> AsyncGenerator[Delta, None]:
         """Deltas until the one with a finish reason; :class:`GenerationError` for a refused or
         failed request (:class:`StreamLost` for a broken call). ``prompt``: text or token ids.
         ``resume_token_ids``: the output the client has already; the model continues after it.
-        Closing the iterator early cancels the request in Triton."""
+        ``traceparent``: the caller's trace context (a request parameter). Closing the iterator
+        early cancels the request in Triton."""
         inputs = build_inputs(prompt, params, resume_token_ids)
-        request = {"model_name": model, "inputs": inputs, "request_id": uuid.uuid4().hex}
+        request: dict[str, Any] = {"model_name": model, "inputs": inputs, "request_id": uuid.uuid4().hex}
+        if traceparent:
+            request["parameters"] = {TRACE_HEADER: traceparent}
 
         async def one_request():
             yield request

@@ -6,6 +6,8 @@ receiver in the test:
   one trace with spans from three processes (front, decode, prefill) in parent/child order
   (client -> front request -> route attempt -> decode -> KV transfer -> prefill), its KV bytes
   equal to the transfer metric, its token counts equal to what the client got;
+- the same through the OpenAI frontend (its own span from the HTTP ``traceparent`` header, then
+  its attempt, then the decode and prefill instances');
 - a malformed ``traceparent`` starts a new trace, and the request is served;
 - a request whose decode instance is killed mid-stream shows both attempts and the move.
 """
@@ -18,6 +20,7 @@ import threading
 import time
 
 import pytest
+import requests
 
 from backend.client import stream_generate
 from perf.lib.otlp_receiver import OTLPReceiver
@@ -49,7 +52,25 @@ def traced(model_dir, tmp_path_factory):
             },
             per_model={"front": {"health_probe_interval_s": "0.5"}},
         ) as server:
-            yield server, receiver
+            from backend.disagg.auth import SECRET_ENV
+            from backend.launch.openai_frontend import OpenAIFrontend
+
+            assert server.etcd is not None
+            frontend = OpenAIFrontend(
+                server.grpc_url,
+                model_dir,
+                served_model_name="smol",
+                discovery=server.etcd.url,
+                extra_env={SECRET_ENV: server.deployment_secret},
+                log_file=server.log_file.with_name("openai.log"),
+                otlp_endpoint=receiver.url,
+            )
+            frontend.start()
+            server.openai = frontend
+            try:
+                yield server, receiver
+            finally:
+                frontend.stop()
 
 
 def _trace(receiver: OTLPReceiver, trace_id: str, want: set[str]) -> dict:
@@ -95,6 +116,27 @@ def test_one_request_is_one_trace_across_front_decode_and_prefill(traced, tokeni
     assert "first_token" in [e[0] for e in decode.events] and "prefill_started" in [e[0] for e in kv.events]
     assert all(s.status_code != 2 for s in spans.values())  # none failed
     assert sum(metric_values(server.metrics_url, "triton_disagg_trace_spans_dropped_total")) == 0
+
+
+def test_the_openai_frontend_joins_the_clients_trace_too(traced, tokenizer, hf_model):
+    server, receiver = traced
+    trace_id = "6bf92f3577b34da6a3ce929d0e0e4738"
+    reply = requests.post(
+        f"{server.openai.url}/v1/completions",
+        json={"model": "smol", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True},
+        headers={"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01"},
+        timeout=120,
+    )
+    assert reply.status_code == 200, reply.text
+    want = hf_greedy(hf_model, tokenizer(PROMPT, add_special_tokens=False)["input_ids"], 6)
+    assert reply.json()["choices"][0]["text"] == tokenizer.decode(want, skip_special_tokens=True)
+    spans = _trace(receiver, trace_id, {"text_completion", "route", "decode", "kv_transfer", "prefill"})
+    by_name = {s.name.split(" ")[0]: s for s in spans.values()}
+    front, route, decode = by_name["text_completion"], by_name["route"], by_name["decode"]
+    assert front.service == "triton-disagg-openai" and front.parent_span_id == CLIENT_SPAN
+    assert route.parent_span_id == front.span_id and decode.parent_span_id == route.span_id
+    assert by_name["prefill"].parent_span_id == by_name["kv_transfer"].span_id
+    assert front.attributes["gen_ai.usage.output_tokens"] == 6 and front.status_code != 2
 
 
 def test_a_malformed_traceparent_starts_a_new_trace(traced):

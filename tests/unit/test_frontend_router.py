@@ -66,7 +66,7 @@ class FakeDecode:
         self.calls: list[tuple[str, list[int]]] = []  # (target, resume_token_ids) per attempt
         self.closed: list[str] = []  # targets whose stream was closed before its end
 
-    def open(self, target: Target, resume: list[int]):
+    def open(self, target: Target, resume: list[int], traceparent: str = ""):
         self.calls.append((target.name, list(resume)))
         n, end = self.plans[target.name].pop(0)
         return self._stream(target.name, len(resume), n, end)

@@ -63,7 +63,7 @@ class FakeTriton:
         self.deltas, self.error = deltas or [], error
         self.calls: list[tuple[str | list[int], GenerationParams]] = []
 
-    async def generate(self, model, prompt, params, resume_token_ids=None):
+    async def generate(self, model, prompt, params, resume_token_ids=None, traceparent=""):
         self.calls.append((prompt, params))
         if self.error is not None:
             raise self.error
@@ -467,7 +467,7 @@ class MovingTriton:
         name, outer = url.partition(":")[0], self
 
         class Client:
-            def generate(self, model, prompt, params, resume):
+            def generate(self, model, prompt, params, resume, traceparent=""):
                 outer.calls.append((name, list(resume), params.prompt_log_probs))
                 return outer._stream(name, params, len(resume))
 
