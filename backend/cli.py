@@ -76,6 +76,14 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
         "collector over OTLP/HTTP; a client's traceparent header joins them to its trace (default: no tracing)",
     )
     p.add_argument(
+        "--prometheus",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="also start a Prometheus on this port (0: a free one) that scrapes every server of the deployment "
+        "(following its membership) with the recording and alert rules of deploy/prometheus/",
+    )
+    p.add_argument(
         "--set",
         action="append",
         default=[],
@@ -176,6 +184,7 @@ def start_server(args):
         openai_log_file=Path(args.log_file).with_suffix(".openai.log") if args.log_file else None,
         kv_store=args.kv_store,
         otlp_endpoint=args.otlp_endpoint,
+        prometheus_port=args.prometheus,
         timeout_s=300.0,
     )
     try:
@@ -193,6 +202,11 @@ def start_server(args):
         print(
             f"membership: {launch.used_discovery} (deployment {args.deployment!r}); other servers join with "
             f"--discovery {launch.used_discovery} --deployment {args.deployment}{secret}",
+            flush=True,
+        )
+    if server.prometheus is not None:
+        print(
+            f"prometheus: {server.prometheus.url} (scrapes the deployment's servers; {server.prometheus.config_file})",
             flush=True,
         )
     return server, frontend

@@ -5,6 +5,7 @@ Used by ``triton-disagg generate``, the tests and the benchmarks.
 
 from __future__ import annotations
 
+import json
 import queue
 import time
 from collections.abc import Callable
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from backend.serving.tensors import LOGPROB_OUTPUTS
+from backend.serving.tensors import LOGPROB_OUTPUTS, PERF_OUTPUT
 
 
 @dataclass
@@ -27,6 +28,7 @@ class GenerationResult:
     # log-probability outputs (``output_log_probs``, ``prompt_log_probs``, ...), concatenated
     # over the responses (``cum_log_probs``: the last value)
     log_probs: dict = field(default_factory=dict)
+    perf: dict | None = None  # the request's figures (``perf_metrics``), when asked with perf_metrics=True
 
     @property
     def ttft(self) -> float:
@@ -51,10 +53,11 @@ def build_inputs(
     prompt_log_probs=None,
     top_log_probs=None,
     cache_salt=None,
+    perf_metrics=None,
     extra: dict | None = None,
 ):
     """``prompt``: text, or a list of token ids (sent as ``input_ids``); ``cache_salt``: the
-    request's prefix-cache tenant."""
+    request's prefix-cache tenant; ``perf_metrics``: ask for its figures in its last response."""
 
     def tensor(name, arr, dtype):
         t = grpcclient.InferInput(name, list(arr.shape), dtype)
@@ -82,6 +85,7 @@ def build_inputs(
         ("return_log_probs", log_probs, bool, "BOOL"),
         ("return_prompt_log_probs", prompt_log_probs, bool, "BOOL"),
         ("num_top_log_probs", top_log_probs, np.int32, "INT32"),
+        ("return_perf_metrics", perf_metrics, bool, "BOOL"),
     ]
     for name, value, np_t, tr_t in optional:
         if value is not None:
@@ -145,6 +149,9 @@ def stream_generate(
                 if arr is not None:
                     values = arr.reshape(-1).tolist()
                     res.log_probs[name] = values if name == "cum_log_probs" else res.log_probs.get(name, []) + values
+            perf = result.as_numpy(PERF_OUTPUT)
+            if perf is not None and perf.size:
+                res.perf = json.loads(perf.reshape(-1)[0])
             out = result.as_numpy("text_output")
             if out is not None and out.size:
                 delta = out.reshape(-1)[0].decode("utf-8")

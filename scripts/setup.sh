@@ -40,10 +40,12 @@ fi
 # Services the project starts as plain processes, from Debian's packages, installed when missing
 # and we are root (the packages start nothing in a container); outside the stamp check above:
 # cheap when they are already there. etcd-server (3.4): cluster membership (backend/cluster/);
-# redis-server (7.0): the shared KV tier's store (backend/launch/kv_store_server.py).
+# redis-server (7.0): the shared KV tier's store (backend/launch/kv_store_server.py); prometheus
+# (2.42, with promtool): `serve --prometheus` and the rules' check (backend/launch/prometheus_server.py).
 need=()
 command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
 if [ "${#need[@]}" -gt 0 ]; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
     echo "[setup] installing ${need[*]} (apt-get install)"
@@ -52,7 +54,8 @@ if [ "${#need[@]}" -gt 0 ]; then
     fi
   else
     echo "[setup] ${need[*]} not installed and this is not root (or there is no apt-get): install Debian's" \
-      "${need[*]} as root (etcd: cluster membership; redis-server: the shared KV tier); the tests that need them will fail"
+      "${need[*]} as root (etcd: cluster membership; redis-server: the shared KV tier; prometheus: serve --prometheus);" \
+      "the tests that need them will fail"
   fi
 fi
 # The Python-backend stub must sit in the backend folder (pytriton copies it the same way).

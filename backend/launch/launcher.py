@@ -26,6 +26,7 @@ from backend.launch.server import TritonServer
 
 if TYPE_CHECKING:
     from backend.launch.openai_frontend import OpenAIFrontend
+    from backend.launch.prometheus_server import PrometheusServer
 
 log = logging.getLogger("triton_disagg.launch")
 SPLIT_MODES = ("disagg", "prefill", "decode")
@@ -46,7 +47,9 @@ class Launch:
     frontend there (0: a free port; None: none). ``kv_store``: the shared KV tier's store
     (``redis://HOST:PORT``; "" : a private one of ``kv_store_bytes`` for ``disagg`` where
     ``redis-server`` is installed, none otherwise; ``none``: no shared tier). ``otlp_endpoint``:
-    the OpenTelemetry collector every process exports its trace spans to ("" : no tracing)."""
+    the OpenTelemetry collector every process exports its trace spans to ("" : no tracing).
+    ``prometheus_port``: also start a Prometheus there that scrapes the deployment (0: a free
+    port; None: none; ``prometheus_server.py``)."""
 
     mode: str = "aggregated"
     model_dir: str | Path = ""
@@ -75,6 +78,7 @@ class Launch:
     kv_store: str = ""
     kv_store_bytes: int = 2 << 30
     otlp_endpoint: str = ""
+    prometheus_port: int | None = None
     timeout_s: float = 400.0
     # what the start used: the membership's etcd and the secret's file ("" : none / the environment's)
     used_discovery: str = field(default="", init=False)
@@ -170,6 +174,8 @@ class Launch:
             if self.openai_port is not None:
                 frontend = self._frontend(server, discovery, overrides.get("deployment_secret_file", ""))
                 frontend.start()
+            if self.prometheus_port is not None:
+                server.prometheus = self._prometheus(server, discovery, repo_dir, frontend)
         except BaseException:
             if server is not None:
                 stop(server, frontend, 0.0)
@@ -227,6 +233,24 @@ class Launch:
             **member,
         )
 
+    def _prometheus(
+        self, server: TritonServer, discovery: str, repo_dir: Path, frontend: OpenAIFrontend | None
+    ) -> PrometheusServer:
+        from backend.launch.prometheus_server import PrometheusServer
+
+        static = [] if discovery else [server.metrics_url]  # without membership: this server alone
+        if frontend is not None:
+            static.append(f"{frontend.url}/metrics")
+        prometheus = PrometheusServer(
+            host=self.host,
+            port=self.prometheus_port or None,
+            folder=repo_dir.with_name(repo_dir.name + ".prometheus"),
+            static=static,
+        ).start()
+        if discovery:
+            prometheus.follow(discovery, self.deployment or "default", server.deployment_secret.encode())
+        return prometheus
+
 
 def stop(server: TritonServer, frontend: OpenAIFrontend | None = None, drain_timeout_s: float = 5.0) -> None:
     """Stop what :meth:`Launch.start` started: the frontend, the server (draining first for
@@ -236,6 +260,8 @@ def stop(server: TritonServer, frontend: OpenAIFrontend | None = None, drain_tim
             frontend.stop()
         server.stop(drain_timeout_s=drain_timeout_s)
     finally:
+        if server.prometheus is not None:
+            server.prometheus.close()
         if server.kv_store is not None:
             server.kv_store.stop()
         if server.etcd is not None:

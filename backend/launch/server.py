@@ -28,6 +28,7 @@ from backend.triton.lifecycle import drain_file, drain_now_file
 if TYPE_CHECKING:
     from backend.launch.etcd_server import EtcdServer
     from backend.launch.kv_store_server import KVStoreServer
+    from backend.launch.prometheus_server import PrometheusServer
     from backend.launch.supervisor import Supervisor
 
 log = logging.getLogger("triton_disagg.server")
@@ -66,6 +67,7 @@ class TritonServer:
         self.supervisor: Supervisor | None = None
         self.etcd: EtcdServer | None = None  # the deployment's private etcd, if its launcher started one
         self.kv_store: KVStoreServer | None = None  # its private shared-KV-tier store, likewise
+        self.prometheus: PrometheusServer | None = None  # the Prometheus scraping the deployment, likewise
         self.proc: subprocess.Popen | None = None
         self.deployment_secret = ""  # the deployment secret, set at the first start, kept over restarts
 

@@ -147,6 +147,8 @@ class _Request:
     cancelled: bool = False  # by the client, or by this worker (page wait)
     tried: set[str] = field(default_factory=set)  # prefill instances whose KV load failed (recompute)
     kv_span: Span = NO_SPAN  # the KV transfer from the prefill instance asked (tracing)
+    t_asked: float = 0.0  # when the prefill instance was asked (perf_counter)
+    t_prefill_started: float = 0.0  # when it reported starting
 
 
 class DecodeWorker:
@@ -333,6 +335,9 @@ class DecodeWorker:
         r = self._apply(req_id, DecodeEvent.KV_NEEDED if remote else DecodeEvent.LOCAL)
         if r is None:
             return
+        figures = r.session.figures
+        figures.queue_s = time.perf_counter() - r.session.t_start
+        figures.cached_tokens, figures.prefill = cached, "remote" if remote else "local"
         r.session.span.event(
             "pages",
             {
@@ -393,6 +398,9 @@ class DecodeWorker:
         r.endpoint, r.connection = endpoint, endpoint.generation
         endpoint.outstanding.add(req_id)
         self.counters.prefill_remote_total += 1
+        r.t_asked = time.perf_counter()
+        figures = session.figures
+        figures.kv_pages, figures.kv_bytes = ticket.n_pages, self.receiver.bytes_of(ticket.n_pages)
         r.kv_span = session.span.child(
             "kv_transfer",
             {
@@ -511,6 +519,9 @@ class DecodeWorker:
         state = r.state.state
         r.kv_span.end(error=None if ok else (error or "the KV transfer failed"))
         if ok:
+            now, figures = time.perf_counter(), r.session.figures
+            figures.kv_wait_s = now - r.t_asked
+            figures.kv_transfer_s = now - (r.t_prefill_started or r.t_asked)
             if self._apply(req_id, DecodeEvent.KV_LANDED) is not None and state is DecodeState.WAITING_KV:
                 hidden, logits = meta if meta is not None else (None, None)
                 self.loop.kv_loaded(req_id, hidden, logits)
@@ -524,6 +535,7 @@ class DecodeWorker:
         message = f"KV transfer from prefill instance {address} failed: {error}"
         if self.config.serving.kv_load_failure_policy == "recompute":
             r.tried.add(address)
+            r.session.figures.kv_load_failures = len(r.tried)
             failed = {"triton_disagg.prefill_instance": address, "exception.message": message}
             r.session.span.event("kv_load_failed", failed)
             self._apply(req_id, DecodeEvent.RECOMPUTE)
@@ -553,6 +565,7 @@ class DecodeWorker:
             return
         log.warning("decode %s: request %s: computing its prompt here (tried %s)", self.name, req_id, sorted(r.tried))
         r.session.span.event("computed_here", {"triton_disagg.tried": sorted(r.tried)})
+        r.session.figures.prefill = "local"
         self.counters.prefill_local_total += 1
         self.loop.compute_here(req_id)
 
@@ -568,6 +581,8 @@ class DecodeWorker:
             return  # not a request of this connection (or one that ended)
         if isinstance(msg, PrefillStarted):
             r.kv_span.event("prefill_started")
+            r.t_prefill_started = time.perf_counter()
+            r.session.figures.prefill_queue_s = r.t_prefill_started - r.t_asked
             if self._apply(msg.req_id, DecodeEvent.PREFILL_STARTED) and r.state.state is DecodeState.WAITING_KV:
                 self.receiver.started(msg.req_id, msg.generation)
             return

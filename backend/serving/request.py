@@ -55,6 +55,7 @@ class ClientRequest:
     return_prompt_log_probs: bool = False
     num_top_log_probs: int = 0
     cache_salt: str = ""
+    return_perf_metrics: bool = False  # its figures in its last response (``perf_metrics.py``)
 
     @property
     def remaining_tokens(self) -> int:
@@ -157,6 +158,7 @@ def parse_request(get: Getter, *, max_tokens_limit: int, max_input_bytes: int = 
         ("apply_chat_template", "apply_chat_template"),
         ("return_log_probs", "return_log_probs"),
         ("num_top_log_probs", "num_top_log_probs"),
+        ("return_perf_metrics", "return_perf_metrics"),
     ):
         v = _scalar(get, name)
         if v is not None:

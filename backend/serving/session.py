@@ -19,7 +19,9 @@ import numpy as np
 from backend.cluster.tracing import NO_SPAN, Span
 from backend.engine.outputs import ErrorKind, FinishReason, TokenLogprobs
 from backend.serving.detokenizer import IncrementalDetokenizer
+from backend.serving.perf_metrics import RequestFigures
 from backend.serving.request import ClientRequest
+from backend.serving.tensors import PERF_OUTPUT
 
 log = logging.getLogger("triton_disagg.generation")
 
@@ -70,6 +72,7 @@ class GenerationSession:
     cum_logprob: float = 0.0
     span: Span = NO_SPAN
     error: str = ""  # why it failed, once it did
+    figures: RequestFigures = field(default_factory=RequestFigures)  # its own, filled by the worker
 
     def __post_init__(self) -> None:
         self.n_output = self.resumed  # num_output_tokens counts the whole output
@@ -163,6 +166,12 @@ class GenerationSession:
             else:
                 extras.update(_arrays("output", None, k))
             extras["cum_log_probs"] = np.array([self.cum_logprob], dtype=np.float32)
+        if final and self.request.return_perf_metrics:
+            now, f = time.perf_counter(), self.figures
+            f.prompt_tokens, f.output_tokens, f.e2e_s = self.n_input, self.n_output, now - self.t_start
+            if self.t_first is not None:
+                f.ttft_s = self.t_first - self.t_start
+            extras[PERF_OUTPUT] = np.array([f.to_json().encode()], dtype=object)
         self.sink.send(text, token_ids, self.n_input, self.n_output, finish_reason or "", final, extras or None)
 
     def _finish_error(self, message: str, kind: ErrorKind) -> None:

@@ -69,6 +69,9 @@ INPUTS = (
     TensorSpec("return_log_probs", "TYPE_BOOL"),
     TensorSpec("return_prompt_log_probs", "TYPE_BOOL"),
     TensorSpec("num_top_log_probs", "TYPE_INT32"),
+    # The request's own figures in its last response (``perf_metrics``; TensorRT-LLM's backend has
+    # ``return_perf_metrics``): where its time went, its KV transfer, its moves.
+    TensorSpec("return_perf_metrics", "TYPE_BOOL"),
 )
 # Sent by a front model that reaches a decode model by BLS (whose calls cannot be cancelled):
 # cancel the request with this Triton request id. (Health, draining and cache summaries travel in
@@ -92,8 +95,12 @@ OUTPUTS = (
     TensorSpec("prompt_log_probs", "TYPE_FP32", optional=False),  # [P - 1]: prompt tokens 2..P
     TensorSpec("prompt_top_log_probs", "TYPE_FP32", optional=False),  # [(P - 1) * k]
     TensorSpec("prompt_top_token_ids", "TYPE_INT32", optional=False),  # [(P - 1) * k]
+    # Only in the last response of a request that asked (return_perf_metrics): a JSON object of
+    # its figures (``backend/serving/perf_metrics.py``)
+    TensorSpec("perf_metrics", "TYPE_STRING", optional=False, dims="1"),
 )
-LOGPROB_OUTPUTS = tuple(t.name for t in OUTPUTS[5:])
+PERF_OUTPUT = "perf_metrics"
+LOGPROB_OUTPUTS = tuple(t.name for t in OUTPUTS[5:] if t.name != PERF_OUTPUT)
 
 INPUTS_BY_NAME = {t.name: t for t in INPUTS + CONTROL_INPUTS}
 

@@ -49,8 +49,10 @@ from backend.cluster.tracing import NO_SPAN, Span, Tracer, start_tracing
 from backend.engine.outputs import ErrorKind
 from backend.serving.config import FrontConfig
 from backend.serving.errors import parse_error
+from backend.serving.perf_metrics import with_route
 from backend.serving.request import parse_request, prompt_token_ids
 from backend.serving.routing import FIRST_PICK_POLL_S, REASONS, Journey, NotMoved, move_reason
+from backend.serving.tensors import PERF_OUTPUT
 from backend.triton.decode_targets import DecodeTargets
 from backend.triton.lifecycle import DRAIN_MESSAGE, DrainWatch
 from backend.triton.metrics import COUNTERS
@@ -186,6 +188,10 @@ class TritonPythonModel:
                     continue  # an earlier attempt sent them
             elif name == "cum_log_probs":
                 arr = np.array([fwd.cumulative(float(arr.reshape(-1)[0]))], dtype=np.float32)
+            elif name == PERF_OUTPUT:  # the decode instance's figures, and the front's across attempts
+                ttft = (fwd.t_first or time.perf_counter()) - fwd.t_start
+                figures = with_route(arr.reshape(-1)[0], migrations=fwd.moves, attempts=fwd.attempt, front_ttft_s=ttft)
+                arr = np.array([figures.encode()], dtype=object)
             out.append(self.pb.Tensor(name, arr))
         return out
 
@@ -295,6 +301,8 @@ class TritonPythonModel:
                 )
                 ids = reply.outputs.get("output_token_ids")
                 if ids is not None:
+                    if fwd.t_first is None and ids.size:
+                        fwd.t_first = time.perf_counter()
                     fwd.sent.extend(int(t) for t in ids.reshape(-1))
                 if last:
                     assert reason is not None
@@ -353,6 +361,8 @@ class Forwarding(Journey):
     lock: threading.Lock = field(default_factory=threading.Lock)
     span: Span = NO_SPAN  # the request's span here (tracing)
     attempt_span: Span = NO_SPAN  # its current attempt's
+    t_start: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None  # when its first output token was relayed
 
 
 def _resume_ids(arrays: dict) -> list[int]:

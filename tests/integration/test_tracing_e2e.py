@@ -9,7 +9,9 @@ receiver in the test:
 - the same through the OpenAI frontend (its own span from the HTTP ``traceparent`` header, then
   its attempt, then the decode and prefill instances');
 - a malformed ``traceparent`` starts a new trace, and the request is served;
-- a request whose decode instance is killed mid-stream shows both attempts and the move.
+- a request whose decode instance is killed mid-stream shows both attempts and the move;
+- a request that asks for its figures (``return_perf_metrics``) gets them in its last response:
+  the KV bytes equal to the transfer metric, its times in order, its moves.
 """
 
 from __future__ import annotations
@@ -84,7 +86,9 @@ def test_one_request_is_one_trace_across_front_decode_and_prefill(traced, tokeni
         wait_metric(server.metrics_url, "triton_disagg_decode_target_up", 1, timeout_s=60, target=m)
     received = lambda m: sum(metric_values(server.metrics_url, "triton_disagg_kv_transfer_bytes_total", model=m))  # noqa: E731
     before = {m: received(m) for m in ("decode_0", "decode_1")}
-    res = stream_generate(server.grpc_url, PROMPT, 8, ignore_eos=True, traceparent=f"00-{TRACE_ID}-{CLIENT_SPAN}-01")
+    res = stream_generate(
+        server.grpc_url, PROMPT, 8, ignore_eos=True, traceparent=f"00-{TRACE_ID}-{CLIENT_SPAN}-01", perf_metrics=True
+    )
     assert res.error is None
     assert res.token_ids == hf_greedy(hf_model, tokenizer(PROMPT, add_special_tokens=False)["input_ids"], 8)
     spans = _trace(receiver, TRACE_ID, {"text_completion", "route", "decode", "kv_transfer", "prefill"})
@@ -111,6 +115,14 @@ def test_one_request_is_one_trace_across_front_decode_and_prefill(traced, tokeni
     assert route.attributes["triton_disagg.target"].startswith(f"vm-{model}-")  # its membership name
     sent = wait_metric(server.metrics_url, "triton_disagg_kv_transfer_bytes_total", before[model] + 1, model=model)
     assert kv.attributes["triton_disagg.kv.bytes"] == sent - before[model]
+    # the request's own figures (return_perf_metrics), in its last response
+    perf = res.perf
+    assert perf is not None and perf["kv_bytes"] == sent - before[model] and perf["prefill"] == "remote"
+    assert perf["prompt_tokens"] == n_prompt and perf["output_tokens"] == 8 and perf["cached_tokens"] == 0
+    assert perf["migrations"] == 0 and perf["attempts"] == 1
+    assert perf["kv_pages"] == kv.attributes["triton_disagg.kv.pages"]
+    assert 0 <= perf["prefill_queue_s"] <= perf["kv_wait_s"] < perf["ttft_s"] <= perf["e2e_s"]
+    assert 0 < perf["kv_transfer_s"] <= perf["kv_wait_s"] and perf["front_ttft_s"] >= perf["ttft_s"]
     assert prefill.attributes["triton_disagg.prompt_tokens"] == n_prompt - 1  # all but the last
     assert [e[0] for e in prefill.events] == ["started", "computed", "kv_sent"]
     assert "first_token" in [e[0] for e in decode.events] and "prefill_started" in [e[0] for e in kv.events]
@@ -167,6 +179,7 @@ def test_a_moved_request_shows_both_attempts(traced, tokenizer, hf_model):
                 ignore_eos=True,
                 on_text=received.append,
                 traceparent=f"00-{trace_id}-{CLIENT_SPAN}-01",
+                perf_metrics=True,
             )
         )
     )
@@ -202,5 +215,7 @@ def test_a_moved_request_shows_both_attempts(traced, tokenizer, hf_model):
     moves = [e for e in front.events if e[0] == "triton_disagg.migration"]
     assert len(moves) == 1 and moves[0][1]["triton_disagg.from"] == routes[0].attributes["triton_disagg.target"]
     assert front.attributes["gen_ai.usage.output_tokens"] == 96 and front.attributes["triton_disagg.attempts"] == 2
+    assert res.perf is not None and res.perf["migrations"] == 1 and res.perf["attempts"] == 2
+    assert res.perf["output_tokens"] == 96  # the whole output, counted by the instance it ended on
     for m in ("prefill_0", "decode_0", "decode_1"):
         wait_pool_free(server.metrics_url, m, timeout_s=240)

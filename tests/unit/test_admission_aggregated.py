@@ -164,3 +164,29 @@ def test_a_resumed_request_continues_where_the_output_stopped(admission):
         assert rest.tokens == whole.tokens[k:]
         assert rest.counts[-1] == (len("resume me"), 12)  # the client's prompt; the whole output
         assert whole.text == CharTokenizer().decode(whole.tokens[:k]) + rest.text
+
+
+class ExtrasSink(Sink):
+    def __init__(self):
+        super().__init__()
+        self.extras: list[dict] = []
+
+    def send(self, text, token_ids, n_input, n_output, finish_reason, final, extras=None) -> None:
+        self.extras.append(dict(extras or {}))
+        super().send(text, token_ids, n_input, n_output, finish_reason, final)
+
+
+def test_a_request_that_asks_for_its_figures_gets_them_in_its_last_response(admission):
+    import json
+
+    sink = ExtrasSink()
+    inputs = dict(text_input="hello", max_tokens=np.int32(5), stream=True, ignore_eos=True)
+    admission.admit(getter(**inputs, return_perf_metrics=True), sink)
+    assert sink.done.wait(20) and sink.failed is None
+    assert all("perf_metrics" not in e for e in sink.extras[:-1])  # only the last response
+    figures = json.loads(sink.extras[-1]["perf_metrics"][0])
+    assert figures["prompt_tokens"] == 5 and figures["output_tokens"] == 5
+    assert 0 < figures["ttft_s"] <= figures["e2e_s"] and "kv_bytes" not in figures  # aggregated: no transfer
+    plain = ExtrasSink()
+    admission.admit(getter(**inputs), plain)
+    assert plain.done.wait(20) and all("perf_metrics" not in e for e in plain.extras)  # not asked: none
