@@ -31,6 +31,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("perf.compare_modes", "aggregated against disaggregated serving under Poisson load"),
     "sweep": ("perf.goodput", "goodput under SLOs over a rate sweep, aggregated budgets and disaggregated"),
     "multiturn": ("perf.bench_multiturn", "multi-turn chat: prefix caching, KV-aware routing, KV tiers"),
+    "dashboard": ("perf.bench_dashboard", "the Grafana dashboard's panels as PNG charts, from Prometheus under load"),
     "disk-tier": ("perf.bench_disk_tier", "KV blocks to and from files: the disk tier's file I/O vs NIXL POSIX"),
     "local-prefill": ("perf.bench_local_prefill", "conditional disaggregation of short prompts"),
     "migration": ("perf.bench_migration", "what a client sees when its decode instance dies"),
@@ -52,6 +53,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "multiturn": ("--routing", "--tiers", "--modes"),
     "formats": ("--server",),
     "cpp-baseline": ("--weights",),
+    "one-stream": ("--tracing",),
 }
 
 REPORT_HELP = "perf/REPORT.md from the newest successful run of each benchmark (not a benchmark)"

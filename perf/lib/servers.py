@@ -42,6 +42,7 @@ def _launch(
     decode_instances: int = 1,
     extra_env: dict | None = None,
     openai: bool = False,
+    prometheus: bool = False,
 ) -> tuple[TritonServer, OpenAIFrontend | None]:
     from backend.launch.launcher import Launch
     from build_scripts.prepare_model import ensure_model
@@ -59,6 +60,7 @@ def _launch(
         extra_env=dict(extra_env or {}),
         openai_port=0 if openai else None,
         openai_log_file=log_dir / "openai.log",
+        prometheus_port=0 if prometheus else None,
     ).start()
 
 
@@ -67,7 +69,8 @@ def start(mode: str, **kw) -> TritonServer:
     instances), started by the launcher ``serve`` uses (``backend/launch/launcher.py``): its core
     placement (split between the roles), a private etcd for the membership, a deployment
     secret. ``model``, ``overrides``, ``per_model``, ``log_dir``, ``decode_instances``,
-    ``extra_env`` (added to the server's environment). Stop it with :func:`stop`."""
+    ``extra_env`` (added to the server's environment), ``prometheus`` (also start the
+    Prometheus ``serve --prometheus`` starts: ``server.prometheus``). Stop it with :func:`stop`."""
     server, _ = _launch(mode, **kw)
     return server
 

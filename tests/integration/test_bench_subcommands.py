@@ -64,6 +64,7 @@ TINY: dict[str, list[str]] = {
     + ["--user-tokens", "8", "--output-tokens", "4", "--think-s", "0"],
     "local-prefill": ["--lengths", "16", "--reps", "1"],
     "disk-tier": ["--blocks", "8", "--repeats", "1"],
+    "dashboard": ["--phases", "12:0.5", "--prompt-tokens", "16", "--output-tokens", "4", "--step-s", "5"],
     "migration": ["--rounds", "1", "--seconds", "6", "--kill-every", "3", "--log-dir", "{results}/migration-logs"],
     "autoscale": ["--phases", "12:0.5", "--fixed", "", "--max-prefill", "1", "--max-decode", "1"]
     + ["--prompt-tokens", "16", "32", "--output-tokens", "4", "8"],
@@ -389,6 +390,18 @@ def _disk_tier(run: Run) -> None:
     assert ours["matched"] and ours["write_mb_s"] > 0 and ours["read_mb_s"] > 0, ours
     nixl = ways["NIXL POSIX"]  # NIXL's POSIX backend, or the error it gave
     assert nixl.get("matched") or nixl.get("error"), nixl
+
+
+@check("dashboard")
+def _dashboard(run: Run) -> None:
+    r = run.figure("dashboard.json")
+    assert r["requests"] >= 1 and not r["errors"], r
+    panels = {d["panel"]: d for d in r["panels"]}
+    assert len(panels) >= 12 and all((run.results / d["file"]).stat().st_size > 0 for d in panels.values())
+    # the request and latency panels have data after a load (the autoscaler's do not: none runs here)
+    assert panels["Requests/s and goodput (TTFT within 2.5 s)"]["series"] >= 1, panels
+    assert panels["Queues: requests active, waiting for KV, prefill queue"]["series"] >= 1, panels
+    assert "dashboard_1.png" in run.markdown("dashboard.md")
 
 
 @check("local-prefill")
