@@ -106,8 +106,10 @@ class _SendJob:
 class NixlKVSender(KVSender):
     """Prefill role (see the module docstring). ``on_send_error(req_id, reason)`` is told when a
     transfer fails so the prefill can be aborted; ``on_started(request)`` when the engine
-    schedules a request's first chunk. ``etcd_host`` (both roles): the deployment's etcd, if
-    the membership finds the peers (see ``ConnectorConfig.net_devices``)."""
+    schedules a request's first chunk; ``on_progress(req_id, what, figures)`` (optional, for
+    traces) at each chunk scheduled (``chunk``) and each layer's writes posted
+    (``kv_layer_sent``), from the engine's and the poster's threads. ``etcd_host`` (both roles):
+    the deployment's etcd, if the membership finds the peers (see ``ConnectorConfig.net_devices``)."""
 
     def __init__(
         self,
@@ -117,8 +119,10 @@ class NixlKVSender(KVSender):
         on_send_error: Callable[[str, str], None],
         on_started: Callable[[SendRequest], None],
         etcd_host: str = "",
+        on_progress: Callable[[str, str, dict], None] | None = None,
     ):
         self.engine = engine
+        self._on_progress = on_progress
         self.layout = kv_layout(engine.kv_cache())
         self.page_size = self.layout.page_size
         self.stream_layers = config.stream_layers
@@ -234,6 +238,9 @@ class NixlKVSender(KVSender):
             ready = job.n_pages if c.is_last_chunk else max(0, (c.start + c.num_tokens) // self.page_size - first)
             job.step_positions = list(range(job.sent_upto, ready))
             job.sent_upto = max(job.sent_upto, ready)
+            if self._on_progress is not None:
+                chunk = {"triton_disagg.chunk.start": c.start, "triton_disagg.chunk.tokens": c.num_tokens}
+                self._on_progress(c.req_id, "chunk", {**chunk, "triton_disagg.kv.pages": len(job.step_positions)})
 
     def layer_written(self, layer: int, batch: StepBatch, written: DeviceMark) -> None:
         for c in batch.prefill_only_chunks:
@@ -252,7 +259,11 @@ class NixlKVSender(KVSender):
             n = plan.writes(positions)
             job.writes += n
             self.totals["kv_writes_total"] += n
-            self.totals["kv_transfer_bytes_total"] += len(positions) * sum(int(p.length.sum()) for p in plan.pairs)
+            sent = len(positions) * sum(int(p.length.sum()) for p in plan.pairs)
+            self.totals["kv_transfer_bytes_total"] += sent
+            if self._on_progress is not None:
+                figures = {"triton_disagg.layer": layer, "triton_disagg.kv.pages": len(positions)}
+                self._on_progress(req.req_id, "kv_layer_sent", {**figures, "triton_disagg.kv.bytes": sent})
 
     def _post_failed(self, req_id: str, reason: str) -> None:
         """The poster could not post (the device did not finish, or posting raised)."""

@@ -18,7 +18,9 @@ applied by its loop thread, in order; the cache reports go out from that loop to
 
 With tracing on (``otlp_endpoint``), each request is a ``prefill`` span, the child of the decode
 instance's KV transfer span (the request's ``traceparent``), with events when its first chunk is
-scheduled, when its prompt is computed, and when its last page is written.
+scheduled (``started``), at each chunk (``chunk``) and each layer's writes posted
+(``kv_layer_sent``, from the sender's threads), when its prompt is computed, and when its last
+page is written (``kv_sent``).
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ class PrefillWorker:
         self.max_model_len = self.engine.max_model_len
         self.requests: dict[str, _Request] = {}  # the loop thread's alone
         self.tracer = start_tracing(config.membership.otlp_endpoint, "prefill", name)
+        self._spans: dict[str, Span] = {}  # request -> its span, for the sender's threads (tracing)
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self.sender = NixlKVSender(
             self.engine,
@@ -128,6 +131,7 @@ class PrefillWorker:
             lambda req_id, reason: self._events.put(SendError(req_id, reason)),
             lambda request: self._events.put(Started(request.req_id, request.generation)),
             etcd_host=config.membership.etcd_host(),
+            on_progress=self._progress if self.tracer.enabled else None,
         )
         self.loop = EngineLoop(self.engine, name=f"{name}-engine")
         c = config.connector
@@ -226,6 +230,7 @@ class PrefillWorker:
             return None
         if r.state.state is PrefillState.FINISHED:
             r.span.end()  # (with an error, ended already where it failed)
+            self._spans.pop(req_id, None)
             del self.requests[req_id]
             self.loop.release(req_id)
         return r
@@ -271,6 +276,8 @@ class PrefillWorker:
             },
         )
         self.requests[msg.req_id] = _Request(RequestState.prefill(msg.req_id), conn, peer, span)
+        if self.tracer.enabled:
+            self._spans[msg.req_id] = span
         log.debug("prefill %s: %d tokens -> %d pages of %s", msg.req_id, len(msg.tokens), len(msg.dst_pages), peer)
         params = SamplingParams(max_tokens=1, cache_salt=msg.cache_salt)
         self.loop.submit(msg.req_id, msg.tokens, params, self._on_output, prefill_only=True)
@@ -322,6 +329,12 @@ class PrefillWorker:
         self._events.put(OutOfService(reason, told))
         if not told.wait(timeout=5.0):
             log.error("prefill %s: the loop did not report the loss of service within 5 s", self.name)
+
+    def _progress(self, req_id: str, what: str, figures: dict) -> None:
+        """The sender's threads: a chunk scheduled, a layer's writes posted (span events)."""
+        span = self._spans.get(req_id)
+        if span is not None:
+            span.event(what, figures)
 
     @staticmethod
     def _send(conn: Connection, msg: Message) -> None:

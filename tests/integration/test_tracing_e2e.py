@@ -124,7 +124,11 @@ def test_one_request_is_one_trace_across_front_decode_and_prefill(traced, tokeni
     assert 0 <= perf["prefill_queue_s"] <= perf["kv_wait_s"] < perf["ttft_s"] <= perf["e2e_s"]
     assert 0 < perf["kv_transfer_s"] <= perf["kv_wait_s"] and perf["front_ttft_s"] >= perf["ttft_s"]
     assert prefill.attributes["triton_disagg.prompt_tokens"] == n_prompt - 1  # all but the last
-    assert [e[0] for e in prefill.events] == ["started", "computed", "kv_sent"]
+    events = [e[0] for e in prefill.events]
+    assert {"started", "chunk", "computed", "kv_sent"} <= set(events) and events[-1] == "kv_sent", events
+    layers = [e[1] for e in prefill.events if e[0] == "kv_layer_sent"]  # each layer's writes, once (one chunk)
+    assert sorted(x["triton_disagg.layer"] for x in layers) == list(range(30)), layers
+    assert sum(x["triton_disagg.kv.bytes"] for x in layers) == kv.attributes["triton_disagg.kv.bytes"]
     assert "first_token" in [e[0] for e in decode.events] and "prefill_started" in [e[0] for e in kv.events]
     assert all(s.status_code != 2 for s in spans.values())  # none failed
     assert sum(metric_values(server.metrics_url, "triton_disagg_trace_spans_dropped_total")) == 0
