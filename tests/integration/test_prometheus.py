@@ -110,8 +110,8 @@ def test_every_rule_evaluates_and_the_recording_rules_have_values(watched):
         return lambda: [s for s in _api(server, "query", query=name)["result"] if s["metric"].get("model") == model]
 
     for name, model in (
-        ("model:triton_disagg_requests:rate1m", "llm"),
-        ("model:triton_disagg_time_to_first_token_seconds:p99_1m", "llm"),
+        ("model:triton_disagg_requests:rate1m", "decode_0"),
+        ("model:triton_disagg_time_to_first_token_seconds:p99_1m", "decode_0"),
         ("model:triton_disagg_inter_token_latency_seconds:p90_1m", "decode_0"),
         ("model:triton_disagg_kv_pages_free:ratio", "prefill_0"),
     ):
