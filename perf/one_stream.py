@@ -110,7 +110,7 @@ def run_tracing(mode: str, tokens: int, streams: int, overrides: dict) -> dict:
                     figures[name]["ttft_s"].append(res.ttft)
                     rate = round(figures[name]["tok_s"][-1], 2)
                     print(json.dumps({"mode": mode, "tracing": name, "stream": i, "tok_s": rate}))
-            time.sleep(1.0)  # the last spans' export
+            time.sleep(6.0)  # the last spans' export (the SDK sends a batch every 5 s)
             spans = len(receiver.spans())
     off_f, on_f = figures["off"], figures["on"]
     return {

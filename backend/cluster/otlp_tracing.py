@@ -25,6 +25,7 @@ log = logging.getLogger("triton_disagg.tracing")
 
 MAX_QUEUE = 2048  # spans waiting for export at most; more are dropped (counted)
 EXPORT_TIMEOUT_S = 2.0  # one export to the collector at most
+EXPORT_EVERY_S = 5.0  # spans go out in batches this often (or when a batch is full): the SDK's default
 KINDS = {
     "server": SpanKind.SERVER,
     "client": SpanKind.CLIENT,
@@ -90,7 +91,7 @@ class Tracing:
             exporter,
             max_queue_size=2 * MAX_QUEUE,
             max_export_batch_size=min(512, MAX_QUEUE),
-            schedule_delay_millis=200,
+            schedule_delay_millis=EXPORT_EVERY_S * 1000,
             export_timeout_millis=EXPORT_TIMEOUT_S * 1000,
         )
         self._provider.add_span_processor(_Bounded(batch, self))
