@@ -118,8 +118,9 @@ class TritonServer:
             "--model-control-mode=explicit",
             "--load-model=*",
             f"--log-verbose={self.log_verbose}",
-            # a client's W3C trace context (an HTTP header, gRPC metadata) reaches the models as a
-            # request parameter, where a traced request's spans join the client's trace
+            # a client's W3C trace context (gRPC metadata; an HTTP header on the infer endpoint, not
+            # on generate_stream) reaches the models as a request parameter, where a traced
+            # request's spans join the client's trace
             f"--http-header-forward-pattern={TRACE_HEADER}",
             f"--grpc-header-forward-pattern={TRACE_HEADER}",
         ]
