@@ -6,7 +6,8 @@ receiver in the test:
   one trace with spans from three processes (front, decode, prefill) in parent/child order
   (client -> front request -> route attempt -> decode -> KV transfer -> prefill), its KV bytes
   equal to the transfer metric, its token counts equal to what the client got;
-- the same through the OpenAI frontend (its own span from the HTTP ``traceparent`` header, then
+- the same through Triton's HTTP ``generate_stream`` (``traceparent`` in its JSON body) and
+  through the OpenAI frontend (its own span from the HTTP ``traceparent`` header, then
   its attempt, then the decode and prefill instances');
 - a malformed ``traceparent`` starts a new trace, and the request is served;
 - a request whose decode instance is killed mid-stream shows both attempts and the move;
@@ -153,6 +154,30 @@ def test_the_openai_frontend_joins_the_clients_trace_too(traced, tokenizer, hf_m
     assert route.parent_span_id == front.span_id and decode.parent_span_id == route.span_id
     assert by_name["prefill"].parent_span_id == by_name["kv_transfer"].span_id
     assert front.attributes["gen_ai.usage.output_tokens"] == 6 and front.status_code != 2
+
+
+def test_tritons_http_generate_takes_the_traceparent_as_a_parameter(traced):
+    """Triton's HTTP ``generate_stream`` does not forward headers, but a field of its JSON body
+    that is not an input is a request parameter: ``traceparent`` there joins the trace."""
+    server, receiver = traced
+    trace_id = "7bf92f3577b34da6a3ce929d0e0e4739"
+    reply = requests.post(
+        f"http://{server.http_url}/v2/models/llm/generate_stream",
+        json={
+            "text_input": PROMPT,
+            "max_tokens": 4,
+            "stream": True,
+            "ignore_eos": True,
+            "traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01",
+        },
+        stream=True,
+        timeout=120,
+    )
+    events = [line for line in reply.iter_lines() if line.startswith(b"data: ")]
+    assert reply.status_code == 200 and len(events) >= 1
+    spans = _trace(receiver, trace_id, {"text_completion", "route", "decode", "prefill"})
+    front = next(s for s in spans.values() if s.name.startswith("text_completion"))
+    assert front.parent_span_id == CLIENT_SPAN and front.service == "triton-disagg-front"
 
 
 def test_a_malformed_traceparent_starts_a_new_trace(traced):
