@@ -37,8 +37,7 @@ class RequestFigures:
     kv_load_failures: int | None = None
 
     def to_json(self) -> str:
-        figures = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
-        return json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in figures.items()})
+        return json.dumps(_rounded({k: v for k, v in dataclasses.asdict(self).items() if v is not None}))
 
 
 def with_route(figures_json: str | bytes, **route: float | int) -> str:
@@ -49,5 +48,9 @@ def with_route(figures_json: str | bytes, **route: float | int) -> str:
         figures = {}
     if not isinstance(figures, dict):
         figures = {}
-    figures.update({k: round(v, 6) if isinstance(v, float) else v for k, v in route.items()})
+    figures.update(_rounded(route))
     return json.dumps(figures)
+
+
+def _rounded(figures: dict) -> dict:
+    return {k: round(v, 6) if isinstance(v, float) else v for k, v in figures.items()}

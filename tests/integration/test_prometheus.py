@@ -25,9 +25,8 @@ from backend.launch.ports import free_port
 from backend.launch.prometheus_server import prometheus_binary
 from tests.conftest import PROMPTS, deployment_server
 
-pytestmark = pytest.mark.skipif(
-    prometheus_binary() is None, reason="prometheus is not installed (scripts/setup.sh installs Debian's)"
-)
+NO_PROMETHEUS = "prometheus is not installed (scripts/setup.sh installs Debian's)"
+pytestmark = pytest.mark.skipif(prometheus_binary() is None, reason=NO_PROMETHEUS)
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "triton-disagg.json"
 OVERRIDES = {"kv_cache_tokens": "1024", "num_threads": "1"}
 
