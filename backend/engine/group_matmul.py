@@ -2,7 +2,7 @@
 4-bit groups, GGUF Q4_1's block, and its LM head's 8-bit groups, GGUF Q8_0's block), through our
 own kernel (``kernels/group_matmul.c``; ``threads`` split each product's output rows: the calling
 thread and helper threads of the library's own, which spin for 0.2 ms after a product for the
-next one, then sleep).
+next one, then sleep; each thread takes its own share, then what the others have not taken yet).
 
 The kernel quantizes the activations per row and group of 32 to int16 (scale: the group's largest
 magnitude over 32767; the error of each value at most 1.5e-5 of that magnitude, finer than float16's

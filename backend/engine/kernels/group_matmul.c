@@ -29,6 +29,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -267,11 +268,14 @@ int tiles_supported(void) {
 }
 
 /* ---------------------------------------------------------------- a pool of helper threads
- * A job's parts (a product's tiles, an attention's (sequence, head) pairs) are split between the
- * calling thread and up to threads - 1 helpers. A helper spins on the job word for a while
- * after each part (the next product of a step follows within microseconds), then sleeps on a
- * condition variable until the next job. Jobs are posted by one thread at a time (an engine's
- * step thread); the caller's lock makes that so. */
+ * A job's units (a product's tiles, an attention's (sequence, head) pairs) are split into one part
+ * per thread, the calling thread's and up to threads - 1 helpers'. Each thread takes units of its
+ * own part from the front, a shrinking share at a time (a quarter of what is left), then units of
+ * the other parts the same way: a thread the system preempts holds up only the units it holds, and
+ * the other threads do the rest of its part. A helper spins on the job word for a while after
+ * each job (the next product of a step follows within microseconds), then sleeps on a condition
+ * variable until the next job. Jobs are posted by one thread at a time (an engine's step thread);
+ * the caller's lock makes that so. */
 #define MAX_HELPERS 15
 #define SPIN_NS 200000L
 
@@ -284,34 +288,70 @@ typedef struct { /* one product: what each part needs */
     long M, N, K;
 } Product;
 
-/* a job for the pool: fn(ctx, part, parts) for part in 0 .. parts - 1 */
+/* a job for the pool: fn(ctx, u0, u1, thread) for units [u0, u1), run by thread 0 (the caller) to
+ * threads - 1 */
 typedef struct {
-    void (*fn)(const void *ctx, long part, long parts);
+    void (*fn)(const void *ctx, long u0, long u1, long thread);
     const void *ctx;
 } Job;
 
-/* The job's word: (job number << PARTS_BITS) | parts. A helper learns from the word alone whether
- * the job needs it (part index + 1 < parts); only then does it read `job`, which cannot change
- * before the job completes, and the job cannot complete without that helper's part. A helper the
- * job does not need never reads `job` (the caller may already be posting the next one), and
- * every helper takes each word once: parts_done counts each needed part exactly once. */
+/* The job's word: (job number << PARTS_BITS) | parts (the threads it may use); a helper whose
+ * index + 1 is below that takes units. Part p's cursor: CURSOR(tag, end, next), tag the job number
+ * mod 2^20, units [next, end) of part p not taken yet. A thread takes units by advancing a cursor
+ * (compare and swap) while its tag is the job's it saw and units are left; only after that does it
+ * read `job`, which cannot change before the job completes, and the job cannot complete before
+ * those units are done. A helper late to a job (preempted after it saw the word) finds another tag
+ * or no unit left and takes nothing; units_done counts each unit of the current job exactly once. */
 #define PARTS_BITS 5
+#define UNIT_BITS 22 /* at most 4M units a job */
+#define TAG(number) ((number) & 0xFFFFFL)
+#define CURSOR(tag, end, next) ((tag) << (2 * UNIT_BITS) | (end) << UNIT_BITS | (next))
+#define UNIT_MASK ((1L << UNIT_BITS) - 1)
+typedef struct {
+    _Alignas(64) atomic_long word; /* a cache line each: a part's owner takes from it alone until others steal */
+} Cursor;
 static Job job;
-static atomic_long posted, parts_done;
+static atomic_long posted, units_done;
+static Cursor cursors[MAX_HELPERS + 1];
 static atomic_int sleeping;
 static int helpers_started;
 static long first_seen[MAX_HELPERS]; /* the word when helper i was started (before the job that needs it) */
 static pthread_mutex_t wake_lock = PTHREAD_MUTEX_INITIALIZER, post_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
 
-/* part p of T: tiles [T' p / T, T' (p + 1) / T) of the T' = N / 16 */
-static void product_part(const void *ctx, long part, long parts) {
+/* units [u0, u1) of the product: its tiles */
+static void product_part(const void *ctx, long u0, long u1, long thread) {
+    (void)thread;
     const Product *jb = ctx;
-    const long tiles = jb->N / TILE, t0 = tiles * part / parts, t1 = tiles * (part + 1) / parts;
     if (jb->kernel == 2)
-        tiles_part(jb->bits, jb->q, jb->d, jb->m, jb->qx, jb->y, jb->M, jb->N, jb->K, t0, t1);
+        tiles_part(jb->bits, jb->q, jb->d, jb->m, jb->qx, jb->y, jb->M, jb->N, jb->K, u0, u1);
     else
-        tiles_part_avx2(jb->bits, jb->q, jb->d, jb->m, jb->qx, jb->y, jb->M, jb->N, jb->K, t0, t1);
+        tiles_part_avx2(jb->bits, jb->q, jb->d, jb->m, jb->qx, jb->y, jb->M, jb->N, jb->K, u0, u1);
+}
+
+/* takes units of part p of job `tag`: 1 and [*u0, *u1), or 0 when none is left */
+static int take(long p, long tag, long *u0, long *u1) {
+    long c = atomic_load(&cursors[p].word);
+    for (;;) {
+        const long next = c & UNIT_MASK, end = (c >> UNIT_BITS) & UNIT_MASK;
+        if ((c >> (2 * UNIT_BITS)) != tag || next >= end) return 0;
+        const long step = (end - next + 3) / 4;
+        if (atomic_compare_exchange_weak(&cursors[p].word, &c, CURSOR(tag, end, next + step))) {
+            *u0 = next, *u1 = next + step;
+            return 1;
+        }
+    }
+}
+
+/* thread `me`'s share of job `tag` of `parts` parts: its own part, then whatever is left of the others */
+static void take_units(long tag, long me, long parts) {
+    long done = 0, u0, u1;
+    for (long k = 0; k < parts; k++)
+        while (take((me + k) % parts, tag, &u0, &u1)) {
+            job.fn(job.ctx, u0, u1, me);
+            done += u1 - u0;
+        }
+    if (done) atomic_fetch_add(&units_done, done);
 }
 
 static long now_ns(void) {
@@ -321,7 +361,7 @@ static long now_ns(void) {
 }
 
 static void *helper(void *arg) {
-    const long index = (long)arg; /* does part index + 1 */
+    const long index = (long)arg; /* thread index + 1 of the jobs that use it */
     long seen = first_seen[index];
     for (;;) {
         long word, start = now_ns();
@@ -341,10 +381,7 @@ static void *helper(void *arg) {
         nanosleep(&(struct timespec){0, HELPER_DELAY_NS}, NULL);
 #endif
         const long parts = word & ((1L << PARTS_BITS) - 1);
-        if (index + 1 < parts) {
-            job.fn(job.ctx, index + 1, parts);
-            atomic_fetch_add_explicit(&parts_done, 1, memory_order_release);
-        }
+        if (index + 1 < parts) take_units(TAG(word >> PARTS_BITS), index + 1, parts);
     }
     return NULL;
 }
@@ -372,27 +409,33 @@ static int ensure_helpers(int count) {
     return helpers_started;
 }
 
-/* fn(ctx, part, parts) for every part, split between the caller and threads - 1 helpers (parts:
- * at most threads; fewer when helpers could not be started) */
-static void run_job(void (*fn)(const void *, long, long), const void *ctx, long threads) {
-    if (threads <= 1) {
-        fn(ctx, 0, 1);
+/* fn over units [0, units), split between the caller and up to threads - 1 helpers */
+static void run_job(void (*fn)(const void *, long, long, long), const void *ctx, long threads, long units) {
+    if (threads <= 1 || units <= 1) {
+        fn(ctx, 0, units, 0);
         return;
     }
     pthread_mutex_lock(&post_lock);
     long parts = 1 + ensure_helpers((int)threads - 1);
     if (parts > threads) parts = threads;
+    if (parts > units) parts = units;
     job = (Job){fn, ctx};
-    atomic_store(&parts_done, 0);
+    atomic_store(&units_done, 0);
     const long number = (atomic_load_explicit(&posted, memory_order_relaxed) >> PARTS_BITS) + 1;
+    for (long p = 0; p < parts; p++)
+        atomic_store(&cursors[p].word, CURSOR(TAG(number), units * (p + 1) / parts, units * p / parts));
     atomic_store_explicit(&posted, number << PARTS_BITS | parts, memory_order_seq_cst);
     if (atomic_load(&sleeping)) {
         pthread_mutex_lock(&wake_lock);
         pthread_cond_broadcast(&wake);
         pthread_mutex_unlock(&wake_lock);
     }
-    fn(ctx, 0, parts);
-    while (atomic_load_explicit(&parts_done, memory_order_acquire) < parts - 1) _mm_pause();
+    take_units(TAG(number), 0, parts);
+    for (long spins = 0; atomic_load_explicit(&units_done, memory_order_acquire) < units; spins++)
+        if (spins < 20000)
+            _mm_pause();
+        else
+            sched_yield(); /* a helper holding units was preempted: let it have this core */
     pthread_mutex_unlock(&post_lock);
 }
 
@@ -402,7 +445,7 @@ ALWAYS_INLINE int matmul(int bits, int kernel, const void *q, const uint16_t *d,
     if (N % TILE || (kernel != 1 && kernel != 2) || (kernel == 2 && !tiles_supported())) return -2;
     if (quantize(x, M, K, &qx)) return -1;
     const Product product = {bits, kernel, q, d, m, &qx, y, M, N, K};
-    run_job(product_part, &product, N >= 64 * threads ? threads : 1);
+    run_job(product_part, &product, N >= 64 * threads ? threads : 1, N / TILE);
     release(&qx);
     return 0;
 }
@@ -544,11 +587,11 @@ typedef struct {
     long M, N, K;
 } F32Product;
 
-/* part p of T: rows [8 (N / 8) p / T, ...) of W, the last part to N */
-static void f32_part(const void *ctx, long part, long parts) {
+/* units [u0, u1): rows [8 u0, min(8 u1, N)) of W */
+static void f32_part(const void *ctx, long u0, long u1, long thread) {
+    (void)thread;
     const F32Product *p = ctx;
-    const long blocks = p->N / 8, n0 = 8 * (blocks * part / parts);
-    const long n1 = part + 1 == parts ? p->N : 8 * (blocks * (part + 1) / parts);
+    const long n0 = 8 * u0, n1 = 8 * u1 < p->N ? 8 * u1 : p->N;
     if (p->kernel == 2)
         (p->half ? rows512_f16 : rows512_f32)(p->w, p->x, p->y, p->M, p->N, p->K, n0, n1);
     else
@@ -559,7 +602,7 @@ static int float_matmul(int half, const void *w, const float *x, float *y, long 
                         long kernel) {
     if (K % 16 || (kernel != 1 && kernel != 2) || (kernel == 2 && !tiles_supported())) return -2;
     const F32Product product = {(int)kernel, half, w, x, y, M, N, K};
-    run_job(f32_part, &product, N >= 64 * threads ? threads : 1);
+    run_job(f32_part, &product, N >= 64 * threads ? threads : 1, (N + 7) / 8);
     return 0;
 }
 
@@ -604,10 +647,19 @@ static int layer_product(const Dims *dm, const uint8_t *q, const uint16_t *d, co
 }
 
 static void rms_norm(const float *x, const float *w, float *out, long n, float eps) {
-    double ss = 0.0;
-    for (long i = 0; i < n; i++) ss += (double)x[i] * x[i];
-    float r = 1.0f / sqrtf((float)(ss / n) + eps);
-    for (long i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+    __m256 ss8 = _mm256_setzero_ps();
+    long i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        ss8 = _mm256_fmadd_ps(v, v, ss8);
+    }
+    double ss = hsum(ss8);
+    for (; i < n; i++) ss += (double)x[i] * x[i];
+    const float r = 1.0f / sqrtf((float)(ss / n) + eps);
+    const __m256 r8 = _mm256_set1_ps(r);
+    for (i = 0; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), r8)));
+    for (; i < n; i++) out[i] = w[i] * (x[i] * r);
 }
 
 static inline float dot(const float *a, const float *b, long n) {
@@ -670,37 +722,88 @@ typedef struct { /* one layer's attention for the step's B sequences: what each 
     const float *lpool;
     const long *tables, *lengths;
     long B;
-    float *scores; /* longest floats per part */
+    float *scores; /* longest floats per thread */
     long longest;
 } Attention;
 
-/* the (sequence, query head) pairs [B H part / parts, B H (part + 1) / parts): softmax(q K^T * scaling) V */
-static void attention_part(const void *ctx, long part, long parts) {
+/* 8 sums of 8 lanes each: lane i of the result is the sum of a[i]'s lanes */
+ALWAYS_INLINE __m256 hsum8(const __m256 a[8]) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    /* u0: lanes 0-3 the low halves' sums of a[0..3], 4-7 their high halves'; u1 likewise for a[4..7] */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* scores[t] = q . k_t * scaling for t < len (k_t: token t's key in the sequence's pages), page by
+ * page, 8 tokens at a time (their 8 dot products summed across lanes together); the largest score */
+ALWAYS_INLINE float key_scores(const float *q, const float *kbase, const long *table, long len, long S, long D,
+                               long page_floats, float scaling, float *scores) {
+    __m256 top8 = _mm256_set1_ps(-INFINITY);
+    const __m256 sc = _mm256_set1_ps(scaling);
+    float top = -INFINITY;
+    for (long pg = 0, t0 = 0; t0 < len; pg++, t0 += S) {
+        const float *kp = kbase + table[pg] * page_floats;
+        const long n = len - t0 < S ? len - t0 : S;
+        long i = 0;
+        for (; i + 8 <= n; i += 8) {
+            __m256 acc[8];
+            for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
+            for (long j = 0; j < D; j += 8) {
+                const __m256 qv = _mm256_loadu_ps(q + j);
+                for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp + (i + u) * D + j), acc[u]);
+            }
+            const __m256 s8 = _mm256_mul_ps(hsum8(acc), sc);
+            _mm256_storeu_ps(scores + t0 + i, s8);
+            top8 = _mm256_max_ps(top8, s8);
+        }
+        for (; i < n; i++) {
+            const float v = dot(q, kp + i * D, D) * scaling;
+            scores[t0 + i] = v;
+            top = v > top ? v : top;
+        }
+    }
+    const float top_blocks = hmax(top8);
+    return top_blocks > top ? top_blocks : top;
+}
+
+/* out = inv * sum_t w[t] v_t (v_t: token t's value in the sequence's pages), page by page */
+ALWAYS_INLINE void value_sum(long D, const float *w, const float *vbase, const long *table, long len, long S,
+                             long page_floats, float inv, float *out) {
+    __m256 o[64];
+    for (long j = 0; j < D / 8; j++) o[j] = _mm256_setzero_ps();
+    for (long pg = 0, t0 = 0; t0 < len; pg++, t0 += S) {
+        const float *vp = vbase + table[pg] * page_floats;
+        const long n = len - t0 < S ? len - t0 : S;
+        for (long i = 0; i < n; i++) {
+            const __m256 wt = _mm256_set1_ps(w[t0 + i]);
+            for (long j = 0; j < D / 8; j++) o[j] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vp + i * D + 8 * j), o[j]);
+        }
+    }
+    const __m256 iv = _mm256_set1_ps(inv);
+    for (long j = 0; j < D / 8; j++) _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(o[j], iv));
+}
+
+/* the (sequence, query head) pairs [u0, u1) (pair b H + h): softmax(q K^T * scaling) V */
+static void attention_part(const void *ctx, long u0, long u1, long thread) {
     const Attention *a = ctx;
     const Dims *dm = a->dm;
     const long H = dm->heads, Hkv = dm->kv_heads, D = dm->head_dim, S = dm->page_size, group = H / Hkv;
-    const long qkv_n = (H + 2 * Hkv) * D, page_floats = 2 * Hkv * S * D, pairs = a->B * H;
-    float *scores = a->scores + part * a->longest;
-    for (long p = pairs * part / parts; p < pairs * (part + 1) / parts; p++) {
+    const long qkv_n = (H + 2 * Hkv) * D, page_floats = 2 * Hkv * S * D;
+    float *scores = a->scores + thread * a->longest;
+    for (long p = u0; p < u1; p++) {
         const long b = p / H, hq = p % H, len = a->lengths[b], kh = hq / group;
         const long *table = a->tables + b * dm->max_pages;
         const float *q = a->qkv + b * qkv_n + hq * D;
-        float top = -INFINITY;
-        for (long t = 0; t < len; t++) {
-            const float *k = a->lpool + table[t / S] * page_floats + (kh * S + t % S) * D;
-            scores[t] = dot(q, k, D) * dm->scaling;
-            top = scores[t] > top ? scores[t] : top;
-        }
-        const float total = exp_shifted(scores, scores, len, top);
-        __m256 o[64];
-        for (long j = 0; j < D / 8; j++) o[j] = _mm256_setzero_ps();
-        for (long t = 0; t < len; t++) {
-            const float *v = a->lpool + table[t / S] * page_floats + ((Hkv + kh) * S + t % S) * D;
-            __m256 w = _mm256_set1_ps(scores[t] / total);
-            for (long j = 0; j < D / 8; j++) o[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * j), o[j]);
-        }
+        const float top = key_scores(q, a->lpool + kh * S * D, table, len, S, D, page_floats, dm->scaling, scores);
+        const float inv = 1.f / exp_shifted(scores, scores, len, top);
+        const float *vbase = a->lpool + (Hkv + kh) * S * D;
         float *out = a->att + b * H * D + hq * D;
-        for (long j = 0; j < D / 8; j++) _mm256_storeu_ps(out + 8 * j, o[j]);
+        switch (D) { /* a constant head size: the sums stay in registers */
+        case 64: value_sum(64, scores, vbase, table, len, S, page_floats, inv, out); break;
+        case 128: value_sum(128, scores, vbase, table, len, S, page_floats, inv, out); break;
+        default: value_sum(D, scores, vbase, table, len, S, page_floats, inv, out); break;
+        }
     }
 }
 
@@ -728,7 +831,7 @@ int decode_layers(const Layer *layers, long num_layers, const Dims *dm, float *h
             const float *c = cos + b * D, *s = sin + b * D;
             for (long hh = 0; hh < H + Hkv; hh++) { /* q and k rotated: x * cos + roll(x, half) * sin */
                 float *v = row + hh * D, r[512];
-                for (long j = 0; j < D; j++) r[j] = v[(j + half) % D];
+                for (long j = 0; j < half; j++) r[j] = v[j + half], r[j + half] = v[j];
                 for (long j = 0; j < D; j++) v[j] = v[j] * c[j] + r[j] * s[j];
             }
             float *page = lpool + write_page[b] * page_floats;
@@ -739,7 +842,7 @@ int decode_layers(const Layer *layers, long num_layers, const Dims *dm, float *h
             }
         }
         const Attention attention = {dm, qkv, att, lpool, tables, lengths, B, scores, longest};
-        run_job(attention_part, &attention, B * H >= 2 * threads ? threads : 1);
+        run_job(attention_part, &attention, B * H >= 2 * threads ? threads : 1, B * H);
         if ((rc = layer_product(dm, ly->o_q, ly->o_d, ly->o_m, att, tmp, B, hd, H * D, threads))) break;
         for (long i = 0; i < B * hd; i++) h[i] += tmp[i];
         for (long b = 0; b < B; b++) rms_norm(h + b * hd, ly->norm2, x + b * hd, hd, dm->eps);
