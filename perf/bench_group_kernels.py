@@ -1,5 +1,7 @@
 """Benchmark: int4w's group kernel (``backend/engine/kernels/group_matmul.c``), each version this
-CPU runs (AVX2 always, AVX-512 VNNI where the CPU has it) side by side, on the products of one
+CPU runs (AVX2 always, AVX-512 VNNI where the CPU has it), each with 16-bit and 8-bit activations
+(``a8``: the 4-bit groups' products; the LM head's 8-bit groups keep 16-bit ones) side by side, on
+the products of one
 SmolLM2-135M decode step (per layer q/k/v, o, gate/up and down as int4w fuses them, 30 layers,
 and the LM head's 8-bit groups; random weights of those shapes, read from memory as in serving:
 80 MB of 4-bit tiles and 32 MB of LM head), for a few rows (decode steps of that many sequences)
@@ -28,9 +30,10 @@ HEAD_SHAPE = (49152, 576)
 
 
 def versions() -> list[str]:
-    """The kernel versions this CPU runs (``group_matmul.KERNELS``' names)."""
+    """The kernel versions this CPU runs (``group_matmul.KERNELS``' names), each also with 8-bit
+    activations (`` a8``)."""
     vnni = not cpu_kernels.missing_flags(cpu_kernels.GROUP_VNNI_FLAGS) and group_matmul.library().tiles_supported()
-    return ["avx2", "avx512_vnni"] if vnni else ["avx2"]
+    return [f"{k}{a}" for k in (["avx2", "avx512_vnni"] if vnni else ["avx2"]) for a in ("", " a8")]
 
 
 def step_products(layers: int) -> list[group_matmul.Groups]:
@@ -39,7 +42,9 @@ def step_products(layers: int) -> list[group_matmul.Groups]:
     return weights + [group_matmul.quantize_int8(torch.randn(*HEAD_SHAPE) * 0.05)]
 
 
-def time_step(products: list[group_matmul.Groups], inputs: dict[int, torch.Tensor], rows: int, threads: int, code: int):
+def time_step(
+    products: list[group_matmul.Groups], inputs: dict[int, torch.Tensor], rows: int, threads: int, code: int, acts: int
+):
     lib = group_matmul.library()
     out = torch.empty(rows, HEAD_SHAPE[0])
     start = time.perf_counter()
@@ -48,7 +53,7 @@ def time_step(products: list[group_matmul.Groups], inputs: dict[int, torch.Tenso
         ptrs = (g.q.data_ptr(), g.d.data_ptr())
         if g.m is not None:
             rc = lib.int4_matmul(
-                *ptrs, g.m.data_ptr(), x.data_ptr(), out.data_ptr(), rows, g.padded, g.k, threads, code
+                *ptrs, g.m.data_ptr(), x.data_ptr(), out.data_ptr(), rows, g.padded, g.k, threads, code, acts
             )
         else:
             rc = lib.int8_matmul(*ptrs, x.data_ptr(), out.data_ptr(), rows, g.padded, g.k, threads, code)
@@ -77,7 +82,9 @@ def main(argv=None) -> int:
             best = {n: float("inf") for n in names}
             for _ in range(args.repeats + 1):  # the first round warms up (page faults, helper threads)
                 for n in names:
-                    best[n] = min(best[n], time_step(products, inputs, r, t, group_matmul.KERNELS[n]))
+                    kernel, _, a8 = n.partition(" ")
+                    acts = 8 if a8 else 16
+                    best[n] = min(best[n], time_step(products, inputs, r, t, group_matmul.KERNELS[kernel], acts))
             for n in names:
                 ms[n][str(t)][str(r)] = 1e3 * best[n]
     path = cpu_kernels.kernel_path()

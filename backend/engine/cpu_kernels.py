@@ -49,6 +49,8 @@ FORMAT_FLAGS = {
     "fp16w-bf16": FP16W_BF16_FLAGS,
     "int4w": INT4W_FLAGS,
     "int4w-bf16": (*INT4W_FLAGS, BF16_PRODUCTS),
+    "int4w-a8": INT4W_FLAGS,
+    "int4w-a8-bf16": (*INT4W_FLAGS, BF16_PRODUCTS),
 }
 
 
@@ -142,6 +144,11 @@ class KernelPath:
         return f"int4 groups of 32 (the LM head int8 groups), int16 activations per group (our {kernel} kernel)"
 
     @property
+    def int4w_a8_path(self) -> str:
+        kernel = "AVX-512 VNNI vpdpbusd" if self.group_kernel == "avx512_vnni" else "AVX2+FMA vpmaddubsw"
+        return f"int4 groups of 32 (the LM head int8 groups), int8 activations per group (our {kernel} kernel)"
+
+    @property
     def float32_path(self) -> str:
         kernel = "AVX-512" if self.group_kernel == "avx512_vnni" else "AVX2+FMA"
         return f"float32 weights: our float32 product ({kernel} kernel) for up to 16 rows, MKL's for more"
@@ -161,6 +168,10 @@ class KernelPath:
             "fp16w-bf16": f"{self.fp16w_path} for few rows; {self.bf16_path} for many",
             "int4w": f"{self.int4w_path} for up to 16 rows; fp16w's products (float16, float32) for more",
             "int4w-bf16": f"{self.int4w_path} for up to 16 rows; fp16w-bf16's (float16, {self.bf16_path}) for more",
+            "int4w-a8": f"{self.int4w_a8_path} for up to 16 rows; fp16w's products (float16, float32) for more",
+            "int4w-a8-bf16": (
+                f"{self.int4w_a8_path} for up to 16 rows; fp16w-bf16's (float16, {self.bf16_path}) for more"
+            ),
         }.get(weights, self.int8_path)
         return f"{self.cpu} ({self.cpu_id}); torch {self.torch_capability}; {path}"
 

@@ -57,7 +57,14 @@ def fp16_max_rows(threads: int) -> int:
 
 
 # the dtype of the products of more rows than the limit, per format
-MANY_ROWS = {"fp16w": torch.float32, "fp16w-bf16": torch.bfloat16, "int4w": torch.float32, "int4w-bf16": torch.bfloat16}
+MANY_ROWS = {
+    "fp16w": torch.float32,
+    "fp16w-bf16": torch.bfloat16,
+    "int4w": torch.float32,
+    "int4w-bf16": torch.bfloat16,
+    "int4w-a8": torch.float32,
+    "int4w-a8-bf16": torch.bfloat16,
+}
 
 
 class Fp16Linear(nn.Module):

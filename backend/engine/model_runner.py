@@ -35,7 +35,7 @@ __all__ = ["ModelRunner", "StepResult", "quantize_linear_int8"]
 # runner built after another one's few-row step must not read that step's single thread)
 _PROCESS_THREADS = torch.get_num_threads()
 # the formats whose decode steps may run as one kernel call (``fused_decode.py``)
-FUSED_FORMATS = ("int4w", "int4w-bf16", "fp16w", "fp16w-bf16", "float32")
+FUSED_FORMATS = ("int4w", "int4w-bf16", "int4w-a8", "int4w-a8-bf16", "fp16w", "fp16w-bf16", "float32")
 
 
 @dataclass
@@ -86,7 +86,8 @@ class ModelRunner:
             self._few_rows = fp16_max_rows(self._threads)
             if fmt.startswith("int4w"):  # the decoder layers in 4-bit groups, the LM head in 8-bit ones
                 # our kernel splits a product between the instance's threads (fbgemm's GEMM cannot)
-                self.model = quantize_linear_int4(self.model, self._few_rows, MANY_ROWS[fmt], self._threads)
+                acts = 8 if fmt.startswith("int4w-a8") else 16
+                self.model = quantize_linear_int4(self.model, self._few_rows, MANY_ROWS[fmt], self._threads, acts)
                 self.model = quantize_lm_head_int8(self.model, self._few_rows, MANY_ROWS[fmt], self._threads)
             self.model = quantize_linear_fp16(self.model, self._few_rows, fmt, self._threads)
             log.info(

@@ -31,7 +31,7 @@ def tiny(tmp_path_factory):
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-fused"))
 
 
-FORMATS = pytest.mark.parametrize("fmt", ["int4w", "float32", "fp16w"])
+FORMATS = pytest.mark.parametrize("fmt", ["int4w", "int4w-a8", "float32", "fp16w"])
 
 
 def engines(tiny, fmt="int4w"):
