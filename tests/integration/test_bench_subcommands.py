@@ -244,12 +244,13 @@ def _group_kernels(run: Run) -> None:
     from backend.engine import cpu_kernels
 
     figure = run.figure("group_kernels_*.json")
-    want = {"avx2"} | (set() if cpu_kernels.missing_flags(cpu_kernels.GROUP_VNNI_FLAGS) else {"avx512_vnni"})
+    kernels = {"avx2"} | (set() if cpu_kernels.missing_flags(cpu_kernels.GROUP_VNNI_FLAGS) else {"avx512_vnni"})
+    want = kernels | {f"{k} a8" for k in kernels}  # each version with int16 and int8 activations
     assert set(figure["ms_per_step"]) == want, figure["ms_per_step"]
     for by_threads in figure["ms_per_step"].values():
         assert set(by_threads) == {"1", "2"} and all(set(by_rows) == {"1", "3"} for by_rows in by_threads.values())
         positive(*(ms for by_rows in by_threads.values() for ms in by_rows.values()))
-    assert "| avx2, 2 |" in run.stdout  # the table printed
+    assert "| avx2, 2 |" in run.stdout and "| avx2 a8, 2 |" in run.stdout  # the table printed
 
 
 @check("spec")
