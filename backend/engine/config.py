@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from backend.engine.checkpoint_source import layers_in_int4w_groups
-from backend.engine.cpu_kernels import FORMAT_FLAGS, missing_flags, requirement
+from backend.engine.cpu_kernels import FORMAT_FLAGS, INT8_ACTIVATIONS, missing_flags, requirement
 
 if TYPE_CHECKING:
     import torch
@@ -50,8 +50,8 @@ def _torch():
 # int4w-bf16: int4w with fp16w-bf16's bfloat16 products (AMX tiles or AVX512-BF16) for many rows
 # int4w-a8, int4w-a8-bf16: int4w and int4w-bf16 whose few-row 4-bit products take the activations as
 # int8 per group of 32 (scale max|x| / 127; vpdpbusd or vpmaddubsw: twice int16's products per
-# instruction), the LM head's 8-bit groups as before
-INT4W_FORMATS = ("int4w", "int4w-bf16", "int4w-a8", "int4w-a8-bf16")
+# instruction), the LM head's 8-bit groups as before (cpu_kernels.INT8_ACTIVATIONS)
+INT4W_FORMATS = ("int4w", "int4w-bf16", *INT8_ACTIVATIONS)
 WEIGHT_FORMATS = ("auto", *DTYPES, "int8", "fp16w", "fp16w-bf16", *INT4W_FORMATS)
 # the formats that run on the CPU only, in one process, and their kernels (named in refusals)
 CPU_FORMATS = {
@@ -63,12 +63,8 @@ CPU_FORMATS = {
         "our group kernel (AVX2 and FMA; AVX-512 VNNI where the CPU has it), "
         "oneDNN's bfloat16 (AMX-BF16 or AVX512-BF16)"
     ),
-    "int4w-a8": "our group kernel (AVX2 and FMA; AVX-512 VNNI where the CPU has it), fbgemm's fp16-weight GEMM",
-    "int4w-a8-bf16": (
-        "our group kernel (AVX2 and FMA; AVX-512 VNNI where the CPU has it), "
-        "oneDNN's bfloat16 (AMX-BF16 or AVX512-BF16)"
-    ),
 }
+CPU_FORMATS |= {a8: CPU_FORMATS[base] for a8, base in INT8_ACTIVATIONS.items()}
 # auto: the lean layer loop (backend/engine/lean_decoder.py) where the checkpoint's layers fit it
 # and the model runs in one process, and with int4w weights its decode steps of up to 16 sequences
 # as one kernel call (backend/engine/fused_decode.py) where that applies; lean: the lean layer loop

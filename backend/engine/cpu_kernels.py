@@ -49,9 +49,11 @@ FORMAT_FLAGS = {
     "fp16w-bf16": FP16W_BF16_FLAGS,
     "int4w": INT4W_FLAGS,
     "int4w-bf16": (*INT4W_FLAGS, BF16_PRODUCTS),
-    "int4w-a8": INT4W_FLAGS,
-    "int4w-a8-bf16": (*INT4W_FLAGS, BF16_PRODUCTS),
 }
+# The int4w formats whose few-row 4-bit products take int8 activations, and the format each is
+# otherwise (its CPU features, kernels for many rows): the one place that says so.
+INT8_ACTIVATIONS = {"int4w-a8": "int4w", "int4w-a8-bf16": "int4w-bf16"}
+FORMAT_FLAGS |= {a8: FORMAT_FLAGS[base] for a8, base in INT8_ACTIVATIONS.items()}
 
 
 @functools.cache
@@ -140,13 +142,13 @@ class KernelPath:
 
     @property
     def int4w_path(self) -> str:
-        kernel = "AVX-512 VNNI" if self.group_kernel == "avx512_vnni" else "AVX2+FMA"
-        return f"int4 groups of 32 (the LM head int8 groups), int16 activations per group (our {kernel} kernel)"
+        return self._int4w_path(16)
 
-    @property
-    def int4w_a8_path(self) -> str:
-        kernel = "AVX-512 VNNI vpdpbusd" if self.group_kernel == "avx512_vnni" else "AVX2+FMA vpmaddubsw"
-        return f"int4 groups of 32 (the LM head int8 groups), int8 activations per group (our {kernel} kernel)"
+    def _int4w_path(self, acts: int) -> str:
+        kernel = "AVX-512 VNNI" if self.group_kernel == "avx512_vnni" else "AVX2+FMA"
+        if acts == 8:
+            kernel += " vpdpbusd" if self.group_kernel == "avx512_vnni" else " vpmaddubsw"
+        return f"int4 groups of 32 (the LM head int8 groups), int{acts} activations per group (our {kernel} kernel)"
 
     @property
     def float32_path(self) -> str:
@@ -161,19 +163,17 @@ class KernelPath:
 
     def short(self, weights: str = "int8") -> str:
         """One line for a table's caption or a log line, with the kernel path of the weights
-        format ``weights`` (``int8``, ``float32``, ``fp16w``, ``fp16w-bf16``, ``int4w`` or ``int4w-bf16``)."""
+        format ``weights`` (``int8``, ``float32``, ``fp16w``, ``fp16w-bf16`` or an int4w format)."""
         path = {
             "float32": self.float32_path,
             "fp16w": self.fp16w_path,
             "fp16w-bf16": f"{self.fp16w_path} for few rows; {self.bf16_path} for many",
-            "int4w": f"{self.int4w_path} for up to 16 rows; fp16w's products (float16, float32) for more",
-            "int4w-bf16": f"{self.int4w_path} for up to 16 rows; fp16w-bf16's (float16, {self.bf16_path}) for more",
-            "int4w-a8": f"{self.int4w_a8_path} for up to 16 rows; fp16w's products (float16, float32) for more",
-            "int4w-a8-bf16": (
-                f"{self.int4w_a8_path} for up to 16 rows; fp16w-bf16's (float16, {self.bf16_path}) for more"
-            ),
-        }.get(weights, self.int8_path)
-        return f"{self.cpu} ({self.cpu_id}); torch {self.torch_capability}; {path}"
+        }
+        for fmt in ("int4w", "int4w-bf16", *INT8_ACTIVATIONS):
+            bf16 = fmt.endswith("-bf16")
+            many = f"fp16w-bf16's (float16, {self.bf16_path})" if bf16 else "fp16w's products (float16, float32)"
+            path[fmt] = f"{self._int4w_path(8 if fmt in INT8_ACTIVATIONS else 16)} for up to 16 rows; {many} for more"
+        return f"{self.cpu} ({self.cpu_id}); torch {self.torch_capability}; {path.get(weights, self.int8_path)}"
 
     def as_dict(self) -> dict[str, object]:
         return {

@@ -46,6 +46,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from backend.engine.bf16_linear import bf16_product, pack_bf16
+from backend.engine.cpu_kernels import INT8_ACTIVATIONS
 from backend.engine.group_matmul import FLOAT_ROWS, f32_product, f32_unsupported
 
 
@@ -57,14 +58,8 @@ def fp16_max_rows(threads: int) -> int:
 
 
 # the dtype of the products of more rows than the limit, per format
-MANY_ROWS = {
-    "fp16w": torch.float32,
-    "fp16w-bf16": torch.bfloat16,
-    "int4w": torch.float32,
-    "int4w-bf16": torch.bfloat16,
-    "int4w-a8": torch.float32,
-    "int4w-a8-bf16": torch.bfloat16,
-}
+MANY_ROWS = {"fp16w": torch.float32, "fp16w-bf16": torch.bfloat16, "int4w": torch.float32, "int4w-bf16": torch.bfloat16}
+MANY_ROWS |= {a8: MANY_ROWS[base] for a8, base in INT8_ACTIVATIONS.items()}
 
 
 class Fp16Linear(nn.Module):

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from backend.engine.config import EngineConfig
-from backend.engine.cpu_kernels import kernel_path
+from backend.engine.config import INT4W_FORMATS, EngineConfig
+from backend.engine.cpu_kernels import INT8_ACTIVATIONS, kernel_path
 from backend.engine.device_progress import DeviceProgress, make_progress
 from backend.engine.fp16_linear import MANY_ROWS, fp16_max_rows, quantize_linear_fp16
 from backend.engine.fused_decode import FusedDecode
@@ -35,7 +35,7 @@ __all__ = ["ModelRunner", "StepResult", "quantize_linear_int8"]
 # runner built after another one's few-row step must not read that step's single thread)
 _PROCESS_THREADS = torch.get_num_threads()
 # the formats whose decode steps may run as one kernel call (``fused_decode.py``)
-FUSED_FORMATS = ("int4w", "int4w-bf16", "int4w-a8", "int4w-a8-bf16", "fp16w", "fp16w-bf16", "float32")
+FUSED_FORMATS = (*INT4W_FORMATS, "fp16w", "fp16w-bf16", "float32")
 
 
 @dataclass
@@ -86,7 +86,7 @@ class ModelRunner:
             self._few_rows = fp16_max_rows(self._threads)
             if fmt.startswith("int4w"):  # the decoder layers in 4-bit groups, the LM head in 8-bit ones
                 # our kernel splits a product between the instance's threads (fbgemm's GEMM cannot)
-                acts = 8 if fmt.startswith("int4w-a8") else 16
+                acts = 8 if fmt in INT8_ACTIVATIONS else 16
                 self.model = quantize_linear_int4(self.model, self._few_rows, MANY_ROWS[fmt], self._threads, acts)
                 self.model = quantize_lm_head_int8(self.model, self._few_rows, MANY_ROWS[fmt], self._threads)
             self.model = quantize_linear_fp16(self.model, self._few_rows, fmt, self._threads)
