@@ -1,29 +1,30 @@
-"""Benchmark: KV blocks between host memory and files, the disk tier's plain file I/O vs NIXL's POSIX backend.
+"""Benchmark: the disk KV tier's reads with each file reader: plain file I/O against NIXL's POSIX
+file backend in each of its I/O modes.
 
 A block is one 16-token page of SmolLM2-135M's KV for all 30 layers (float32, shape
-``(30, 2, 3, 16, 64)``, 737,280 bytes); ``--blocks`` distinct random blocks are moved two ways,
-side by side in one run, into a fresh temporary folder (``--dir``, default the system's) each
-repeat:
+``(30, 2, 3, 16, 64)``, 737,280 bytes, a 64-byte header before it); ``--blocks`` distinct random
+blocks are written once by a ``DiskTier`` (``backend/engine/disk_tier.py``: ``put`` of every block,
+then ``close()``, which waits for the writer thread; timed as "write") into a fresh temporary
+folder (``--dir``, default the system's), then read back by a ``DiskTier`` on that folder with
+each reader, in turn, ``--repeats`` times, alternating readers: ``read_many`` of as many blocks as
+its staging buffer holds (45 here), each block's checksum (XXH3-128) verified in place and the
+block copied into a page of a pool-like tensor, as the tiers' loader loads a prompt's prefix.
+Two kinds of read:
 
-* ``DiskTier`` (``backend/engine/disk_tier.py``), as the engine uses it: write = ``put`` of every
-  block then ``close()`` (waits for the writer thread), timed as a whole; one file a block, each
-  encoded (header, SHA-256 checksum), written under another name and renamed into place. Read =
-  ``read`` of every block (read in place into one buffer, checksum verified).
-* NIXL's POSIX file backend (``nixl_cu12``): one file a block, raw payload at offset 0. The
-  blocks' DRAM (one tensor) and the files (``FILE`` descriptors ``(offset, length, fd)``) are
-  registered once, outside the timings; write = one ``initialize_xfer("WRITE", DRAM descs, FILE
-  descs, own agent)`` of all blocks, ``transfer`` and ``check_xfer_state`` until ``DONE``; read =
-  the same with ``"READ"`` into a zeroed DRAM buffer. The prepare (``initialize_xfer``) is inside
-  the timings and also reported alone.
+* **warm**: the files in the page cache (just read), the copy path;
+* **cold**: every file dropped from the page cache first (``posix_fadvise(DONTNEED)`` after
+  ``sync``: no root needed), so the reads go to the device.
 
-Reads find the files in the page cache (just written), so they measure the copy path, not the
-device. Each way's read-back is checked against what was written (``torch.equal``). MB/s are
-payload bytes (1e6) per second, best of ``--repeats``; "ms/block read" is the best read time over
-the blocks. If NIXL or its POSIX backend cannot start, or a transfer fails, its row records the
-error and the DiskTier row is still reported. Prints a markdown table and writes
-``disk-tier.json`` and ``disk-tier.md`` to the results folder (``perf/results/``).
+The readers: ``plain file I/O`` (one ``preadv`` per file, ``backend/engine/file_reader.py``) and
+``NIXL POSIX (mode)`` (``fabric_bridge/file_reader.py``: the files registered as ``FILE`` memory
+and read in one NIXL transfer, for each of ``posix_aio``, ``uring``, ``aio``; a mode the machine
+refuses records its error). Each read-back is checked against what was written (``torch.equal``, outside the timings).
+MB/s are payload bytes (1e6) per second; reads: the median over the repeats (and the best); the
+checksum alone (XXH3-128 against the SHA-256 of the format before) is timed on one block.
+Prints a markdown table and writes ``disk-tier.json`` and ``disk-tier.md`` to the results folder
+(``perf/results/``).
 
-    python -m perf.bench_disk_tier [--blocks 256] [--repeats 3] [--dir /tmp]
+    python -m perf.bench_disk_tier [--blocks 256] [--repeats 5] [--dir /tmp]
 """
 
 from __future__ import annotations
@@ -33,14 +34,20 @@ import hashlib
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import xxhash
 
-from backend.engine.disk_tier import DiskTier
+from backend.engine.disk_tier import STAGE_BYTES, DiskTier
+from backend.engine.file_reader import FileReader, PlainFileReader
+from backend.engine.kv_block import HEADER
+from fabric_bridge.file_reader import MODES, NixlFileReader
 from perf.lib.machine import cpu_model
 from perf.lib.results import results_dir
 
@@ -72,8 +79,8 @@ def fs_type(path: Path) -> str:
     return kind
 
 
-# ---------------------------------------------------------------- DiskTier
-def disk_tier_once(blocks: torch.Tensor, names: list[bytes], root: Path) -> dict:
+# ---------------------------------------------------------------- the ways
+def write_blocks(blocks: torch.Tensor, names: list[bytes], root: Path) -> tuple[float, Path]:
     tier = DiskTier(root=root, capacity_bytes=1 << 50, salt=b"bench", layout={}, block_shape=BLOCK_SHAPE, dtype=DTYPE)
     start = time.perf_counter()
     for key, block in zip(names, blocks):
@@ -83,110 +90,69 @@ def disk_tier_once(blocks: torch.Tensor, names: list[bytes], root: Path) -> dict
     stats = tier.stats()
     if stats["writes"] != len(names) or stats["dropped"]:
         raise RuntimeError(f"DiskTier wrote {stats['writes']} of {len(names)} blocks ({stats['dropped']} dropped)")
-    read = []
-    start = time.perf_counter()
-    for key in names:
-        read.append(tier.read(key))
-    read_s = time.perf_counter() - start
-    matched = all(r is not None and torch.equal(r, b) for r, b in zip(read, blocks))
-    return {"write_s": write_s, "read_s": read_s, "matched": matched}
+    return write_s, tier.folder
 
 
-# ---------------------------------------------------------------- NIXL POSIX
-def _wait(agent, handle, what: str) -> None:
-    state = agent.transfer(handle)
-    deadline = time.monotonic() + XFER_TIMEOUT_S
-    while state == "PROC":
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"NIXL {what} not done after {XFER_TIMEOUT_S:.0f} s")
-        state = agent.check_xfer_state(handle)
-    if state != "DONE":
-        raise RuntimeError(f"NIXL {what} ended in state {state!r}")
-
-
-def nixl_once(agent, blocks: torch.Tensor, folder: Path) -> dict:
-    """One repeat: N files in ``folder``, all blocks written in one xfer, read back in another."""
-    n, size = blocks.shape[0], block_bytes()
-    back = torch.zeros_like(blocks)
-    fds = [os.open(folder / f"{i:06d}.kv", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644) for i in range(n)]
-    regs = []
-    try:
-        regs.append(agent.register_memory(blocks, backends=["POSIX"]))
-        regs.append(agent.register_memory(back, backends=["POSIX"]))
-        regs.append(agent.register_memory([(0, size, fd, "") for fd in fds], "FILE", backends=["POSIX"]))
-        files = agent.get_xfer_descs([(0, size, fd) for fd in fds], "FILE")
-        src = agent.get_xfer_descs([(blocks.data_ptr() + i * size, size, 0) for i in range(n)], "DRAM")
-        dst = agent.get_xfer_descs([(back.data_ptr() + i * size, size, 0) for i in range(n)], "DRAM")
-        out = {}
-        for op, local, name in (("WRITE", src, "write"), ("READ", dst, "read")):
-            start = time.perf_counter()
-            handle = agent.initialize_xfer(op, local, files, agent.name, backends=["POSIX"])
-            out[f"{name}_prep_s"] = time.perf_counter() - start
-            try:
-                _wait(agent, handle, name)
-                out[f"{name}_s"] = time.perf_counter() - start
-                if op == "WRITE":
-                    out["backend"] = agent.query_xfer_backend(handle)
-            finally:
-                agent.release_xfer_handle(handle)
-        out["matched"] = torch.equal(back, blocks)
-        return out
-    finally:
-        for reg in regs:
-            try:
-                agent.deregister_memory(reg, backends=["POSIX"])
-            except Exception:  # cleanup only: the timings are what matters
-                pass
-        for fd in fds:
+def drop_from_page_cache(folder: Path) -> None:
+    os.sync()
+    for path in folder.glob("*.kv"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
             os.close(fd)
 
 
-def nixl_agent():
-    """A NIXL agent with the POSIX backend (raises whatever NIXL raises when it cannot)."""
-    from nixl_cu12._api import nixl_agent, nixl_agent_config
+def read_all(tier: DiskTier, names: list[bytes], pages: torch.Tensor) -> float:
+    """Every block read back in the loader's batches and copied into ``pages`` (as the loader
+    copies into the pool's); the seconds it took."""
+    start = time.perf_counter()
+    for at in range(0, len(names), tier.batch_blocks):
+        for i, block in enumerate(tier.read_many(names[at : at + tier.batch_blocks])):
+            if block is not None:
+                pages[at + i].copy_(block)
+    return time.perf_counter() - start
 
-    agent = nixl_agent("bench_disk_tier", nixl_agent_config(enable_prog_thread=False, backends=[]))
-    agent.create_backend("POSIX")
-    return agent
+
+def checksum_ms() -> dict:
+    payload = os.urandom(block_bytes())
+    out = {}
+    for name, fn in (
+        ("xxh3_128", lambda: xxhash.xxh3_128_digest(payload)),
+        ("sha256", lambda: hashlib.sha256(payload).digest()),
+    ):
+        fn()
+        start = time.perf_counter()
+        for _ in range(50):
+            fn()
+        out[name] = 1e3 * (time.perf_counter() - start) / 50
+    return out
 
 
 # ---------------------------------------------------------------- report
-def summarise(runs: list[dict], n: int) -> dict:
-    mb = n * block_bytes() / 1e6
-    write_s = min(r["write_s"] for r in runs)
-    read_s = min(r["read_s"] for r in runs)
-    row = {
-        "write_mb_s": mb / write_s,
-        "read_mb_s": mb / read_s,
-        "ms_per_block_read": 1e3 * read_s / n,
-        "matched": all(r["matched"] for r in runs),
-        "write_s": [r["write_s"] for r in runs],
-        "read_s": [r["read_s"] for r in runs],
-    }
-    for k in ("write_prep_s", "read_prep_s"):
-        if k in runs[0]:
-            row[k] = [r[k] for r in runs]
-    return row
-
-
-def table(rows: dict[str, dict]) -> str:
-    lines = ["| way | write MB/s | read MB/s | ms/block read | read-back matched |", "|---|---|---|---|---|"]
+def table(rows: dict[str, dict], write_mb_s: float) -> str:
+    lines = [
+        "| reader | warm read MB/s | warm ms/block | cold read MB/s | cold ms/block | read-back matched |",
+        "|---|---|---|---|---|---|",
+    ]
     for way, r in rows.items():
         if "error" in r:
             error = " ".join(r["error"].split()).replace("|", "/")  # one table cell
-            lines.append(f"| {way} | error: {error} | | | |")
-        else:
-            matched = "yes" if r["matched"] else "NO"
-            row = f"{r['write_mb_s']:.0f} | {r['read_mb_s']:.0f} | {r['ms_per_block_read']:.3f} | {matched}"
-            lines.append(f"| {way} | {row} |")
-    return "\n".join(lines)
+            lines.append(f"| {way} | error: {error} | | | | |")
+            continue
+        cells = []
+        for kind in ("warm", "cold"):
+            k = r[kind]
+            cells += [f"{k['mb_s']:.0f} (best {k['best_mb_s']:.0f})", f"{k['ms_per_block']:.3f}"]
+        lines.append(f"| {way} | {' | '.join(cells)} | {'yes' if r['matched'] else 'NO'} |")
+    return "\n".join(lines) + f"\n\nwrite (DiskTier's writer thread, plain file I/O): {write_mb_s:.0f} MB/s"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--blocks", type=int, default=256, help="KV blocks moved each way (default 256)")
-    p.add_argument("--repeats", type=int, default=3, help="repeats, best reported (default 3)")
-    p.add_argument("--dir", default=None, help="where the temporary folders go (default the system's temp folder)")
+    p.add_argument("--blocks", type=int, default=256, help="KV blocks written and read (default 256)")
+    p.add_argument("--repeats", type=int, default=5, help="reads per reader and kind, median reported (default 5)")
+    p.add_argument("--dir", default=None, help="where the temporary folder goes (default the system's temp folder)")
     args = p.parse_args(argv)
     if args.blocks < 1 or args.repeats < 1:
         p.error("--blocks and --repeats must be positive")
@@ -194,48 +160,59 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     blocks = torch.randn(args.blocks, *BLOCK_SHAPE, dtype=DTYPE)
     names = keys(args.blocks)
+    mb = args.blocks * block_bytes() / 1e6
 
-    runs: dict[str, list[dict]] = {"DiskTier (plain file I/O)": [], "NIXL POSIX": []}
+    root = Path(tempfile.mkdtemp(prefix="bench_disk_tier_", dir=base))
     rows: dict[str, dict] = {}
-    agent, nixl_error, backend_info = None, None, {}
+    tiers: dict[str, DiskTier] = {}
     try:
-        agent = nixl_agent()
-        backend_info = {
-            "plugin_params": agent.get_plugin_params("POSIX"),
-            "backend_params": agent.backend_options.get("POSIX", {}),
-            "mems": agent.backend_mems.get("POSIX"),
-        }
-    except Exception as e:  # the row records why NIXL could not run
-        nixl_error = f"{type(e).__name__}: {e}"
-    for _ in range(args.repeats):
-        for way in runs:
-            if way == "NIXL POSIX" and nixl_error:
-                continue
-            folder = Path(tempfile.mkdtemp(prefix="bench_disk_tier_", dir=base))
+        write_s, folder = write_blocks(blocks, names, root)
+        readers: dict[str, Callable[[], FileReader]] = {"plain file I/O": PlainFileReader}
+        readers.update({f"NIXL POSIX ({m})": (lambda m=m: NixlFileReader(m)) for m in MODES})
+        for way, make in readers.items():
             try:
-                if way == "NIXL POSIX":
-                    try:
-                        runs[way].append(nixl_once(agent, blocks, folder))
-                    except Exception as e:  # a failed transfer: the row records it
-                        nixl_error = f"{type(e).__name__}: {e}"
-                else:
-                    runs[way].append(disk_tier_once(blocks, names, folder))
-            finally:
-                shutil.rmtree(folder, ignore_errors=True)
-    for way, done in runs.items():
-        if way == "NIXL POSIX" and nixl_error:
-            rows[way] = {"error": nixl_error}
-        else:
-            rows[way] = summarise(done, args.blocks)
-    if "backend" in (runs["NIXL POSIX"] or [{}])[0]:
-        backend_info["chosen"] = runs["NIXL POSIX"][0]["backend"]
+                reader = make()
+            except Exception as e:  # the row records why this reader cannot start here
+                rows[way] = {"error": f"{type(e).__name__}: {e}"}
+                continue
+            tiers[way] = DiskTier(root, 1 << 50, b"bench", {}, BLOCK_SHAPE, DTYPE, reader=reader)
+        times: dict[str, dict[str, list[float]]] = {way: {"warm": [], "cold": []} for way in tiers}
+        matched = dict.fromkeys(tiers, True)
+        for _ in range(args.repeats):
+            for way, tier in tiers.items():  # alternated: each repeat reads with every reader in turn
+                for kind in ("cold", "warm"):
+                    if kind == "cold":
+                        drop_from_page_cache(folder)
+                    pages = torch.zeros_like(blocks)
+                    times[way][kind].append(read_all(tier, names, pages))
+                    matched[way] &= torch.equal(pages, blocks)
+        for way, tier in tiers.items():
+            if tier.reader.name != way:  # it failed and gave way to plain file I/O: say so
+                rows[way] = {"error": f"fell back to {tier.reader.name} (see the log)"}
+                continue
+            row: dict = {"matched": matched[way]}
+            for kind, ts in times[way].items():
+                row[kind] = {
+                    "mb_s": mb / statistics.median(ts),
+                    "best_mb_s": mb / min(ts),
+                    "ms_per_block": 1e3 * statistics.median(ts) / args.blocks,
+                    "seconds": ts,
+                }
+            rows[way] = row
+    finally:
+        for tier in tiers.values():
+            tier.close()
+        shutil.rmtree(root, ignore_errors=True)
 
+    checks = checksum_ms()
     head = (
-        f"{args.blocks} KV blocks of {block_bytes():,} bytes ({args.blocks * block_bytes() / 1e6:.0f} MB) "
-        f"{'x'.join(map(str, BLOCK_SHAPE))} float32, best of {args.repeats}; "
-        f"files on {fs_type(base)}, reads from the page cache; CPU: {cpu_model()}"
+        f"{args.blocks} KV blocks of {block_bytes():,} bytes ({mb:.0f} MB) {'x'.join(map(str, BLOCK_SHAPE))} "
+        f"float32, read by the disk tier in batches of {min(args.blocks, batch_blocks())}, median of "
+        f"{args.repeats} (readers alternated); files on {fs_type(base)}; cold: dropped from the page cache "
+        f"first; CPU: {cpu_model()}. Checksum of one block: XXH3-128 {checks['xxh3_128']:.3f} ms "
+        f"(SHA-256, the format before: {checks['sha256']:.3f} ms)"
     )
-    md = head + "\n\n" + table(rows) + "\n"
+    md = head + "\n\n" + table(rows, mb / write_s) + "\n"
     result = {
         "blocks": args.blocks,
         "block_bytes": block_bytes(),
@@ -244,8 +221,8 @@ def main(argv=None) -> int:
         "dir": str(base),
         "filesystem": fs_type(base),
         "cpu": cpu_model(),
-        "nixl_files": "one file per block, payload at offset 0",
-        "nixl_posix": backend_info,
+        "write_mb_s": mb / write_s,
+        "checksum_ms": checks,
         "ways": rows,
     }
     out = results_dir()
@@ -253,6 +230,11 @@ def main(argv=None) -> int:
     (out / "disk-tier.md").write_text(md)
     print(md)
     return 0
+
+
+def batch_blocks() -> int:
+    """The disk tier's read batch for this block size."""
+    return max(1, STAGE_BYTES // (HEADER + block_bytes()))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("perf.goodput", "goodput under SLOs over a rate sweep, aggregated budgets and disaggregated"),
     "multiturn": ("perf.bench_multiturn", "multi-turn chat: prefix caching, KV-aware routing, KV tiers"),
     "dashboard": ("perf.bench_dashboard", "the Grafana dashboard's panels as PNG charts, from Prometheus under load"),
-    "disk-tier": ("perf.bench_disk_tier", "KV blocks to and from files: the disk tier's file I/O vs NIXL POSIX"),
+    "disk-tier": ("perf.bench_disk_tier", "the disk KV tier's reads: plain file I/O vs NIXL's POSIX backend"),
     "local-prefill": ("perf.bench_local_prefill", "conditional disaggregation of short prompts"),
     "migration": ("perf.bench_migration", "what a client sees when its decode instance dies"),
     "perplexity": ("perf.bench_perplexity", "perplexity on held-out text through the server, per format and mode"),

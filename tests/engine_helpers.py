@@ -61,7 +61,7 @@ def real_model_dir() -> Path:
     return REAL_MODEL_DIR
 
 
-def make_engine(model_dir: Path, store=None, **overrides) -> LLMEngine:
+def make_engine(model_dir: Path, store=None, disk_reader=None, **overrides) -> LLMEngine:
     """An engine on ``model_dir`` with small limits and no disk KV tier; float32 weights unless ``overrides`` name a
     format (the tests compare with transformers' float32; ``weights_dtype``'s default, auto,
     picks fp16w on most CPUs)."""
@@ -74,7 +74,7 @@ def make_engine(model_dir: Path, store=None, **overrides) -> LLMEngine:
         kv_disk_bytes=0,  # no files shared between tests; the disk tier's tests name their own
     )
     settings.update(overrides)
-    return build_engine(EngineConfig(**settings), store)
+    return build_engine(EngineConfig(**settings), store, disk_reader)
 
 
 def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, list[EngineOutput]]:

@@ -70,6 +70,7 @@ CPU_FORMATS |= {a8: CPU_FORMATS[base] for a8, base in INT8_ACTIVATIONS.items()}
 # as one kernel call (backend/engine/fused_decode.py) where that applies; lean: the lean layer loop
 # only; transformers: always transformers' own modules
 DECODERS = ("auto", "lean", "transformers")
+DISK_READERS = ("auto", "nixl", "plain")  # how the disk KV tier reads its files (kv_disk_reader)
 
 
 @dataclass
@@ -98,7 +99,9 @@ class EngineConfig:
     KV tiers below the pool (with prefix caching, one process; ``kv_tiers.py``): a host tier of
     ``kv_host_tokens`` tokens (default: as many as the pool; 0: none) and a disk tier of at most
     ``kv_disk_bytes`` (0: none) under ``kv_disk_path`` (default: ``kv`` in the user's cache,
-    :func:`cache_root`), which takes blocks hit at least ``kv_disk_admit_hits`` times; a shared
+    :func:`cache_root`), which takes blocks hit at least ``kv_disk_admit_hits`` times and reads
+    them with ``kv_disk_reader`` (``auto``: NIXL's POSIX file backend where it starts, else plain
+    file I/O; ``nixl``: NIXL's or refuse to start; ``plain``; the serving layer builds it); a shared
     tier in the store at ``kv_store_url`` (``redis://HOST:PORT``; empty: none), every call to it
     bounded by ``kv_store_timeout_s`` (the serving layer connects: ``backend/cluster/kv_store.py``).
     """
@@ -123,6 +126,7 @@ class EngineConfig:
     kv_disk_bytes: int = 4 << 30
     kv_disk_path: str = ""
     kv_disk_admit_hits: int = 2
+    kv_disk_reader: str = "auto"
     kv_store_url: str = ""
     kv_store_timeout_s: float = 0.5
     # why weights_dtype is what it is (set by __post_init__; "" where it was set explicitly)
@@ -169,6 +173,10 @@ class EngineConfig:
             self.kv_host_tokens = self.num_pages * self.page_size
         if not isinstance(self.kv_store_timeout_s, (int, float)) or not 0 < self.kv_store_timeout_s <= 60:
             raise ValueError(f"EngineConfig.kv_store_timeout_s must be in (0, 60], got {self.kv_store_timeout_s!r}")
+        if self.kv_disk_reader not in DISK_READERS:
+            raise ValueError(
+                f"EngineConfig.kv_disk_reader must be one of {', '.join(DISK_READERS)}, got {self.kv_disk_reader!r}"
+            )
         for name in ("kv_host_tokens", "kv_disk_bytes", "kv_disk_admit_hits"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:

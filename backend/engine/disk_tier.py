@@ -9,6 +9,12 @@ layout's) is logged once, counted, removed and reported as a miss: its KV is com
 never loaded. Instances of the same model and layout on one
 machine share the folder: a block another instance wrote is found by its name.
 
+Reads come in batches (:meth:`DiskTier.read_many`, a request's consecutive blocks, at most
+``batch_blocks``): the files are opened and their sizes checked, then read by the tier's
+:class:`~backend.engine.file_reader.FileReader` (NIXL's POSIX backend where the serving layer
+could start it, else plain ``pread``) into one staging buffer, where each block is checked and
+used in place. A reader that fails is logged once and replaced by plain file I/O.
+
 Writes go through one writer thread with a bounded queue (a full queue drops the block and counts
 it); the folder is kept under ``capacity_bytes`` by removing the least recently used files this
 instance knows (those it found at start, wrote, or read).
@@ -27,20 +33,43 @@ from pathlib import Path
 import torch
 
 from backend.engine.block_writer import BlockWriter
-from backend.engine.kv_block import BlockCodec, layout_digest
+from backend.engine.file_reader import FileReader, PlainFileReader
+from backend.engine.kv_block import HEADER, BlockCodec, layout_digest
 
 log = logging.getLogger("triton_disagg.engine")
 
 WRITE_QUEUE = 256  # blocks waiting for the writer at most (a full queue drops)
+STAGE_BYTES = 32 << 20  # the read staging buffer (at least one block)
 
 
 class DiskTier:
-    def __init__(self, root: Path, capacity_bytes: int, salt: bytes, layout: dict, block_shape: tuple, dtype):
+    def __init__(
+        self,
+        root: Path,
+        capacity_bytes: int,
+        salt: bytes,
+        layout: dict,
+        block_shape: tuple,
+        dtype,
+        reader: FileReader | None = None,
+    ):
         self.capacity_bytes = capacity_bytes
         self.codec = BlockCodec(layout_digest(salt, layout), block_shape, dtype)
+        self.reader: FileReader = reader if reader is not None else PlainFileReader()
+        self.batch_blocks = max(1, STAGE_BYTES // self.codec.size)
+        self._stage: torch.Tensor | None = None  # allocated at the first read
+        self._read_lock = threading.RLock()  # the staging buffer and the reader
         self.folder = Path(root) / self.codec.digest.hex()
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.counters = {"writes": 0, "write_bytes": 0, "dropped": 0, "reads": 0, "read_bytes": 0, "corrupt": 0}
+        self.counters = {
+            "writes": 0,
+            "write_bytes": 0,
+            "dropped": 0,
+            "reads": 0,
+            "read_bytes": 0,
+            "corrupt": 0,
+            "read_errors": 0,
+        }
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] = OrderedDict()  # hash -> file size, least recently used first
         self._bytes = 0
@@ -82,29 +111,21 @@ class DiskTier:
                 self.counters["dropped"] += 1
 
     def read(self, key: bytes) -> torch.Tensor | None:
-        """The block, or None: missing, or damaged (then logged once, counted and removed)."""
-        path = self.path(key)
-        try:
-            with open(path, "rb") as f:
-                data = bytearray(self.codec.size)  # read in place: the block's tensor uses it
-                n = f.readinto(data)
-                longer = bool(f.read(1))
-        except OSError:
-            self._forget(key)
-            return None
-        if n != len(data) or longer:
-            self._damaged(key, path, f"{'more than ' if longer else ''}{n} bytes, expected {len(data)}")
-            return None
-        block, why = self.codec.decode(key, data)
-        if block is None:
-            self._damaged(key, path, why)
-            return None
-        with self._lock:
-            self.counters["reads"] += 1
-            self.counters["read_bytes"] += len(data)
-            if key in self._index:
-                self._index.move_to_end(key)
-        return block
+        """The block (a tensor of its own), or None: missing, or damaged (then logged once, counted
+        and removed)."""
+        with self._read_lock:
+            block = self.read_many([key])[0]
+            return None if block is None else block.clone()
+
+    def read_many(self, keys: list[bytes]) -> list[torch.Tensor | None]:
+        """The blocks of ``keys`` (at most :attr:`batch_blocks`), each None where missing, damaged
+        (logged once, counted, removed) or not read (a read error: logged once, counted, the file
+        kept). The blocks are views of the tier's staging buffer, good until the next read: one
+        caller at a time (the tiers' loader thread)."""
+        if len(keys) > self.batch_blocks:
+            raise ValueError(f"read_many: {len(keys)} blocks, at most {self.batch_blocks} at a time")
+        with self._read_lock:
+            return self._read_many(keys)
 
     def keys(self) -> list[bytes]:
         with self._lock:
@@ -115,10 +136,95 @@ class DiskTier:
             return {"blocks": len(self._index), "bytes": self._bytes, **self.counters}
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Write what is queued (at most ``timeout_s``), then stop the writer."""
+        """Write what is queued (at most ``timeout_s``), then stop the writer and the reader."""
         self._writer.close(timeout_s)
+        with self._read_lock:
+            self.reader.close()
 
     # ---------------------------------------------------------------- internals
+    def _read_many(self, keys: list[bytes]) -> list[torch.Tensor | None]:
+        size = self.codec.size
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        fds: list[int] = []
+        slots: list[int] = []  # which of keys each fd is
+        try:
+            for i, key in enumerate(keys):
+                fd = self._open(key, size)
+                if fd is not None:
+                    fds.append(fd)
+                    slots.append(i)
+            if not fds or not self._read_files(fds, size):
+                return out
+        finally:
+            for fd in fds:
+                os.close(fd)
+        assert self._stage is not None
+        view = self._stage.numpy().data.cast("B")
+        for j, i in enumerate(slots):
+            key, at = keys[i], j * size
+            why = self.codec.check(key, bytes(view[at : at + HEADER]), view[at + HEADER : at + size])
+            if why:
+                self._damaged(key, self.path(key), why)
+                continue
+            payload = self._stage[at + HEADER : at + size]
+            out[i] = payload.view(self.codec.dtype).view(self.codec.block_shape)
+            with self._lock:
+                self.counters["reads"] += 1
+                self.counters["read_bytes"] += size
+                if key in self._index:
+                    self._index.move_to_end(key)
+        return out
+
+    def _open(self, key: bytes, size: int) -> int | None:
+        """The block's file opened for reading, or None: missing (forgotten) or of another size
+        (damaged: logged, counted, removed)."""
+        path = self.path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            self._forget(key)
+            return None
+        try:
+            length = os.fstat(fd).st_size
+        except OSError:
+            os.close(fd)
+            self._forget(key)
+            return None
+        if length != size:
+            os.close(fd)
+            self._damaged(key, path, f"of {length} bytes, expected {size}")
+            return None
+        return fd
+
+    def _read_files(self, fds: list[int], size: int) -> bool:
+        """Read the open files into the staging buffer; False (logged once, counted) when they
+        cannot be read. A reader other than plain file I/O that fails is replaced by it."""
+        if self._stage is None:
+            self._stage = torch.empty(self.batch_blocks * size, dtype=torch.uint8)
+        try:
+            self.reader.read(fds, size, self._stage)
+            return True
+        except Exception as e:
+            if isinstance(self.reader, PlainFileReader):
+                self._warn_once("read", f"cannot read from {self.folder} ({e}); those blocks are computed")
+                with self._lock:
+                    self.counters["read_errors"] += 1
+                return False
+            with self._lock:
+                self.counters["read_errors"] += 1
+            failed, self.reader = self.reader, PlainFileReader()
+            self._warn_once("reader", f"{failed.name} failed ({type(e).__name__}: {e}); reading with plain file I/O")
+            with contextlib.suppress(Exception):
+                failed.close()
+            return self._read_files(fds, size)
+
+    def _warn_once(self, what: str, message: str) -> None:
+        with self._lock:
+            first = what not in self._warned
+            self._warned.add(what)
+        if first:
+            log.warning("disk KV tier: %s", message)
+
     def _damaged(self, key: bytes, path: Path, why: str) -> None:
         with self._lock:
             self.counters["corrupt"] += 1
@@ -159,10 +265,7 @@ class DiskTier:
         except OSError as e:  # a full or read-only disk: logged once, the block dropped
             with self._lock:
                 self.counters["dropped"] += 1
-                first = "write" not in self._warned
-                self._warned.add("write")
-            if first:
-                log.warning("disk KV tier: cannot write to %s (%s); blocks are dropped", self.folder, e)
+            self._warn_once("write", f"cannot write to {self.folder} ({e}); blocks are dropped")
 
     def _write(self, key: bytes, block: torch.Tensor) -> None:
         header, payload = self.codec.encode_parts(key, block)

@@ -63,6 +63,10 @@ class TierLoad:
     key: bytes
     block: torch.Tensor | str
 
+    def on(self, tier: str) -> bool:
+        """The block is read from ``tier`` (:data:`DISK` or :data:`SHARED`)."""
+        return isinstance(self.block, str) and self.block == tier
+
 
 class KVTiers:
     def __init__(
@@ -304,24 +308,34 @@ class KVTiers:
                 log.exception("KV tier waker raised")
 
     def _copy(self, loads: list[TierLoad]) -> int:
-        for i, load in enumerate(loads):
-            block = self._read(load)
+        """Copy ``loads`` into their pages in order, the disk tier's consecutive blocks read in
+        batches; how many were copied before the first that could not be read."""
+        i = 0
+        while i < len(loads):
+            if loads[i].on(DISK):
+                assert self.disk is not None
+                batch = loads[i : i + self.disk.batch_blocks]
+                batch = batch[: next((n for n, b in enumerate(batch) if not b.on(DISK)), len(batch))]
+                for n, block in enumerate(self.disk.read_many([b.key for b in batch])):
+                    if block is None:
+                        return i + n
+                    self.pool.tensor[:, batch[n].page].copy_(block)
+                    with self._lock:
+                        self.counters["disk_hit_blocks"] += 1
+                i += len(batch)
+                continue
+            block = self._read(loads[i])
             if block is None:
                 return i
-            self.pool.tensor[:, load.page].copy_(block)
+            self.pool.tensor[:, loads[i].page].copy_(block)
+            i += 1
         return len(loads)
 
     def _read(self, load: TierLoad) -> torch.Tensor | None:
+        """A host-tier or shared-tier block (the disk tier's are read in batches by :meth:`_copy`)."""
         if isinstance(load.block, torch.Tensor):
             with self._lock:
                 self.counters["host_hit_blocks"] += 1
             return load.block
-        if load.block == DISK:
-            assert self.disk is not None
-            block = self.disk.read(load.key)
-            if block is not None:
-                with self._lock:
-                    self.counters["disk_hit_blocks"] += 1
-            return block
-        assert self.shared is not None
+        assert self.shared is not None and load.on(SHARED)
         return self.shared.read(load.key)

@@ -39,6 +39,7 @@ from backend.engine.cache_summary import CacheSummary
 from backend.engine.checkpoint_source import checkpoint_identity
 from backend.engine.config import EngineConfig
 from backend.engine.disk_tier import DiskTier
+from backend.engine.file_reader import FileReader
 from backend.engine.kv_block import BlockCodec, layout_digest
 from backend.engine.kv_tiers import KVTiers, TierLoad
 from backend.engine.model_runner import ModelRunner
@@ -61,11 +62,19 @@ LOOKUP_WAIT_S = 1.0  # a request waits this long at most for the shared tier's a
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None, store: BlockStore | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner | None = None,
+        store: BlockStore | None = None,
+        disk_reader: Callable[[], FileReader | None] | None = None,
+    ):
         """``runner``: the model runner to drive (a tensor-parallel lead is built by
         ``backend.parallel.engine_factory.build_engine``); default: a plain ``ModelRunner``.
         ``store``: the shared KV tier's store (``config.kv_store_url``'s, built by the serving
-        layer), or None."""
+        layer), or None. ``disk_reader``: builds what the disk tier reads its files with, called
+        only when there is one (the serving layer's, from ``config.kv_disk_reader``; None, or
+        it returning None: plain file I/O)."""
         self.config = config
         self.max_model_len = config.resolve_max_model_len()
         if runner is None:
@@ -77,7 +86,7 @@ class LLMEngine:
         self.runner = runner
         assert config.num_pages is not None  # EngineConfig resolves it from kv_cache_tokens
         salt = self._cache_salt()
-        self.tiers = self._build_tiers(salt, store)
+        self.tiers = self._build_tiers(salt, store, disk_reader)
         self.allocator = PageAllocator(
             config.num_pages, config.page_size, prefix_caching=config.enable_prefix_caching, salt=salt, tiers=self.tiers
         )
@@ -106,7 +115,9 @@ class LLMEngine:
             f"|tp{c.tensor_parallel_size}|ps{c.page_size}"
         ).encode()
 
-    def _build_tiers(self, salt: bytes, store: BlockStore | None) -> KVTiers | None:
+    def _build_tiers(
+        self, salt: bytes, store: BlockStore | None, reader: Callable[[], FileReader | None] | None
+    ) -> KVTiers | None:
         """The KV tiers below the pool, or None (no prefix caching, no tier configured, or a pool
         held by more than one process: a TP instance's pages are in its ranks)."""
         c = self.config
@@ -124,7 +135,15 @@ class LLMEngine:
         disk = None
         if c.kv_disk_bytes > 0:
             try:
-                disk = DiskTier(c.disk_tier_folder, c.kv_disk_bytes, salt, pool.layout(), block_shape, pool.dtype)
+                disk = DiskTier(
+                    c.disk_tier_folder,
+                    c.kv_disk_bytes,
+                    salt,
+                    pool.layout(),
+                    block_shape,
+                    pool.dtype,
+                    reader() if reader is not None else None,
+                )
             except OSError as e:
                 log.warning("KV tiers: no disk tier (%s: %s)", c.disk_tier_folder, e)
         codec = BlockCodec(layout_digest(salt, pool.layout()), block_shape, pool.dtype)
@@ -134,7 +153,10 @@ class LLMEngine:
             "KV tiers: host %d blocks of %d tokens; disk %s; shared %s",
             host_blocks,
             c.page_size,
-            f"{c.kv_disk_bytes} bytes in {disk.folder}, blocks hit {c.kv_disk_admit_hits}+ times" if disk else "none",
+            f"{c.kv_disk_bytes} bytes in {disk.folder}, blocks hit {c.kv_disk_admit_hits}+ times, read with "
+            f"{disk.reader.name}"
+            if disk
+            else "none",
             store.describe() if store is not None else "none",
         )
         return tiers

@@ -3,16 +3,22 @@ lead of a group of rank processes (``backend/parallel/lead.py``) otherwise."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from backend.engine.config import EngineConfig
+from backend.engine.file_reader import FileReader
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.model_runner import ModelRunner
 from backend.engine.shared_tier import BlockStore
 
 
-def build_engine(config: EngineConfig, store: BlockStore | None = None) -> LLMEngine:
-    """``store``: the shared KV tier's store, or None (a TP instance has no tiers)."""
+def build_engine(
+    config: EngineConfig, store: BlockStore | None = None, disk_reader: Callable[[], FileReader | None] | None = None
+) -> LLMEngine:
+    """``store``: the shared KV tier's store, ``disk_reader`` what builds the disk tier's reader,
+    or None (a TP instance has no tiers)."""
     if config.tensor_parallel_size == 1:
-        return LLMEngine(config, ModelRunner(config), store)
+        return LLMEngine(config, ModelRunner(config), store, disk_reader)
     from backend.parallel.lead import TPLeadRunner  # loads torch.distributed only when needed
 
     return LLMEngine(config, TPLeadRunner(config))

@@ -19,6 +19,7 @@ TIER_STATS = {
     "kv_tier_disk_writes_total": "tier_disk_writes",
     "kv_tier_disk_dropped_total": "tier_disk_dropped",
     "kv_tier_disk_corrupt_total": "tier_disk_corrupt",
+    "kv_tier_disk_read_errors_total": "tier_disk_read_errors",
     "kv_tier_load_failures_total": "tier_load_failures",
     "kv_tier_load_seconds_total": "tier_load_seconds",
     "kv_tier_shared_up": "tier_shared_up",
@@ -52,6 +53,7 @@ class InstanceStats:
     kv_tier_disk_writes_total: int = 0
     kv_tier_disk_dropped_total: int = 0
     kv_tier_disk_corrupt_total: int = 0
+    kv_tier_disk_read_errors_total: int = 0
     kv_tier_load_failures_total: int = 0
     kv_tier_load_seconds_total: float = 0.0
     kv_tier_shared_up: int = 0

@@ -14,6 +14,8 @@ from typing import Protocol
 
 from backend.cluster.kv_store import RedisBlockStore
 from backend.engine.cache_summary import CacheSummary
+from backend.engine.config import EngineConfig
+from backend.engine.file_reader import FileReader
 from backend.engine.outputs import EngineOutput
 from backend.engine.protocol import Engine
 from backend.engine.sampling_params import SamplingParams
@@ -21,6 +23,7 @@ from backend.parallel.engine_factory import build_engine
 from backend.serving.config import InstanceConfig, ServingConfig
 from backend.serving.session import GenerationSession
 from backend.serving.stats import InstanceStats
+from fabric_bridge.file_reader import NixlFileReader
 
 
 class Instance(Protocol):
@@ -94,11 +97,28 @@ class Drain:
 
 def start_engine(config: InstanceConfig) -> Engine:
     """Pin the process (``cpu_affinity``), then build this instance's engine (with the shared KV
-    tier's store when ``kv_store_url`` names one)."""
+    tier's store when ``kv_store_url`` names one, and its disk tier's reader)."""
     config.serving.apply_cpu_affinity()
     engine = config.engine
     store = RedisBlockStore(engine.kv_store_url, engine.kv_store_timeout_s) if engine.kv_store_url else None
-    return build_engine(engine, store)
+    return build_engine(engine, store, lambda: disk_reader(engine))
+
+
+def disk_reader(engine: EngineConfig) -> FileReader | None:
+    """What the disk KV tier reads with (``kv_disk_reader``; the engine asks when it builds one):
+    NIXL's POSIX file backend, or None (the engine's plain file I/O). ``auto`` takes NIXL's where
+    it starts and says why not otherwise; ``nixl`` refuses to start without it."""
+    if engine.kv_disk_reader == "plain":
+        return None
+    try:
+        return NixlFileReader()
+    except Exception as e:
+        if engine.kv_disk_reader == "nixl":
+            raise RuntimeError(f"kv_disk_reader=nixl: NIXL's POSIX file backend cannot start ({e})") from e
+        log.warning(
+            "disk KV tier: NIXL's POSIX file backend cannot start (%s: %s); plain file I/O", type(e).__name__, e
+        )
+        return None
 
 
 def sampling_params(session: GenerationSession, serving: ServingConfig) -> SamplingParams:

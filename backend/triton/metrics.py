@@ -59,6 +59,7 @@ COUNTERS = {
     "kv_tier_disk_writes_total": "KV blocks written to the disk tier",
     "kv_tier_disk_dropped_total": "KV blocks not written to the disk tier (writer queue full, or a write failed)",
     "kv_tier_disk_corrupt_total": "disk tier block files refused (damaged, or another model or layout) and removed",
+    "kv_tier_disk_read_errors_total": "disk tier reads that failed (NIXL's: read again plainly; plain's: computed)",
     "kv_tier_load_failures_total": "tier loads that ended early (a block could not be read): the rest was computed",
     "kv_tier_load_seconds_total": "time the tier loader spent copying blocks into the pool",
     "kv_tier_shared_hit_blocks_total": "KV blocks loaded from the shared tier",

@@ -386,11 +386,14 @@ def _multiturn(run: Run) -> None:
 
 @check("disk-tier")
 def _disk_tier(run: Run) -> None:
-    ways = run.figure("disk-tier.json")["ways"]
-    ours = ways["DiskTier (plain file I/O)"]
-    assert ours["matched"] and ours["write_mb_s"] > 0 and ours["read_mb_s"] > 0, ours
-    nixl = ways["NIXL POSIX"]  # NIXL's POSIX backend, or the error it gave
-    assert nixl.get("matched") or nixl.get("error"), nixl
+    r = run.figure("disk-tier.json")
+    ways = r["ways"]
+    assert r["write_mb_s"] > 0 and r["checksum_ms"]["xxh3_128"] > 0, r
+    for way in ("plain file I/O", "NIXL POSIX (posix_aio)"):  # the default reader must run wherever CI does
+        row = ways[way]
+        assert row["matched"] and row["warm"]["mb_s"] > 0 and row["cold"]["mb_s"] > 0, (way, row)
+    for way in ("NIXL POSIX (uring)", "NIXL POSIX (aio)"):  # other I/O modes: figures, or why not here
+        assert ways[way].get("matched") or ways[way].get("error"), ways[way]
 
 
 @check("dashboard")

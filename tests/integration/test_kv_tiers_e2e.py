@@ -1,6 +1,7 @@
 """KV tiers through real servers, the real model and real files: a server restarted on the same
-disk tier serves a conversation's follow-up turn from the blocks its predecessor wrote at close
-(aggregated, and the decode instance of a disaggregated one); in
+disk tier serves a conversation's follow-up turn from the blocks its predecessor wrote at close,
+read through NIXL's POSIX file backend (aggregated, and the decode instance of a disaggregated
+one); in
 a disaggregated deployment, a decode instance whose pool evicted turn 1 loads it back from its host
 tier and asks the prefill instance only for the rest; a request of another ``cache_salt`` (tenant)
 finds none of it; of two prefill instances on one real Redis, the second loads the prefix the
@@ -67,6 +68,8 @@ def test_a_restarted_server_serves_the_follow_up_from_the_disk_tier(
         assert _settled(url, "kv_tier_hit_tokens_total", model) == disk_hits * 16
         assert _settled(url, "kv_tier_disk_corrupt_total", model) == 0
         wait_pool_free(url, model)
+        # kv_disk_reader=auto: the files were read through NIXL's POSIX backend (real NIXL)
+        assert "read with NIXL POSIX (posix_aio)" in server.log_file.read_text()
 
 
 def test_a_decode_instance_loads_an_evicted_turn_from_its_host_tier(model_dir, tmp_path_factory, tokenizer, hf_model):

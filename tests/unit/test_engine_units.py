@@ -45,6 +45,7 @@ def test_config_from_string_dict():
         ({"model_path": "/m", "dtype": "int8"}, "dtype must be one of"),
         ({"model_path": "/m", "device": "tpu"}, "device must be"),
         ({"model_path": "/m", "bogus": "1"}, "unknown engine parameter"),
+        ({"model_path": "/m", "kv_disk_reader": "fast"}, "kv_disk_reader must be one of auto, nixl, plain"),
         ({"model_path": ""}, "model_path is required"),
     ],
 )

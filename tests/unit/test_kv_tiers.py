@@ -15,6 +15,7 @@ import torch
 from engine_helpers import TINY_VOCAB, assert_pool_idle, build_tiny_llama, make_engine, run_to_completion, tokens_of
 
 from backend.engine.disk_tier import DiskTier
+from backend.engine.file_reader import PlainFileReader
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.sequence import SeqStatus
 
@@ -132,6 +133,62 @@ def test_a_damaged_block_file_is_computed_again_and_removed(tiny_dir, reference,
     assert stats["prefix_tier_hit_tokens"] == 2 * PS, stats  # the two blocks before it loaded
     assert not damaged.exists()
     assert "checksum mismatch" in caplog.text
+    assert_pool_idle(engine)
+    engine.close()
+
+
+class CountingReader(PlainFileReader):
+    """Plain file I/O that remembers how many files each read was given."""
+
+    name = "counting reader"
+
+    def __init__(self):
+        self.batches: list[int] = []
+
+    def read(self, fds, size, into):
+        self.batches.append(len(fds))
+        super().read(fds, size, into)
+
+
+class FailingReader:
+    name = "failing reader"
+
+    def __init__(self):
+        self.closed = False
+
+    def read(self, fds, size, into):
+        raise OSError("no such transport")
+
+    def close(self):
+        self.closed = True
+
+
+def test_disk_blocks_are_read_in_batches_of_at_most_the_staging_buffer(tiny_dir, reference, tmp_path):
+    _written_before_a_restart(tiny_dir, tmp_path)
+    reader = CountingReader()
+    engine = _disk_engine(tiny_dir, tmp_path, disk_reader=lambda: reader)
+    assert engine.tiers.disk.reader is reader
+    engine.tiers.disk.batch_blocks = 4  # the staging buffer holds 4 blocks
+    assert _run(engine, "f", FOLLOW_UP) == reference["follow_up"]
+    assert engine.pool_stats()["tier_disk_hit_blocks"] >= 15
+    assert reader.batches and max(reader.batches) == 4 and sum(reader.batches) >= 15, reader.batches
+    with pytest.raises(ValueError, match="at most 4"):
+        engine.tiers.disk.read_many([b"k" * 16] * 5)
+    assert_pool_idle(engine)
+    engine.close()
+
+
+def test_a_file_reader_that_fails_gives_way_to_plain_file_io(tiny_dir, reference, tmp_path, caplog):
+    _written_before_a_restart(tiny_dir, tmp_path)
+    failing = FailingReader()
+    engine = _disk_engine(tiny_dir, tmp_path, disk_reader=lambda: failing)
+    with caplog.at_level("WARNING", logger="triton_disagg.engine"):
+        assert _run(engine, "f", FOLLOW_UP) == reference["follow_up"]
+    stats = engine.pool_stats()
+    assert stats["tier_disk_hit_blocks"] >= 15 and stats["tier_disk_corrupt"] == 0, stats  # no file blamed
+    assert isinstance(engine.tiers.disk.reader, PlainFileReader) and failing.closed
+    assert stats["tier_disk_read_errors"] == 1, stats  # the failed read, done again plainly
+    assert caplog.text.count("failing reader failed (OSError: no such transport); reading with plain file I/O") == 1
     assert_pool_idle(engine)
     engine.close()
 
