@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import statistics
 import sys
 import threading
@@ -62,6 +63,7 @@ def run(
     if tiers is not None:
         tag += f"-tiers{tiers}"
         disk = results_dir() / f"multiturn-{tag}" / "kv"
+        shutil.rmtree(disk, ignore_errors=True)  # no blocks of an earlier run: each run starts cold
         overrides["kv_cache_tokens"] = str(args.pool_tokens)
         overrides.update(
             {"kv_host_tokens": str(args.host_tokens), "kv_disk_path": str(disk), "kv_disk_admit_hits": "1"}

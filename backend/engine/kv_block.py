@@ -32,8 +32,9 @@ def _checksum(payload: bytes | bytearray | memoryview) -> bytes:
 
 
 def layout_digest(salt: bytes, layout: dict) -> bytes:
-    """What names the blocks of one page-hash salt and KV layout (16 bytes)."""
-    return hashlib.blake2b(salt + json.dumps(layout, sort_keys=True).encode(), digest_size=16).digest()
+    """What names the blocks of one page-hash salt, KV layout and block format (16 bytes): the disk
+    tier's folder and the shared tier's key prefix, so blocks of a format before are never found."""
+    return hashlib.blake2b(MAGIC + salt + json.dumps(layout, sort_keys=True).encode(), digest_size=16).digest()
 
 
 class BlockCodec:

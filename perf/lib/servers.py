@@ -5,7 +5,9 @@ Ours (``start``; ``started`` for a ``with`` block): started by the one launcher 
 (``backend/launch/launcher.py``), so the benchmarks measure what ``serve`` runs: aggregated,
 ``llm`` gets every core; disaggregated (1 prefill + N decode), the launcher's core placement
 (the prefill instance pinned to the first half of the cores, the decode instances to the rest),
-a private etcd for the membership, the front routing across it.
+a private etcd for the membership, the front routing across it; each deployment's disk KV tier
+in an empty folder of its own (``kv-MODE`` in its log folder) unless the benchmark names one, so
+no run finds the blocks of an earlier one.
 
 llama.cpp's (``start_llama_cpp``): ``llama-cpp-python[server]``, installed on first use into
 ``.venv/tools/llama-cpp`` (it compiles llama.cpp: minutes), serving a GGUF on the OpenAI API.
@@ -13,6 +15,7 @@ llama.cpp's (``start_llama_cpp``): ``llama-cpp-python[server]``, installed on fi
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import tempfile
 import time
@@ -49,10 +52,14 @@ def _launch(
 
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="triton-disagg-perf-"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    overrides = dict(overrides or {})
+    if "kv_disk_path" not in overrides:  # a disk KV tier of its own, empty: no blocks of an earlier run
+        overrides["kv_disk_path"] = str(log_dir / f"kv-{mode}")
+        shutil.rmtree(overrides["kv_disk_path"], ignore_errors=True)
     return Launch(
         mode=mode,
         model_dir=ensure_model(model),
-        overrides=dict(overrides or {}),
+        overrides=overrides,
         per_model=dict(per_model or {}),
         decode_instances=decode_instances,
         repo_dir=log_dir / f"repo-{mode}",
