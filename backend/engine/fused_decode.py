@@ -12,8 +12,9 @@ per-layer hook listens (a prefill instance's layer-wise KV streaming); anything 
 loop. It applies to a model only when every decoder layer's products are
 :class:`~backend.engine.int4_linear.Int4Linear`, or every one float32 weights on the CPU with
 inputs a multiple of 16, or every one an ``Fp16Linear`` whose float16 weights our product takes,
-without biases; the pool and the activations float32 on the CPU, and the
-head size a multiple of 8 (:func:`unsupported_reason` says why not).
+without biases; the activations float32 and the pool float32 or float16 on the CPU (float16 K/V
+rounded as torch rounds them when written, widened when read), and the head size a multiple of 8
+(:func:`unsupported_reason` says why not).
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ _DIMS: list[_Field] = [
     ("eps", ctypes.c_float),
     ("scaling", ctypes.c_float),
     *((name, ctypes.c_long) for name in ("num_pages", "page_size", "max_pages", "kernel", "weights", "acts")),
+    ("kv_bits", ctypes.c_long),
 ]
+KV_BITS = {torch.float32: 32, torch.float16: 16}  # the pools it reads (float16: widened as read)
 
 
 class _Dims(ctypes.Structure):
@@ -65,8 +68,8 @@ def unsupported_reason(model: nn.Module, pool: KVPool) -> str | None:
     layers = getattr(inner, "layers", None)
     if layers is None:
         return "no decoder layers"
-    if pool.dtype != torch.float32 or pool.device.type != "cpu":
-        return f"the KV pool is {pool.dtype} on {pool.device} (float32 on the CPU only)"
+    if pool.dtype not in KV_BITS or pool.device.type != "cpu":
+        return f"the KV pool is {pool.dtype} on {pool.device} (float32 or float16 on the CPU only)"
     if pool.head_dim % 8 or pool.head_dim > 512:
         return f"head size {pool.head_dim} (a multiple of 8, at most 512)"
     weights = _weights(layers[0].self_attn.qkv_proj) if len(layers) else None
@@ -153,6 +156,7 @@ class FusedDecode:
             kernel=kernel(),
             weights=self._weights,
             acts=attn_acts(inner.layers[0]) if self._weights == 4 else 16,
+            kv_bits=KV_BITS[pool.dtype],
         )
 
     def forward(self, batch: PagedBatch) -> torch.Tensor | None:

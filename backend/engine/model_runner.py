@@ -124,7 +124,7 @@ class ModelRunner:
         assert config.num_pages is not None  # set by EngineConfig.__post_init__
         log.info(
             "engine model=%s type=%s layers=%d device=%s weights=%s decoder=%s; KV pool %d pages x %d tokens "
-            "= %d tokens, %.1f MiB (%s)",
+            "= %d tokens, %.1f MiB (%s)%s",
             config.model_path,
             hf_config.model_type,
             hf_config.num_hidden_layers,
@@ -136,6 +136,7 @@ class ModelRunner:
             config.num_pages * config.page_size,
             self.pool.total_bytes / 2**20,
             self.pool.layout(),
+            f"; {config.kv_format} KV (auto: {config.kv_choice})" if config.kv_choice else "",
         )
 
     def _choose_decoder(self, config: EngineConfig) -> str:

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from backend.engine.config import EngineConfig
+from backend.engine.config import KV_AUTO_WHY, EngineConfig, choose_kv_format
 from backend.engine.kv_pool import KVPool
 from backend.engine.page_allocator import PageAllocator, PoolFullError
 from backend.engine.sampling.sampler import make_generator, sample
@@ -52,6 +52,19 @@ def test_config_from_string_dict():
 def test_config_rejects_bad_values(values, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig.from_dict(values)
+
+
+def test_kv_dtype_auto_is_float16_under_the_fused_formats_and_exact_under_float32():
+    for fmt in ("int4w", "int4w-bf16", "int4w-a8", "fp16w", "fp16w-bf16"):
+        assert choose_kv_format("float32", fmt, "cpu") == ("float16", KV_AUTO_WHY), fmt
+    assert choose_kv_format("float32", "float32", "cpu") == ("float32", "as dtype under float32 weights (exact)")
+    assert choose_kv_format("float32", "int8", "cpu")[0] == "float32"  # the lean loop's format: no gain measured
+    assert choose_kv_format("float32", "int4w", "cuda") == ("float32", "as dtype on cuda")
+    assert choose_kv_format("bfloat16", "bfloat16", "cpu")[0] == "bfloat16"
+    config = EngineConfig(model_path="/m", weights_dtype="int4w")
+    assert (config.kv_dtype, config.kv_choice) == ("float16", KV_AUTO_WHY)
+    config = EngineConfig(model_path="/m", weights_dtype="int4w", kv_dtype="float32")  # named: kept, no why
+    assert (config.kv_dtype, config.kv_choice) == ("float32", "")
 
 
 def test_config_max_model_len_capped_by_checkpoint(tmp_path):

@@ -52,7 +52,8 @@ def test_fp16w_tokens_equal_transformers_on_fp16_rounded_weights(tiny, decoder, 
 
     print(f"kernel path: {kernel_path().short('fp16w')}")
     monkeypatch.setattr(fp16_linear, "fp16_max_rows", lambda threads: 10**9)
-    engine = make_engine(tiny, weights_dtype="fp16w", decoder=decoder)
+    # a float32 pool (kv_dtype=auto takes float16 under fp16w): the weights alone are compared here
+    engine = make_engine(tiny, weights_dtype="fp16w", decoder=decoder, kv_dtype="float32")
     model = engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Fp16Linear))]
     assert linears and all(isinstance(m, Fp16Linear) for m in linears), linears[:2]
@@ -205,7 +206,8 @@ def test_fp16w_is_checked_by_name(tiny):
     with pytest.raises(ValueError, match="kv_dtype"):
         EngineConfig(model_path=str(tiny), kv_dtype="fp16w")  # a weights format only
     config = EngineConfig(model_path=str(tiny), weights_dtype="fp16w")
-    assert config.torch_dtype == torch.float32 and config.kv_torch_dtype == torch.float32
+    assert config.torch_dtype == torch.float32 and config.kv_torch_dtype == torch.float16  # kv_dtype=auto
+    assert EngineConfig(model_path=str(tiny), weights_dtype="fp16w", kv_dtype="float32").kv_torch_dtype == torch.float32
 
 
 def test_auto_picks_fp16w_where_it_runs_and_says_why(tiny, monkeypatch):

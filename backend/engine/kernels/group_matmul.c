@@ -707,8 +707,10 @@ int f16_matmul(const uint16_t *w, const float *x, float *y, long M, long N, long
  * the paged HND pool, attention over each sequence's pages, the output product and residual add, RMS
  * norm, the fused gate/up product, SiLU(gate) * up, the down product and residual add. The products'
  * weights: 4-bit groups (Dims.weights 4: int4_matmul's q, d, m), float32 (32: f32_matmul's W in
- * the q pointers, d and m unused) or float16 (16: f16_matmul's, likewise). float32 activations and pool. What it computes is the lean layer
- * loop's (backend/engine/lean_decoder.py) without a dispatch per op.
+ * the q pointers, d and m unused) or float16 (16: f16_matmul's, likewise). float32 activations; the
+ * pool float32 or float16 (Dims.kv_bits: K/V rounded to nearest even as written, as torch's
+ * conversion, and widened as read). What it computes is the lean layer loop's
+ * (backend/engine/lean_decoder.py) without a dispatch per op.
  */
 typedef struct {
     const float *norm1, *norm2;
@@ -723,6 +725,7 @@ typedef struct {
     long kernel;  /* the products' kernel (int4_matmul's and f32_matmul's numbering) */
     long weights; /* 4: the products' weights in 4-bit groups; 32: float32; 16: float16 */
     long acts;    /* 4-bit groups' activations: 16 or 8 bits (int4_matmul's acts) */
+    long kv_bits; /* the KV pool's elements: 32 (float32) or 16 (float16, converted as they are read) */
 } Dims;
 
 /* one of a layer's products: y = x W^T, W as Dims.weights says */
@@ -806,7 +809,7 @@ typedef struct { /* one layer's attention for the step's B sequences: what each 
     const Dims *dm;
     const float *qkv;
     float *att;
-    const float *lpool;
+    const void *lpool; /* float or uint16_t (float16), as Dims.kv_bits says */
     const long *tables, *lengths;
     long B;
     float *scores; /* longest floats per thread */
@@ -822,15 +825,26 @@ ALWAYS_INLINE __m256 hsum8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+/* 8 of the pool's elements from element i of p (float32, or float16 widened) */
+ALWAYS_INLINE __m256 kv8(const void *p, long i, int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
+                : _mm256_loadu_ps((const float *)p + i);
+}
+
+/* element i of the pool from p, in bytes */
+ALWAYS_INLINE const void *kv_at(const void *p, long i, int half) {
+    return (const char *)p + i * (half ? 2 : 4);
+}
+
 /* scores[t] = q . k_t * scaling for t < len (k_t: token t's key in the sequence's pages), page by
  * page, 8 tokens at a time (their 8 dot products summed across lanes together); the largest score */
-ALWAYS_INLINE float key_scores(const float *q, const float *kbase, const long *table, long len, long S, long D,
-                               long page_floats, float scaling, float *scores) {
+ALWAYS_INLINE float key_scores(const float *q, const void *kbase, const long *table, long len, long S, long D,
+                               long page_floats, float scaling, float *scores, int half) {
     __m256 top8 = _mm256_set1_ps(-INFINITY);
     const __m256 sc = _mm256_set1_ps(scaling);
     float top = -INFINITY;
     for (long pg = 0, t0 = 0; t0 < len; pg++, t0 += S) {
-        const float *kp = kbase + table[pg] * page_floats;
+        const void *kp = kv_at(kbase, table[pg] * page_floats, half);
         const long n = len - t0 < S ? len - t0 : S;
         long i = 0;
         for (; i + 8 <= n; i += 8) {
@@ -838,14 +852,16 @@ ALWAYS_INLINE float key_scores(const float *q, const float *kbase, const long *t
             for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
             for (long j = 0; j < D; j += 8) {
                 const __m256 qv = _mm256_loadu_ps(q + j);
-                for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp + (i + u) * D + j), acc[u]);
+                for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qv, kv8(kp, (i + u) * D + j, half), acc[u]);
             }
             const __m256 s8 = _mm256_mul_ps(hsum8(acc), sc);
             _mm256_storeu_ps(scores + t0 + i, s8);
             top8 = _mm256_max_ps(top8, s8);
         }
         for (; i < n; i++) {
-            const float v = dot(q, kp + i * D, D) * scaling;
+            __m256 acc = _mm256_setzero_ps();
+            for (long j = 0; j < D; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), kv8(kp, i * D + j, half), acc);
+            const float v = hsum(acc) * scaling;
             scores[t0 + i] = v;
             top = v > top ? v : top;
         }
@@ -855,52 +871,63 @@ ALWAYS_INLINE float key_scores(const float *q, const float *kbase, const long *t
 }
 
 /* out = inv * sum_t w[t] v_t (v_t: token t's value in the sequence's pages), page by page */
-ALWAYS_INLINE void value_sum(long D, const float *w, const float *vbase, const long *table, long len, long S,
-                             long page_floats, float inv, float *out) {
+ALWAYS_INLINE void value_sum(long D, const float *w, const void *vbase, const long *table, long len, long S,
+                             long page_floats, float inv, float *out, int half) {
     __m256 o[64];
     for (long j = 0; j < D / 8; j++) o[j] = _mm256_setzero_ps();
     for (long pg = 0, t0 = 0; t0 < len; pg++, t0 += S) {
-        const float *vp = vbase + table[pg] * page_floats;
+        const void *vp = kv_at(vbase, table[pg] * page_floats, half);
         const long n = len - t0 < S ? len - t0 : S;
         for (long i = 0; i < n; i++) {
             const __m256 wt = _mm256_set1_ps(w[t0 + i]);
-            for (long j = 0; j < D / 8; j++) o[j] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vp + i * D + 8 * j), o[j]);
+            for (long j = 0; j < D / 8; j++) o[j] = _mm256_fmadd_ps(wt, kv8(vp, i * D + 8 * j, half), o[j]);
         }
     }
     const __m256 iv = _mm256_set1_ps(inv);
     for (long j = 0; j < D / 8; j++) _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(o[j], iv));
 }
 
-/* the (sequence, query head) pairs [u0, u1) (pair b H + h): softmax(q K^T * scaling) V */
-static void attention_part(const void *ctx, long u0, long u1, long thread) {
-    const Attention *a = ctx;
+/* the (sequence, query head) pairs [u0, u1) (pair b H + h): softmax(q K^T * scaling) V, over a
+ * pool of float16 (half) or float32 elements */
+ALWAYS_INLINE void attention_pairs(const Attention *a, long u0, long u1, float *scores, int half) {
     const Dims *dm = a->dm;
     const long H = dm->heads, Hkv = dm->kv_heads, D = dm->head_dim, S = dm->page_size, group = H / Hkv;
     const long qkv_n = (H + 2 * Hkv) * D, page_floats = 2 * Hkv * S * D;
-    float *scores = a->scores + thread * a->longest;
     for (long p = u0; p < u1; p++) {
         const long b = p / H, hq = p % H, len = a->lengths[b], kh = hq / group;
         const long *table = a->tables + b * dm->max_pages;
         const float *q = a->qkv + b * qkv_n + hq * D;
-        const float top = key_scores(q, a->lpool + kh * S * D, table, len, S, D, page_floats, dm->scaling, scores);
+        const void *kbase = kv_at(a->lpool, kh * S * D, half);
+        const float top = key_scores(q, kbase, table, len, S, D, page_floats, dm->scaling, scores, half);
         const float inv = 1.f / exp_shifted(scores, scores, len, top);
-        const float *vbase = a->lpool + (Hkv + kh) * S * D;
+        const void *vbase = kv_at(a->lpool, (Hkv + kh) * S * D, half);
         float *out = a->att + b * H * D + hq * D;
         switch (D) { /* a constant head size: the sums stay in registers */
-        case 64: value_sum(64, scores, vbase, table, len, S, page_floats, inv, out); break;
-        case 128: value_sum(128, scores, vbase, table, len, S, page_floats, inv, out); break;
-        default: value_sum(D, scores, vbase, table, len, S, page_floats, inv, out); break;
+        case 64: value_sum(64, scores, vbase, table, len, S, page_floats, inv, out, half); break;
+        case 128: value_sum(128, scores, vbase, table, len, S, page_floats, inv, out, half); break;
+        default: value_sum(D, scores, vbase, table, len, S, page_floats, inv, out, half); break;
         }
     }
 }
 
+static void attention_part(const void *ctx, long u0, long u1, long thread) {
+    const Attention *a = ctx;
+    float *scores = a->scores + thread * a->longest;
+    if (a->dm->kv_bits == 16)
+        attention_pairs(a, u0, u1, scores, 1);
+    else
+        attention_pairs(a, u0, u1, scores, 0);
+}
+
 /* 0: done; -1: out of memory; -2: as int4_matmul's or f32_matmul's */
 int decode_layers(const Layer *layers, long num_layers, const Dims *dm, float *h, long B, const float *cos,
-                  const float *sin, float *pool, const long *tables, const long *lengths, const long *write_page,
+                  const float *sin, void *pool, const long *tables, const long *lengths, const long *write_page,
                   const long *write_offset, long threads) {
     const long hd = dm->hidden, H = dm->heads, Hkv = dm->kv_heads, D = dm->head_dim, I = dm->inter, S = dm->page_size;
     const long qkv_n = (H + 2 * Hkv) * D, half = D / 2;
     const long page_floats = 2 * Hkv * S * D, layer_floats = dm->num_pages * page_floats;
+    const int kv16 = dm->kv_bits == 16;
+    if (dm->kv_bits != 16 && dm->kv_bits != 32) return -2;
     long longest = 1;
     for (long b = 0; b < B; b++) longest = lengths[b] > longest ? lengths[b] : longest;
     float *x = malloc(sizeof(float) * (size_t)(B * (hd + qkv_n + H * D + hd + 2 * I + I) + (MAX_HELPERS + 1) * longest));
@@ -910,7 +937,7 @@ int decode_layers(const Layer *layers, long num_layers, const Dims *dm, float *h
     int rc = 0;
     for (long l = 0; l < num_layers && rc == 0; l++) {
         const Layer *ly = &layers[l];
-        float *lpool = pool + l * layer_floats;
+        char *lpool = (char *)kv_at(pool, l * layer_floats, kv16);
         for (long b = 0; b < B; b++) rms_norm(h + b * hd, ly->norm1, x + b * hd, hd, dm->eps);
         if ((rc = layer_product(dm, ly->qkv_q, ly->qkv_d, ly->qkv_m, x, qkv, B, qkv_n, hd, threads))) break;
         for (long b = 0; b < B; b++) {
@@ -921,11 +948,20 @@ int decode_layers(const Layer *layers, long num_layers, const Dims *dm, float *h
                 for (long j = 0; j < half; j++) r[j] = v[j + half], r[j + half] = v[j];
                 for (long j = 0; j < D; j++) v[j] = v[j] * c[j] + r[j] * s[j];
             }
-            float *page = lpool + write_page[b] * page_floats;
+            const long page = write_page[b] * page_floats;
             for (long kh = 0; kh < Hkv; kh++) {
-                float *kdst = page + (kh * S + write_offset[b]) * D, *vdst = page + ((Hkv + kh) * S + write_offset[b]) * D;
+                const long kdst = page + (kh * S + write_offset[b]) * D, vdst = page + ((Hkv + kh) * S + write_offset[b]) * D;
                 const float *ksrc = row + (H + kh) * D, *vsrc = row + (H + Hkv + kh) * D;
-                for (long j = 0; j < D; j++) kdst[j] = ksrc[j], vdst[j] = vsrc[j];
+                if (kv16) { /* rounded to nearest even, as torch converts */
+                    uint16_t *k16 = (uint16_t *)lpool + kdst, *v16 = (uint16_t *)lpool + vdst;
+                    for (long j = 0; j < D; j += 8) {
+                        _mm_storeu_si128((__m128i *)(k16 + j), _mm256_cvtps_ph(_mm256_loadu_ps(ksrc + j), _MM_FROUND_TO_NEAREST_INT));
+                        _mm_storeu_si128((__m128i *)(v16 + j), _mm256_cvtps_ph(_mm256_loadu_ps(vsrc + j), _MM_FROUND_TO_NEAREST_INT));
+                    }
+                } else {
+                    float *k32 = (float *)lpool + kdst, *v32 = (float *)lpool + vdst;
+                    for (long j = 0; j < D; j++) k32[j] = ksrc[j], v32[j] = vsrc[j];
+                }
             }
         }
         const Attention attention = {dm, qkv, att, lpool, tables, lengths, B, scores, longest};
