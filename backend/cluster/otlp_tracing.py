@@ -60,13 +60,13 @@ class _Recording:
         TraceContextTextMapPropagator().inject(carrier, context=trace.set_span_in_context(self._span))
         return carrier.get("traceparent", "")
 
-    def end(self, error: str | None = None) -> None:
+    def end(self, error: str | None = None, at_ns: int | None = None) -> None:
         if self._ended:  # the first end counts (a request can end by several paths)
             return
         self._ended = True
         if error:
             self._span.set_status(Status(StatusCode.ERROR, error[:512]))
-        self._span.end()
+        self._span.end(end_time=at_ns)
 
 
 class Tracing:

@@ -42,9 +42,9 @@ class Span(Protocol):
         """This span's context as a W3C ``traceparent`` ("" when it records nothing)."""
         ...
 
-    def end(self, error: str | None = None) -> None:
-        """The span ends now (a second end is ignored); with ``error`` its status is an error
-        saying why."""
+    def end(self, error: str | None = None, at_ns: int | None = None) -> None:
+        """The span ends now, or at ``at_ns`` (``time.time_ns()`` taken earlier; a second end is
+        ignored); with ``error`` its status is an error saying why."""
 
 
 class _NoSpan:
@@ -62,7 +62,7 @@ class _NoSpan:
     def traceparent(self) -> str:
         return ""
 
-    def end(self, error: str | None = None) -> None:
+    def end(self, error: str | None = None, at_ns: int | None = None) -> None:
         pass
 
 

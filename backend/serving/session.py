@@ -73,6 +73,7 @@ class GenerationSession:
     span: Span = NO_SPAN
     error: str = ""  # why it failed, once it did
     figures: RequestFigures = field(default_factory=RequestFigures)  # its own, filled by the worker
+    _final_ns: int | None = None  # time.time_ns() as the final response left: where the span ends
 
     def __post_init__(self) -> None:
         self.n_output = self.resumed  # num_output_tokens counts the whole output
@@ -134,6 +135,8 @@ class GenerationSession:
         if self.detok.stopped and not finished:
             self.cancel_engine(self.req_id)
             finished, finish_reason = True, FinishReason.STOP
+        if finished:  # the request's span ends as its last response leaves, not after it arrived
+            self._final_ns = time.time_ns()
         try:
             if self.request.stream:
                 if delta or token_ids or finished:
@@ -210,7 +213,10 @@ class GenerationSession:
                 "triton_disagg.ttft_s": (self.t_first - self.t_start) if self.t_first else -1.0,
             }
         )
-        self.span.end(error=self.error or ("the response could not be sent" if reason == "send-failed" else None))
+        self.span.end(
+            error=self.error or ("the response could not be sent" if reason == "send-failed" else None),
+            at_ns=self._final_ns,
+        )
         if self.on_done:
             self.on_done(self, reason)
 
