@@ -44,9 +44,8 @@ from pathlib import Path
 import torch
 import xxhash
 
-from backend.engine.disk_tier import STAGE_BYTES, DiskTier
+from backend.engine.disk_tier import DiskTier
 from backend.engine.file_reader import FileReader, PlainFileReader
-from backend.engine.kv_block import HEADER
 from fabric_bridge.file_reader import MODES, NixlFileReader
 from perf.lib.machine import cpu_model
 from perf.lib.results import results_dir
@@ -80,7 +79,7 @@ def fs_type(path: Path) -> str:
 
 
 # ---------------------------------------------------------------- the ways
-def write_blocks(blocks: torch.Tensor, names: list[bytes], root: Path) -> tuple[float, Path]:
+def write_blocks(blocks: torch.Tensor, names: list[bytes], root: Path) -> tuple[float, DiskTier]:
     tier = DiskTier(root=root, capacity_bytes=1 << 50, salt=b"bench", layout={}, block_shape=BLOCK_SHAPE, dtype=DTYPE)
     start = time.perf_counter()
     for key, block in zip(names, blocks):
@@ -90,7 +89,7 @@ def write_blocks(blocks: torch.Tensor, names: list[bytes], root: Path) -> tuple[
     stats = tier.stats()
     if stats["writes"] != len(names) or stats["dropped"]:
         raise RuntimeError(f"DiskTier wrote {stats['writes']} of {len(names)} blocks ({stats['dropped']} dropped)")
-    return write_s, tier.folder
+    return write_s, tier
 
 
 def drop_from_page_cache(folder: Path) -> None:
@@ -165,8 +164,10 @@ def main(argv=None) -> int:
     root = Path(tempfile.mkdtemp(prefix="bench_disk_tier_", dir=base))
     rows: dict[str, dict] = {}
     tiers: dict[str, DiskTier] = {}
+    batch = 0
     try:
-        write_s, folder = write_blocks(blocks, names, root)
+        write_s, writer = write_blocks(blocks, names, root)
+        folder, batch = writer.folder, writer.batch_blocks
         readers: dict[str, Callable[[], FileReader]] = {"plain file I/O": PlainFileReader}
         readers.update({f"NIXL POSIX ({m})": (lambda m=m: NixlFileReader(m)) for m in MODES})
         for way, make in readers.items():
@@ -207,7 +208,7 @@ def main(argv=None) -> int:
     checks = checksum_ms()
     head = (
         f"{args.blocks} KV blocks of {block_bytes():,} bytes ({mb:.0f} MB) {'x'.join(map(str, BLOCK_SHAPE))} "
-        f"float32, read by the disk tier in batches of {min(args.blocks, batch_blocks())}, median of "
+        f"float32, read by the disk tier in batches of {min(args.blocks, batch)}, median of "
         f"{args.repeats} (readers alternated); files on {fs_type(base)}; cold: dropped from the page cache "
         f"first; CPU: {cpu_model()}. Checksum of one block: XXH3-128 {checks['xxh3_128']:.3f} ms "
         f"(SHA-256, the format before: {checks['sha256']:.3f} ms)"
@@ -230,11 +231,6 @@ def main(argv=None) -> int:
     (out / "disk-tier.md").write_text(md)
     print(md)
     return 0
-
-
-def batch_blocks() -> int:
-    """The disk tier's read batch for this block size."""
-    return max(1, STAGE_BYTES // (HEADER + block_bytes()))
 
 
 if __name__ == "__main__":
