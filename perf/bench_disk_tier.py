@@ -21,6 +21,12 @@ and read in one NIXL transfer, for each of ``posix_aio``, ``uring``, ``aio``; a 
 refuses records its error). Each read-back is checked against what was written (``torch.equal``, outside the timings).
 MB/s are payload bytes (1e6) per second; reads: the median over the repeats (and the best); the
 checksum alone (XXH3-128 against the SHA-256 of the format before) is timed on one block.
+Writes, the same way alternated: each block encoded (header and checksum) and written as the tier
+writes it (a file under a temporary name, renamed into place) with plain file I/O (``write``, as
+``DiskTier`` does) and through NIXL's POSIX backend (``posix_aio``: the file registered as
+``FILE`` memory, one ``WRITE`` from a registered staging buffer), into the page cache (a fresh
+folder each round, removed after it); ms per block, median over the repeats; every file written
+is read back and compared.
 Prints a markdown table and writes ``disk-tier.json`` and ``disk-tier.md`` to the results folder
 (``perf/results/``).
 
@@ -46,7 +52,9 @@ import xxhash
 
 from backend.engine.disk_tier import DiskTier
 from backend.engine.file_reader import FileReader, PlainFileReader
-from fabric_bridge.file_reader import MODES, NixlFileReader
+from backend.engine.kv_block import BlockCodec
+from fabric_bridge import nixl_api
+from fabric_bridge.file_reader import MODES, POLL_S, NixlFileReader
 from perf.lib.machine import cpu_model
 from perf.lib.results import results_dir
 
@@ -92,6 +100,115 @@ def write_blocks(blocks: torch.Tensor, names: list[bytes], root: Path) -> tuple[
     return write_s, tier
 
 
+class PlainWrites:
+    """A block file as ``DiskTier`` writes it: ``write`` of the header and the payload."""
+
+    name = "plain file I/O"
+
+    def write(self, fd: int, header: bytes, payload: memoryview) -> None:
+        with os.fdopen(os.dup(fd), "wb") as f:
+            f.write(header)
+            f.write(payload)
+
+    def close(self) -> None:
+        pass
+
+
+class NixlWrites:
+    """The same file written through NIXL's POSIX backend: header and payload copied into a
+    registered staging buffer, the file registered as ``FILE`` memory, one ``WRITE``."""
+
+    def __init__(self, size: int, mode: str = "posix_aio"):
+        self.name = f"NIXL POSIX ({mode})"
+        api = nixl_api.load()
+        config = api.nixl_agent_config(enable_prog_thread=False, backends=[])
+        self.agent = api.nixl_agent(f"bench-disk-write-{os.getpid()}", config)
+        self.agent.create_backend("POSIX", {MODES[mode]: "true"})
+        self.stage = torch.empty(size, dtype=torch.uint8)
+        self.stage_reg = self.agent.register_memory(self.stage, backends=["POSIX"])
+        self.size = size
+
+    def write(self, fd: int, header: bytes, payload: memoryview) -> None:
+        view = self.stage.numpy().data.cast("B")
+        view[: len(header)] = header
+        view[len(header) :] = payload
+        agent, size = self.agent, self.size
+        files = agent.register_memory([(0, size, fd, "")], "FILE", backends=["POSIX"])
+        try:
+            handle = agent.initialize_xfer(
+                "WRITE",
+                agent.get_xfer_descs([(self.stage.data_ptr(), size, 0)], "DRAM"),
+                agent.get_xfer_descs([(0, size, fd)], "FILE"),
+                agent.name,
+                backends=["POSIX"],
+            )
+            try:
+                state, deadline = agent.transfer(handle), time.monotonic() + XFER_TIMEOUT_S
+                while state == "PROC" and time.monotonic() < deadline:
+                    time.sleep(POLL_S)
+                    state = agent.check_xfer_state(handle)
+                if state != "DONE":
+                    raise OSError(f"NIXL POSIX write ended in state {state!r}")
+            finally:
+                agent.release_xfer_handle(handle)
+        finally:
+            agent.deregister_memory(files, backends=["POSIX"])
+
+    def close(self) -> None:
+        self.agent.deregister_memory(self.stage_reg, backends=["POSIX"])
+
+
+def write_round(way, codec: BlockCodec, blocks: torch.Tensor, names: list[bytes], folder: Path) -> tuple[float, bool]:
+    """Every block encoded and written into ``folder`` by ``way`` (a temporary name, renamed);
+    the seconds it took, and whether every file reads back as written."""
+    folder.mkdir()
+    start = time.perf_counter()
+    for key, block in zip(names, blocks):
+        header, payload = codec.encode_parts(key, block)
+        fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=folder)
+        try:
+            way.write(fd, header, payload)
+        finally:
+            os.close(fd)
+        os.replace(tmp, folder / f"{key.hex()}.kv")
+    seconds = time.perf_counter() - start
+    matched = all(
+        (folder / f"{key.hex()}.kv").read_bytes() == codec.encode(key, block) for key, block in zip(names, blocks)
+    )
+    shutil.rmtree(folder)
+    return seconds, matched
+
+
+def compare_writes(blocks: torch.Tensor, names: list[bytes], root: Path, repeats: int) -> dict[str, dict]:
+    """ms per block written, per way (alternated rounds), or why a way cannot run here."""
+    codec = BlockCodec(b"\0" * 16, BLOCK_SHAPE, DTYPE)
+    ways: dict = {"plain file I/O": PlainWrites()}
+    rows: dict[str, dict] = {}
+    try:
+        ways["NIXL POSIX (posix_aio)"] = NixlWrites(codec.size)
+    except Exception as e:  # the row records why NIXL cannot write here
+        rows["NIXL POSIX (posix_aio)"] = {"error": f"{type(e).__name__}: {e}"}
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    matched = dict.fromkeys(ways, True)
+    try:
+        for r in range(repeats):
+            for i, (name, way) in enumerate(ways.items()):
+                seconds, ok = write_round(way, codec, blocks, names, root / f"writes-{r}-{i}")
+                times[name].append(seconds)
+                matched[name] &= ok
+    finally:
+        for way in ways.values():
+            way.close()
+    for name, ts in times.items():
+        rows[name] = {
+            "matched": matched[name],
+            "ms_per_block": 1e3 * statistics.median(ts) / len(names),
+            "best_ms_per_block": 1e3 * min(ts) / len(names),
+            "seconds": ts,
+        }
+    return rows
+
+
 def drop_from_page_cache(folder: Path) -> None:
     os.sync()
     for path in folder.glob("*.kv"):
@@ -129,7 +246,7 @@ def checksum_ms() -> dict:
 
 
 # ---------------------------------------------------------------- report
-def table(rows: dict[str, dict], write_mb_s: float) -> str:
+def table(rows: dict[str, dict], write_mb_s: float, writes: dict[str, dict]) -> str:
     lines = [
         "| reader | warm read MB/s | warm ms/block | cold read MB/s | cold ms/block | read-back matched |",
         "|---|---|---|---|---|---|",
@@ -144,7 +261,20 @@ def table(rows: dict[str, dict], write_mb_s: float) -> str:
             k = r[kind]
             cells += [f"{k['mb_s']:.0f} (best {k['best_mb_s']:.0f})", f"{k['ms_per_block']:.3f}"]
         lines.append(f"| {way} | {' | '.join(cells)} | {'yes' if r['matched'] else 'NO'} |")
-    return "\n".join(lines) + f"\n\nwrite (DiskTier's writer thread, plain file I/O): {write_mb_s:.0f} MB/s"
+    lines += [
+        "",
+        f"write (DiskTier's writer thread, plain file I/O): {write_mb_s:.0f} MB/s",
+        "",
+        "| writer (into the page cache) | ms/block (median) | best | written as read back |",
+        "|---|---|---|---|",
+    ]
+    for way, r in writes.items():
+        if "error" in r:
+            lines.append(f"| {way} | error: {' '.join(r['error'].split()).replace('|', '/')} | | |")
+        else:
+            ok = "yes" if r["matched"] else "NO"
+            lines.append(f"| {way} | {r['ms_per_block']:.3f} | {r['best_ms_per_block']:.3f} | {ok} |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -200,6 +330,7 @@ def main(argv=None) -> int:
                     "seconds": ts,
                 }
             rows[way] = row
+        writes = compare_writes(blocks, names, root, args.repeats)
     finally:
         for tier in tiers.values():
             tier.close()
@@ -213,7 +344,7 @@ def main(argv=None) -> int:
         f"first; CPU: {cpu_model()}. Checksum of one block: XXH3-128 {checks['xxh3_128']:.3f} ms "
         f"(SHA-256, the format before: {checks['sha256']:.3f} ms)"
     )
-    md = head + "\n\n" + table(rows, mb / write_s) + "\n"
+    md = head + "\n\n" + table(rows, mb / write_s, writes) + "\n"
     result = {
         "blocks": args.blocks,
         "block_bytes": block_bytes(),
@@ -225,6 +356,7 @@ def main(argv=None) -> int:
         "write_mb_s": mb / write_s,
         "checksum_ms": checks,
         "ways": rows,
+        "writes": writes,
     }
     out = results_dir()
     (out / "disk-tier.json").write_text(json.dumps(result, indent=2))

@@ -20,7 +20,10 @@ With ``--tiers``: the KV tiers below the pool against none (caching on in both),
 pool cut to ``--pool-tokens`` (default 3,072: the conversations' KV is then about 4x it) so that
 turns are evicted between visits; tiers on: a host tier of ``--host-tokens``, the disk tier (its
 own folder per run, admission after one hit) and, disaggregated, the shared tier (the private
-Redis the launcher starts); off: ``kv_host_tokens`` 0, ``kv_disk_bytes`` 0, no ``kv_store_url``.
+Redis the launcher starts); off: ``kv_host_tokens`` 0, ``kv_disk_bytes`` 0, no ``kv_store_url``;
+both: decode instances wait for free pages up to ``PAGE_WAIT_S`` (no turn refused as overloaded).
+``--think-s`` may be a comma list: each think time is measured (short ones keep the deployments
+busy, long ones leave them idle between turns).
 Also checks that every turn's output is the same text with and without tiers. Writes ``multiturn-tiers.{json,md}``.
 """
 
@@ -42,6 +45,8 @@ from perf.lib.progress import Progress
 from perf.lib.results import results_dir
 from perf.lib.stats import median
 
+PAGE_WAIT_S = 300  # --tiers: how long a decode instance waits for free pages (page_wait_timeout_s)
+
 
 def _words(tokenizer, n_tokens: int, rng: random.Random) -> str:
     vocab = ["river", "mountain", "policy", "engine", "garden", "signal", "market", "theory", "orbit", "canvas"]
@@ -52,19 +57,30 @@ def _words(tokenizer, n_tokens: int, rng: random.Random) -> str:
 
 
 def run(
-    mode: str, caching: bool, args, tokenizer, routing_weight: float | None = None, tiers: bool | None = None
+    mode: str,
+    caching: bool,
+    args,
+    tokenizer,
+    routing_weight: float | None = None,
+    tiers: bool | None = None,
+    think_s: float | None = None,
 ) -> dict:
-    """One deployment under the workload. ``routing_weight`` (disaggregated, 2 decode instances):
-    the front's and the decode instances' ``kv_routing_weight`` (0: least loaded). ``tiers``
-    (not None): pools of ``--pool-tokens``, with the host and disk tiers or without any."""
+    """One deployment under the workload (``think_s``: between turns, else ``--think-s``'s first).
+    ``routing_weight`` (disaggregated, 2 decode instances): the front's and the decode instances'
+    ``kv_routing_weight`` (0: least loaded). ``tiers`` (not None): pools of ``--pool-tokens``,
+    with the host and disk tiers or without any."""
+    think = args.think_s[0] if think_s is None else think_s
     overrides = {"enable_prefix_caching": str(caching).lower(), "local_prefill_max_tokens": "0"}
     render: dict = {}
     tag = f"{mode}-{caching}"
     if tiers is not None:
-        tag += f"-tiers{tiers}"
+        tag += f"-tiers{tiers}-think{think:g}"
         disk = results_dir() / f"multiturn-{tag}" / "kv"
         shutil.rmtree(disk, ignore_errors=True)  # no blocks of an earlier run: each run starts cold
         overrides["kv_cache_tokens"] = str(args.pool_tokens)
+        # a turn waits for pages as long as it takes (the default 10 s refuses some turns of the
+        # disaggregated deployment without tiers as overloaded, which would end their conversations)
+        overrides["page_wait_timeout_s"] = str(PAGE_WAIT_S)
         overrides.update(
             {"kv_host_tokens": str(args.host_tokens), "kv_disk_path": str(disk), "kv_disk_admit_hits": "1"}
             if tiers
@@ -88,7 +104,7 @@ def run(
 
         def conversation(c: int) -> None:
             history = system
-            time.sleep(c * args.think_s / max(1, args.conversations))  # staggered starts
+            time.sleep(c * think / max(1, args.conversations))  # staggered starts
             for t in range(args.turns):
                 history += f"\nUser: {users[c][t]}\nAssistant:"
                 res = stream_generate(
@@ -101,7 +117,7 @@ def run(
                 texts[f"{c}/{t}"] = res.text
                 progress.update()
                 history += res.text
-                time.sleep(args.think_s)
+                time.sleep(think)
 
         t0 = time.perf_counter()
         threads = [threading.Thread(target=conversation, args=(c,)) for c in range(args.conversations)]
@@ -141,7 +157,12 @@ def main(argv=None) -> int:
     p.add_argument("--system-tokens", type=int, default=800)
     p.add_argument("--user-tokens", type=int, default=60)
     p.add_argument("--output-tokens", type=int, default=64)
-    p.add_argument("--think-s", type=float, default=1.0)
+    p.add_argument(
+        "--think-s",
+        type=_seconds,
+        default=[1.0],
+        help="seconds between a conversation's turns; with --tiers a comma list measures each (a sweep)",
+    )
     p.add_argument(
         "--tiers",
         action="store_true",
@@ -155,6 +176,8 @@ def main(argv=None) -> int:
         help="instead: KV-aware routing vs least loaded (disaggregated, 1 prefill + 2 decode instances, caching on)",
     )
     args = p.parse_args(argv)
+    if len(args.think_s) > 1 and not args.tiers:
+        p.error("--think-s takes one value without --tiers")
     tokenizer = loadgen.load_tokenizer()
     if args.routing:
         return _routing(args, tokenizer)
@@ -210,10 +233,14 @@ def _routing(args, tokenizer) -> int:
 
 
 def _tiers(args, tokenizer) -> int:
+    """Tiers off and on per mode, for each think time of ``--think-s`` (the load: short think
+    times keep both deployments busy, long ones leave them idle between turns)."""
     results = {}
-    for mode in args.modes.split(","):
-        for tiers in (False, True):
-            results[f"{mode}, tiers {'on' if tiers else 'off'}"] = run(mode, True, args, tokenizer, tiers=tiers)
+    for think in args.think_s:
+        for mode in args.modes.split(","):
+            for tiers in (False, True):
+                name = f"{mode}, tiers {'on' if tiers else 'off'}, think {think:g} s"
+                results[name] = run(mode, True, args, tokenizer, tiers=tiers, think_s=think)
     rows = [
         "| deployment | TTFT p50 turn 1 (ms) | TTFT p50 turns 2+ (ms) | requests/s | hit tokens | tier hit tokens |",
         "|---|---|---|---|---|---|",
@@ -223,15 +250,32 @@ def _tiers(args, tokenizer) -> int:
             f"| {name} | {1e3 * r['ttft_turn1_p50_s']:.0f} | {1e3 * r['ttft_later_p50_s']:.0f} "
             f"| {r['requests_per_s']:.3f} | {r['prefix_hit_tokens']:.0f} | {r['tier_hit_tokens']:.0f} |"
         )
-    for mode in args.modes.split(","):
-        off, on = results[f"{mode}, tiers off"], results[f"{mode}, tiers on"]
-        same = sum(on["outputs"].get(k) == v for k, v in off["outputs"].items())
-        rows.append(
-            f"\n{mode}: TTFT turns 2+ on/off {on['ttft_later_p50_s'] / off['ttft_later_p50_s']:.2f}x, "
-            f"requests/s on/off {on['requests_per_s'] / off['requests_per_s']:.2f}x, "
-            f"outputs identical {same}/{len(off['outputs'])}"
-        )
+    rows += [
+        "",
+        "| think (s) | mode | TTFT turns 2+ on/off | requests/s on/off | outputs identical |",
+        "|---|---|---|---|---|",
+    ]
+    for think in args.think_s:
+        for mode in args.modes.split(","):
+            off = results[f"{mode}, tiers off, think {think:g} s"]
+            on = results[f"{mode}, tiers on, think {think:g} s"]
+            same = sum(on["outputs"].get(k) == v for k, v in off["outputs"].items())
+            rows.append(
+                f"| {think:g} | {mode} | {on['ttft_later_p50_s'] / off['ttft_later_p50_s']:.2f}x "
+                f"| {on['requests_per_s'] / off['requests_per_s']:.2f}x | {same}/{len(off['outputs'])} |"
+            )
     return _write("multiturn-tiers", args, results, rows)
+
+
+def _seconds(text: str) -> list[float]:
+    """``--think-s``: one number of seconds, or a comma list of them."""
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not seconds (a number or a comma list): {text!r}") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"think times are not negative: {text!r}")
+    return values
 
 
 def _write(name: str, args, results: dict, rows: list[str]) -> int:

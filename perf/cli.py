@@ -50,7 +50,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 # benchmark -> the flags that switch it to another measurement: the report keeps a section for each
 VARIANTS: dict[str, tuple[str, ...]] = {
-    "multiturn": ("--routing", "--tiers", "--modes"),
+    "multiturn": ("--routing", "--tiers", "--modes", "--conversations"),
     "formats": ("--server",),
     "cpp-baseline": ("--weights",),
     "one-stream": ("--tracing",),

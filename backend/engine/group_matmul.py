@@ -65,9 +65,8 @@ def library() -> ctypes.CDLL:
     is named by its source, compiler, flags and architecture and by the SHA-256 of its own bytes:
     one whose bytes do not hash to its name (truncated, altered) or that does not load is logged,
     removed and built again, never loaded."""
-    source = SOURCE.read_bytes()
     compiler = os.environ.get("CC", "cc")
-    key = hashlib.sha256(source + " ".join((compiler, *CFLAGS, *LIBS, platform.machine())).encode()).hexdigest()[:16]
+    key = build_key(compiler)
     folder = cache_dir()
     for cached in sorted(folder.glob(f"group_matmul-{key}-*.so")):
         lib = _load_cached(cached)
@@ -90,6 +89,12 @@ def library() -> ctypes.CDLL:
     os.replace(tmp, lib_path)  # atomic: processes that build at once load a whole file
     log.info("group kernels: compiled %s into %s", SOURCE.name, lib_path)
     return _typed(ctypes.CDLL(str(lib_path)))
+
+
+def build_key(compiler: str) -> str:
+    """What a cached build is named by first: the source, the compiler, the flags, the architecture."""
+    text = " ".join((compiler, *CFLAGS, *LIBS, platform.machine())).encode()
+    return hashlib.sha256(SOURCE.read_bytes() + text).hexdigest()[:16]
 
 
 def _digest(path: Path) -> str:

@@ -394,6 +394,9 @@ def _disk_tier(run: Run) -> None:
         assert row["matched"] and row["warm"]["mb_s"] > 0 and row["cold"]["mb_s"] > 0, (way, row)
     for way in ("NIXL POSIX (uring)", "NIXL POSIX (aio)"):  # other I/O modes: figures, or why not here
         assert ways[way].get("matched") or ways[way].get("error"), ways[way]
+    writes = r["writes"]
+    for way in ("plain file I/O", "NIXL POSIX (posix_aio)"):  # block files written both ways, read back equal
+        assert writes[way]["matched"] and writes[way]["ms_per_block"] > 0, (way, writes[way])
 
 
 @check("dashboard")

@@ -199,38 +199,39 @@ def test_a_compiler_that_fails_fails_the_load_with_its_reason(tmp_path, monkeypa
 
 
 def test_a_damaged_cached_build_is_built_again_never_loaded(tmp_path, monkeypatch, caplog):
-    """A cached library whose bytes no longer hash to its name (truncated, altered), or that names
-    its own checksum but is no library, is removed and built again; the rebuilt one computes."""
+    """A cached library whose bytes no longer hash to its name (truncated), or that names its own
+    checksum but is no library, is removed and built again; the rebuilt one computes. (The good
+    build is copied from this run's cache: one compile, the rebuild.)"""
+    import os
+    import shutil
+
+    group_matmul.library.cache_clear()
+    good = Path(group_matmul.library()._name)  # this run's build (from its cache, or built now)
     monkeypatch.setenv("TRITON_DISAGG_CACHE", str(tmp_path))
+    folder = group_matmul.cache_dir()
+    folder.mkdir(parents=True)
+    key = group_matmul.build_key(os.environ.get("CC", "cc"))
+    assert good.name.startswith(f"group_matmul-{key}-")
+    truncated = folder / good.name  # its name's checksum, half its bytes
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    junk = folder / f"group_matmul-{key}-{hashlib.sha256(b'junk').hexdigest()[:16]}.so"
+    junk.write_bytes(b"junk")  # bytes that hash to its name, but no library
     group_matmul.library.cache_clear()
     try:
-        group_matmul.library()
-        (built,) = tmp_path.rglob("group_matmul-*.so")
-        good = built.read_bytes()
-        fake = built.with_name(built.name.rsplit("-", 1)[0] + "-" + hashlib.sha256(b"junk").hexdigest()[:16] + ".so")
-        for damage in ("truncated", "no library"):
-            built.unlink()  # a new file: this process maps the old one (truncating it in place: SIGBUS)
-            if damage == "truncated":
-                built.write_bytes(good[: len(good) // 2])
-            else:
-                fake.write_bytes(b"junk")
-            group_matmul.library.cache_clear()
-            caplog.clear()
-            with caplog.at_level(logging.WARNING, logger="triton_disagg.engine"):
-                lib = group_matmul.library()
-            assert "is damaged" in caplog.text, (damage, caplog.text)
-            assert lib.tiles_supported() in (0, 1)
-            (rebuilt,) = tmp_path.rglob("group_matmul-*.so")
-            assert (
-                rebuilt.read_bytes() != b"junk"
-                and hashlib.sha256(rebuilt.read_bytes()).hexdigest()[:16] in rebuilt.name
-            )
-            built = rebuilt
-            good = built.read_bytes()
+        with caplog.at_level(logging.WARNING, logger="triton_disagg.engine"):
+            lib = group_matmul.library()
+        damaged = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+        assert len(damaged) == 2, damaged
+        assert any(truncated.name in m and "do not match its name's checksum" in m for m in damaged), damaged
+        assert any(junk.name in m and "does not load" in m for m in damaged), damaged
+        assert lib.tiles_supported() in (0, 1)
+        (rebuilt,) = folder.glob("group_matmul-*.so")
+        assert hashlib.sha256(rebuilt.read_bytes()).hexdigest()[:16] in rebuilt.name
         x, w = torch.randn(2, 64), torch.randn(16, 64)
         torch.testing.assert_close(group_matmul.f32_product(w, x), x @ w.t(), rtol=1e-5, atol=1e-5)
     finally:
         group_matmul.library.cache_clear()
+        shutil.rmtree(tmp_path, ignore_errors=True)
 
 
 def test_int4w_is_refused_on_a_cpu_without_its_features(tiny, monkeypatch):
@@ -406,8 +407,41 @@ for i in range(120):
 """
 
 
-@pytest.mark.parametrize("first_job", [2**19 - 40, 2**20 - 40])
-def test_jobs_go_on_across_the_job_tags_wrap(tmp_path, first_job):
+WRAP_FIRST_JOBS = (2**19 - 40, 2**20 - 40)
+
+
+@pytest.fixture(scope="module")
+def wrap_builds(tmp_path_factory) -> dict[int, Path]:
+    """The library built with the job numbers starting at each of ``WRAP_FIRST_JOBS``
+    (``FIRST_JOB``), the builds compiled at once."""
+    import subprocess
+
+    folder = tmp_path_factory.mktemp("wrap")
+    builds = {job: folder / f"wrap-{job}.so" for job in WRAP_FIRST_JOBS}
+    compiles = [
+        subprocess.Popen(
+            [
+                "cc",
+                *group_matmul.CFLAGS,
+                f"-DFIRST_JOB={job}L",
+                "-o",
+                str(built),
+                str(group_matmul.SOURCE),
+                *group_matmul.LIBS,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for job, built in builds.items()
+    ]
+    for compile_ in compiles:
+        _, err = compile_.communicate(timeout=120)
+        assert compile_.returncode == 0, err.decode()[-2000:]
+    return builds
+
+
+@pytest.mark.parametrize("first_job", WRAP_FIRST_JOBS)
+def test_jobs_go_on_across_the_job_tags_wrap(wrap_builds, first_job):
     """The pool's cursors carry the job number's low 19 bits as a tag: across its wrap (and where a
     20-bit tag once made the cursor negative, which no thread could take from: a hang) products
     go on, equal to one thread's. Built with the job numbers starting there (``FIRST_JOB``); run in
@@ -415,9 +449,7 @@ def test_jobs_go_on_across_the_job_tags_wrap(tmp_path, first_job):
     import subprocess
     import sys
 
-    built = tmp_path / "wrap.so"
-    cmd = ["cc", *group_matmul.CFLAGS, f"-DFIRST_JOB={first_job}L", "-o", str(built), str(group_matmul.SOURCE)]
-    subprocess.run([*cmd, *group_matmul.LIBS], check=True, capture_output=True, timeout=120)
+    built = wrap_builds[first_job]
     try:
         done = subprocess.run(
             [sys.executable, "-c", WRAP_CHECK, str(built)], capture_output=True, text=True, timeout=60, cwd=ROOT

@@ -137,6 +137,45 @@ def test_a_damaged_block_file_is_computed_again_and_removed(tiny_dir, reference,
     engine.close()
 
 
+def test_a_full_disk_drops_the_blocks_logs_once_and_costs_only_recomputation(
+    tiny_dir, reference, tmp_path, monkeypatch, caplog
+):
+    """Every block file the tier starts is backed by ``/dev/full`` (the kernel's full device:
+    each write fails with ENOSPC): the blocks are dropped and counted, the failure is logged once,
+    no partial file is left, and a restarted engine finds nothing and computes the same output."""
+    import errno
+    import os
+    import tempfile
+
+    from backend.engine import disk_tier
+
+    mkstemp = tempfile.mkstemp
+
+    def full_mkstemp(*args, **kwargs):
+        fd, path = mkstemp(*args, **kwargs)
+        full = os.open("/dev/full", os.O_WRONLY)
+        os.dup2(full, fd)
+        os.close(full)
+        return fd, path
+
+    monkeypatch.setattr(disk_tier.tempfile, "mkstemp", full_mkstemp)
+    engine = _disk_engine(tiny_dir, tmp_path)
+    with caplog.at_level("WARNING", logger="triton_disagg.engine"):
+        assert _run(engine, "c1", CHAT) == reference["chat"]
+        assert _run(engine, "f", FOLLOW_UP) == reference["follow_up"]
+        engine.close()  # the blocks hit once are written at close: every write fails
+    stats = engine.tiers.disk.stats()
+    assert stats["writes"] == 0 and stats["dropped"] >= 15 and stats["blocks"] == 0, stats
+    assert caplog.text.count(os.strerror(errno.ENOSPC)) == 1, caplog.text  # logged once
+    assert not list(tmp_path.rglob("*.kv")) and not list(tmp_path.rglob("*.tmp"))
+    monkeypatch.undo()
+    engine = _disk_engine(tiny_dir, tmp_path)
+    assert _run(engine, "f", FOLLOW_UP) == reference["follow_up"]
+    assert engine.pool_stats()["tier_disk_hit_blocks"] == 0
+    assert_pool_idle(engine)
+    engine.close()
+
+
 class CountingReader(PlainFileReader):
     """Plain file I/O that remembers how many files each read was given."""
 
