@@ -259,10 +259,11 @@ def _tiers(args, tokenizer) -> int:
         for mode in args.modes.split(","):
             off = results[f"{mode}, tiers off, think {think:g} s"]
             on = results[f"{mode}, tiers on, think {think:g} s"]
+            # of every turn of the workload: a turn that failed in either run is not the same
             same = sum(on["outputs"].get(k) == v for k, v in off["outputs"].items())
             rows.append(
                 f"| {think:g} | {mode} | {on['ttft_later_p50_s'] / off['ttft_later_p50_s']:.2f}x "
-                f"| {on['requests_per_s'] / off['requests_per_s']:.2f}x | {same}/{len(off['outputs'])} |"
+                f"| {on['requests_per_s'] / off['requests_per_s']:.2f}x | {same}/{args.conversations * args.turns} |"
             )
     return _write("multiturn-tiers", args, results, rows)
 

@@ -69,6 +69,7 @@ class DiskTier:
             "read_bytes": 0,
             "corrupt": 0,
             "read_errors": 0,
+            "evicted": 0,  # files removed to stay under capacity_bytes
         }
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] = OrderedDict()  # hash -> file size, least recently used first
@@ -256,6 +257,7 @@ class DiskTier:
             key, size = self._index.popitem(last=False)
             self._bytes -= size
             self.version += 1
+            self.counters["evicted"] += 1
             with contextlib.suppress(OSError):
                 self.path(key).unlink()
 

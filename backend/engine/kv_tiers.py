@@ -78,8 +78,21 @@ class KVTiers:
         self.shared = shared
         self.admit_hits = admit_hits
         self.waker: Callable[[], None] = lambda: None
-        self.counters = {"host_hit_blocks": 0, "disk_hit_blocks": 0, "spilled_blocks": 0, "load_failures": 0}
+        self.counters = {
+            "host_hit_blocks": 0,
+            "disk_hit_blocks": 0,
+            "spilled_blocks": 0,
+            "load_failures": 0,
+            # a tier asked for a block (a prompt's, past the pool's pages) that it does not hold
+            "host_miss_blocks": 0,
+            "disk_miss_blocks": 0,
+            "shared_miss_blocks": 0,
+            "host_evicted_blocks": 0,  # pushed out of the host tier (on to the disk tier if hit enough)
+        }
         self.load_seconds = 0.0
+        self.tier_seconds = {"host": 0.0, DISK: 0.0, SHARED: 0.0}  # of load_seconds: reading and copying per tier
+        page = pool.tensor[:, 0]
+        self.block_bytes = page.numel() * page.element_size()
         self._hits: OrderedDict[bytes, int] = OrderedDict()
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue[tuple[str, list[TierLoad]] | None] = queue.SimpleQueue()
@@ -103,7 +116,10 @@ class KVTiers:
         with self._lock:
             self.counters["spilled_blocks"] += 1
         if self.host is not None:
-            for out_key, out_block in self.host.put(key, block):
+            pushed_out = self.host.put(key, block)
+            with self._lock:
+                self.counters["host_evicted_blocks"] += len(pushed_out)
+            for out_key, out_block in pushed_out:
                 self._admit(out_key, out_block)
         else:
             self._admit(key, block)
@@ -127,6 +143,9 @@ class KVTiers:
         found = self._private(keys)
         if self.shared is not None and len(found) < len(keys):
             found += [SHARED] * self.shared.held(keys[len(found) :])
+            if len(found) < len(keys):
+                with self._lock:
+                    self.counters["shared_miss_blocks"] += 1
         self.hit(keys[: len(found)])
         return found
 
@@ -226,7 +245,8 @@ class KVTiers:
 
     def stats(self) -> dict:
         with self._lock:
-            out = dict(self.counters, load_seconds=self.load_seconds)
+            out = dict(self.counters, load_seconds=self.load_seconds, block_bytes=self.block_bytes)
+            out.update({f"{tier}_load_seconds": seconds for tier, seconds in self.tier_seconds.items()})
         out["host_blocks"] = len(self.host) if self.host is not None else 0
         out["host_capacity_blocks"] = self.host.capacity_blocks if self.host is not None else 0
         if self.disk is not None:
@@ -240,14 +260,21 @@ class KVTiers:
         """The host tier's block or :data:`DISK` for each of the leading ``keys`` this instance's
         own tiers hold."""
         found: list[torch.Tensor | str] = []
+        missed = {"host_miss_blocks": 0, "disk_miss_blocks": 0}
         for key in keys:
             block = self.host.get(key) if self.host is not None else None
             if block is not None:
                 found.append(block)
-            elif self.disk is not None and self.disk.has(key):
+                continue
+            missed["host_miss_blocks"] += self.host is not None
+            if self.disk is not None and self.disk.has(key):
                 found.append(DISK)
-            else:
-                break
+                continue
+            missed["disk_miss_blocks"] += self.disk is not None
+            break
+        with self._lock:
+            for name, n in missed.items():
+                self.counters[name] += n
         return found
 
     def _look_up_loop(self) -> None:
@@ -312,24 +339,36 @@ class KVTiers:
         batches; how many were copied before the first that could not be read."""
         i = 0
         while i < len(loads):
+            start = time.perf_counter()
             if loads[i].on(DISK):
                 assert self.disk is not None
                 batch = loads[i : i + self.disk.batch_blocks]
                 batch = batch[: next((n for n, b in enumerate(batch) if not b.on(DISK)), len(batch))]
-                for n, block in enumerate(self.disk.read_many([b.key for b in batch])):
-                    if block is None:
-                        return i + n
-                    self.pool.tensor[:, batch[n].page].copy_(block)
-                    with self._lock:
-                        self.counters["disk_hit_blocks"] += 1
+                try:
+                    for n, block in enumerate(self.disk.read_many([b.key for b in batch])):
+                        if block is None:
+                            return i + n
+                        self.pool.tensor[:, batch[n].page].copy_(block)
+                        with self._lock:
+                            self.counters["disk_hit_blocks"] += 1
+                finally:
+                    self._took(DISK, start)
                 i += len(batch)
                 continue
-            block = self._read(loads[i])
-            if block is None:
-                return i
-            self.pool.tensor[:, loads[i].page].copy_(block)
+            tier = SHARED if loads[i].on(SHARED) else "host"
+            try:
+                block = self._read(loads[i])
+                if block is None:
+                    return i
+                self.pool.tensor[:, loads[i].page].copy_(block)
+            finally:
+                self._took(tier, start)
             i += 1
         return len(loads)
+
+    def _took(self, tier: str, start: float) -> None:
+        with self._lock:
+            self.tier_seconds[tier] += time.perf_counter() - start
 
     def _read(self, load: TierLoad) -> torch.Tensor | None:
         """A host-tier or shared-tier block (the disk tier's are read in batches by :meth:`_copy`)."""

@@ -22,6 +22,15 @@ TIER_STATS = {
     "kv_tier_disk_read_errors_total": "tier_disk_read_errors",
     "kv_tier_load_failures_total": "tier_load_failures",
     "kv_tier_load_seconds_total": "tier_load_seconds",
+    "kv_tier_host_load_seconds_total": "tier_host_load_seconds",
+    "kv_tier_disk_load_seconds_total": "tier_disk_load_seconds",
+    "kv_tier_shared_load_seconds_total": "tier_shared_load_seconds",
+    "kv_tier_host_miss_blocks_total": "tier_host_miss_blocks",
+    "kv_tier_disk_miss_blocks_total": "tier_disk_miss_blocks",
+    "kv_tier_shared_miss_blocks_total": "tier_shared_miss_blocks",
+    "kv_tier_host_evicted_blocks_total": "tier_host_evicted_blocks",
+    "kv_tier_disk_evicted_blocks_total": "tier_disk_evicted",
+    "kv_tier_block_bytes": "tier_block_bytes",
     "kv_tier_shared_up": "tier_shared_up",
     "kv_tier_shared_hit_blocks_total": "tier_shared_hits",
     "kv_tier_shared_writes_total": "tier_shared_writes",
@@ -56,6 +65,15 @@ class InstanceStats:
     kv_tier_disk_read_errors_total: int = 0
     kv_tier_load_failures_total: int = 0
     kv_tier_load_seconds_total: float = 0.0
+    kv_tier_host_load_seconds_total: float = 0.0
+    kv_tier_disk_load_seconds_total: float = 0.0
+    kv_tier_shared_load_seconds_total: float = 0.0
+    kv_tier_host_miss_blocks_total: int = 0
+    kv_tier_disk_miss_blocks_total: int = 0
+    kv_tier_shared_miss_blocks_total: int = 0
+    kv_tier_host_evicted_blocks_total: int = 0
+    kv_tier_disk_evicted_blocks_total: int = 0
+    kv_tier_block_bytes: int = 0
     kv_tier_shared_up: int = 0
     kv_tier_shared_hit_blocks_total: int = 0
     kv_tier_shared_writes_total: int = 0

@@ -33,6 +33,7 @@ GAUGES = {
     "kv_tier_disk_blocks": "KV blocks in the disk tier that this instance knows",
     "kv_tier_disk_bytes": "bytes of the disk tier's block files that this instance knows",
     "kv_tier_shared_up": "1 while the shared KV tier's store answers (0: down, or no shared tier)",
+    "kv_tier_block_bytes": "bytes of one KV block (a page, every layer): a tier's bytes are its blocks times this",
 }
 COUNTERS = {
     "requests_total": "requests finished, any outcome",
@@ -62,6 +63,14 @@ COUNTERS = {
     "kv_tier_disk_read_errors_total": "disk tier reads that failed (NIXL's: read again plainly; plain's: computed)",
     "kv_tier_load_failures_total": "tier loads that ended early (a block could not be read): the rest was computed",
     "kv_tier_load_seconds_total": "time the tier loader spent copying blocks into the pool",
+    "kv_tier_host_load_seconds_total": "of the tier loader's time: copying host tier blocks into the pool",
+    "kv_tier_disk_load_seconds_total": "of the tier loader's time: reading, checking and copying disk tier blocks",
+    "kv_tier_shared_load_seconds_total": "of the tier loader's time: reading, checking and copying shared tier blocks",
+    "kv_tier_host_miss_blocks_total": "blocks of a prompt past the pool's that the host tier was asked for and lacked",
+    "kv_tier_disk_miss_blocks_total": "blocks past the pool's and the host tier's that the disk tier lacked",
+    "kv_tier_shared_miss_blocks_total": "blocks past the private tiers' that the shared tier lacked (as far as known)",
+    "kv_tier_host_evicted_blocks_total": "blocks the host tier pushed out (on to the disk tier when hit often enough)",
+    "kv_tier_disk_evicted_blocks_total": "block files the disk tier removed to stay under kv_disk_bytes",
     "kv_tier_shared_hit_blocks_total": "KV blocks loaded from the shared tier",
     "kv_tier_shared_writes_total": "KV blocks written to the shared tier",
     "kv_tier_shared_dropped_total": "KV blocks not written to the shared tier (queue full, or the store down)",

@@ -67,6 +67,12 @@ def test_a_restarted_server_serves_the_follow_up_from_the_disk_tier(
         assert disk_hits >= (n_first - 1) // 16, disk_hits  # all of turn 1 came from the files
         assert _settled(url, "kv_tier_hit_tokens_total", model) == disk_hits * 16
         assert _settled(url, "kv_tier_disk_corrupt_total", model) == 0
+        # per tier: the disk tier's share of the load time, and its size in bytes (header + block each)
+        assert _settled(url, "kv_tier_disk_load_seconds_total", model) > 0
+        block_bytes = _settled(url, "kv_tier_block_bytes", model)
+        disk_blocks = _settled(url, "kv_tier_disk_blocks", model)
+        assert disk_blocks >= disk_hits and block_bytes > 0
+        assert _settled(url, "kv_tier_disk_bytes", model) == disk_blocks * (block_bytes + 64)
         wait_pool_free(url, model)
         # kv_disk_reader=auto: the files were read through NIXL's POSIX backend (real NIXL)
         assert "read with NIXL POSIX (posix_aio)" in server.log_file.read_text()

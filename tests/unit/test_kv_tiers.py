@@ -69,6 +69,13 @@ def test_a_prefix_evicted_from_the_pool_comes_back_from_the_host_tier(tiny_dir, 
     stats = engine.pool_stats()
     assert stats["prefix_tier_hit_tokens"] >= 15 * PS, stats  # the whole history came from the tier
     assert stats["tier_host_hit_blocks"] >= 15 and stats["tier_load_failures"] == 0, stats
+    # per tier: the follow-up's new blocks missed the host tier (no disk tier asked), its load took time
+    assert stats["tier_host_miss_blocks"] >= 1 and stats["tier_disk_miss_blocks"] == 0, stats
+    assert stats["tier_host_load_seconds"] > 0 and stats["tier_disk_load_seconds"] == 0, stats
+    assert stats["tier_host_load_seconds"] <= stats["tier_load_seconds"], stats
+    assert stats["tier_host_evicted_blocks"] == 0, stats  # 200 pages hold everything evicted here
+    (_, block), *_ = engine.tiers.host.items()
+    assert stats["tier_block_bytes"] == block.nbytes > 0  # a tier's bytes: its blocks times this
     assert_pool_idle(engine)
 
 
@@ -259,6 +266,7 @@ def test_the_disk_tier_stays_under_its_size(tmp_path):
         tier.put(bytes([i]) * 16, block)
     tier.close()
     assert tier.stats()["blocks"] == 3 and len(list(tier.folder.glob("*.kv"))) == 3
+    assert tier.stats()["evicted"] == 3
     assert [tier.has(bytes([i]) * 16) for i in range(6)] == [False] * 3 + [True] * 3
 
 
