@@ -52,6 +52,7 @@ FLUSH_S = 10.0  # at close, how long the tiers may write blocks to disk at most
 
 
 DISK, SHARED = "disk", "shared"  # where a found block is read from (a host-tier block is itself)
+HOST = "host"  # the host tier, in the per-tier figures
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class KVTiers:
             "host_evicted_blocks": 0,  # pushed out of the host tier (on to the disk tier if hit enough)
         }
         self.load_seconds = 0.0
-        self.tier_seconds = {"host": 0.0, DISK: 0.0, SHARED: 0.0}  # of load_seconds: reading and copying per tier
+        self.tier_seconds = {HOST: 0.0, DISK: 0.0, SHARED: 0.0}  # of load_seconds: reading and copying per tier
         page = pool.tensor[:, 0]
         self.block_bytes = page.numel() * page.element_size()
         self._hits: OrderedDict[bytes, int] = OrderedDict()
@@ -355,7 +356,7 @@ class KVTiers:
                     self._took(DISK, start)
                 i += len(batch)
                 continue
-            tier = SHARED if loads[i].on(SHARED) else "host"
+            tier = SHARED if loads[i].on(SHARED) else HOST
             try:
                 block = self._read(loads[i])
                 if block is None:
