@@ -5,17 +5,23 @@ and errors (with their kind and a fitting Triton error code).
 Triton frees a request's response factory once the final response is sent; calling
 ``is_cancelled()`` on it after that (or at the same moment, from a watcher thread) crashes
 the server. This wrapper serialises ``send`` and ``is_cancelled`` and never touches the
-sender again after the final response: ``is_cancelled()`` then answers False.
+sender again after the final response: ``is_cancelled()`` then answers False. Each
+``is_cancelled()`` asks Triton's process (a round trip over the Python backend's IPC, about as
+costly as a response); streams ask before every token, so the wrapper asks Triton at most every
+``CANCEL_POLL_S`` and answers from the last reply between: a cancel is seen within that time.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 
 from backend.engine.outputs import ErrorKind
 from backend.serving.errors import format_error
+
+CANCEL_POLL_S = 0.05
 
 
 class GuardedSender:
@@ -24,6 +30,8 @@ class GuardedSender:
         self._sender = sender
         self._lock = threading.Lock()
         self.closed = False
+        self._cancelled = False
+        self._next_poll = 0.0  # time.monotonic() from which Triton is asked again
 
     def send(self, response=None, flags: int = 0) -> None:
         final = bool(flags & self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -42,7 +50,13 @@ class GuardedSender:
 
     def is_cancelled(self) -> bool:
         with self._lock:
-            return not self.closed and self._sender.is_cancelled()
+            if self.closed or self._cancelled:
+                return not self.closed
+            now = time.monotonic()
+            if now >= self._next_poll:
+                self._next_poll = now + CANCEL_POLL_S
+                self._cancelled = self._sender.is_cancelled()
+            return self._cancelled
 
 
 def triton_error(pb_utils, kind: ErrorKind, message: str):

@@ -1,9 +1,8 @@
-"""Unit tests of request parsing, incremental detokenization and repository rendering."""
+"""Unit tests of request parsing and repository rendering."""
 
 import numpy as np
 import pytest
 
-from backend.serving.detokenizer import IncrementalDetokenizer
 from backend.serving.request import RequestError, parse_request
 
 
@@ -78,19 +77,6 @@ def test_cache_salt_is_one_bounded_string():
 def test_parse_rejects(tensors, msg):
     with pytest.raises(RequestError, match=msg):
         parse_request(getter(**tensors), max_tokens_limit=10)
-
-
-class CharTokenizer:
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
-
-
-def test_detokenizer_holds_back_partial_stop_word():
-    d = IncrementalDetokenizer(CharTokenizer(), stop_words=["END"])
-    assert d.add([ord("a"), ord("E")]) == "a"
-    assert d.add([ord("N")]) == ""
-    assert d.add([ord("x")]) == "ENx"
-    assert d.add([ord(c) for c in "yEND"]) == "y" and d.stopped
 
 
 def test_log_prob_inputs_and_token_id_prompts():
