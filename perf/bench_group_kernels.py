@@ -6,8 +6,12 @@ SmolLM2-135M decode step (per layer q/k/v, o, gate/up and down as int4w fuses th
 and the LM head's 8-bit groups; random weights of those shapes, read from memory as in serving:
 80 MB of 4-bit tiles and 32 MB of LM head), for a few rows (decode steps of that many sequences)
 and thread counts. Best of ``--repeats`` per cell, the versions alternated. This is how
-``group_linear.MAX_ROWS`` and the two versions were measured. Prints a table and writes
-``group_kernels_<stamp>.json`` (ms per step by version, threads and rows) to the results folder.
+``group_linear.MAX_ROWS`` and the two versions were measured. Beside each cell, its roof: the
+least time the step's multiply-adds take at the CPU's measured peak rate of the version's
+instruction on that many cores (``perf/lib/vector_peak.py``): a cell near 100% of its roof is
+bound by arithmetic, and only fewer or cheaper products make it faster. Prints a table and writes
+``group_kernels_<stamp>.json`` (ms per step by version, threads and rows; the peaks and the roofs)
+to the results folder.
 
     python -m perf.bench_group_kernels [--rows 1,2,4,8,16] [--threads 1,2] [--repeats 5] [--layers 30]
 """
@@ -21,6 +25,7 @@ import time
 import torch
 
 from backend.engine import cpu_kernels, group_matmul
+from perf.lib import vector_peak
 from perf.lib.machine import cpu_model
 from perf.lib.results import results_dir
 
@@ -34,6 +39,11 @@ def versions() -> list[str]:
     activations (`` a8``)."""
     vnni = not cpu_kernels.missing_flags(cpu_kernels.GROUP_VNNI_FLAGS) and group_matmul.library().tiles_supported()
     return [f"{k}{a}" for k in (["avx2", "avx512_vnni"] if vnni else ["avx2"]) for a in ("", " a8")]
+
+
+def step_macs(layers: int) -> tuple[int, int]:
+    """Multiply-adds of one row's products: the 4-bit groups', the LM head's 8-bit groups'."""
+    return layers * sum(n * k for n, k in LAYER_SHAPES), HEAD_SHAPE[0] * HEAD_SHAPE[1]
 
 
 def step_products(layers: int) -> list[group_matmul.Groups]:
@@ -74,6 +84,8 @@ def main(argv=None) -> int:
     if min(rows) < 1 or min(threads) < 1 or args.repeats < 1 or args.layers < 1:
         p.error("--rows, --threads, --repeats and --layers must be positive")
     names = versions()
+    flags = cpu_kernels.cpu_flags()
+    peaks_before = {str(t): vector_peak.peaks(flags, t) for t in threads}  # again after: the best of both
     products = step_products(args.layers)
     inputs = {k: torch.randn(max(rows), k).contiguous() for k in {g.k for g in products}}
     ms: dict[str, dict[str, dict[str, float]]] = {n: {str(t): {} for t in threads} for n in names}
@@ -88,7 +100,23 @@ def main(argv=None) -> int:
             for n in names:
                 ms[n][str(t)][str(r)] = 1e3 * best[n]
     path = cpu_kernels.kernel_path()
-    result = {"cpu": cpu_model(), "kernel_path": path.as_dict(), "layers": args.layers, "ms_per_step": ms}
+    peaks = {
+        str(t): {k: max(v, peaks_before[str(t)][k]) for k, v in vector_peak.peaks(flags, t).items()} for t in threads
+    }
+    macs = step_macs(args.layers)
+    roofs = {
+        n: {str(t): {str(r): vector_peak.roof_ms(n, r, *macs, peaks[str(t)]) for r in rows} for t in threads}
+        for n in names
+    }
+    result = {
+        "cpu": cpu_model(),
+        "kernel_path": path.as_dict(),
+        "layers": args.layers,
+        "ms_per_step": ms,
+        "macs_per_row": {"4bit": macs[0], "8bit": macs[1]},
+        "peak_macs_per_s": peaks,
+        "roof_ms": roofs,
+    }
     out = results_dir()
     out.mkdir(parents=True, exist_ok=True)
     (out / f"group_kernels_{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(json.dumps(result, indent=1))
@@ -101,7 +129,18 @@ def main(argv=None) -> int:
     print("|---|" + "---|" * len(rows))
     for n in names:
         for t in threads:
-            print(f"| {n}, {t} | " + " | ".join(f"{ms[n][str(t)][str(r)]:.1f}" for r in rows) + " |")
+            cells = []
+            for r in rows:
+                took, roof = ms[n][str(t)][str(r)], roofs[n][str(t)][str(r)]
+                cells.append(f"{took:.1f}" + ("" if roof is None else f" ({roof:.1f}, {100 * roof / took:.0f}%)"))
+            print(f"| {n}, {t} | " + " | ".join(cells) + " |")
+    print(
+        "\n(in brackets: the roof, ms: the step's multiply-adds at the measured peak of the version's instruction on "
+        "that many cores, and the share of it reached)\n\npeak multiply-adds per second (G), by instruction and cores: "
+        + "; ".join(
+            f"{t} core(s): " + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in peaks[str(t)].items()) for t in threads
+        )
+    )
     return 0
 
 

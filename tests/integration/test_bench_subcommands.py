@@ -242,6 +242,7 @@ def _int8_kernels(run: Run) -> None:
 @check("group-kernels")
 def _group_kernels(run: Run) -> None:
     from backend.engine import cpu_kernels
+    from perf.lib import vector_peak
 
     figure = run.figure("group_kernels_*.json")
     kernels = {"avx2"} | (set() if cpu_kernels.missing_flags(cpu_kernels.GROUP_VNNI_FLAGS) else {"avx512_vnni"})
@@ -251,6 +252,17 @@ def _group_kernels(run: Run) -> None:
         assert set(by_threads) == {"1", "2"} and all(set(by_rows) == {"1", "3"} for by_rows in by_threads.values())
         positive(*(ms for by_rows in by_threads.values() for ms in by_rows.values()))
     assert "| avx2, 2 |" in run.stdout and "| avx2 a8, 2 |" in run.stdout  # the table printed
+    # each cell's roof: the step's multiply-adds at the measured peak of the version's instructions
+    macs = figure["macs_per_row"]
+    assert macs == {"4bit": 2 * (960 + 576 + 3072 + 1536) * 576, "8bit": 49152 * 576}, macs
+    for version, by_threads in figure["roof_ms"].items():
+        peak = figure["peak_macs_per_s"]
+        for t, by_rows in by_threads.items():
+            four, eight = (peak[t][name] for name in vector_peak.VERSION_INSTRUCTIONS[version])
+            for rows, roof in by_rows.items():
+                assert roof == pytest.approx(1e3 * int(rows) * (macs["4bit"] / four + macs["8bit"] / eight)), version
+        assert set(by_threads) == {"1", "2"} and all(set(by_rows) == {"1", "3"} for by_rows in by_threads.values())
+    assert "(in brackets: the roof" in run.stdout
 
 
 @check("spec")

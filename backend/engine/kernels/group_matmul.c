@@ -136,6 +136,15 @@ static void release(Quantized *qx) {
     free(qx->s);
 }
 
+/* the weights PREFETCH_BYTES past group g's, asked for now (the next tile's, past a tile's end; a
+ * prefetch past the weights' end is harmless): the hardware's prefetcher alone left the products
+ * waiting on memory, at 8 rows as at 1 (measured on a Zen 4: with it, a decode step's products
+ * 20-25% faster, at 2 KB ahead better than at 1 or 4) */
+#define PREFETCH_BYTES 2048
+ALWAYS_INLINE void prefetch_group(const uint8_t *group, long bytes) {
+    for (long c = 0; c < bytes; c += 64) _mm_prefetch((const char *)group + PREFETCH_BYTES + c, _MM_HINT_T0);
+}
+
 /* ---------------------------------------------------------------- kernel 2: AVX-512 VNNI */
 #define TILE 16
 #define TILE_ROWS 8 /* rows of x per pass over the weights */
@@ -168,6 +177,7 @@ VNNI_INLINE void tile_block(int R, int bits, int acts, const uint8_t *qt, const 
     __m512 f[TILE_ROWS];
     for (int i = 0; i < R; i++) f[i] = _mm512_setzero_ps();
     for (long g = 0; g < G; g++) {
+        prefetch_group(qt + (bits == 4 ? 256 : 512) * g, bits == 4 ? 256 : 512);
         __m512i a[TILE_ROWS];
         const int32_t *xp[TILE_ROWS]; /* the rows' int16 pairs (int8 quads) of group g */
         for (int i = 0; i < R; i++) {
@@ -262,6 +272,7 @@ ALWAYS_INLINE void half_block(int R, int bits, int acts, const uint8_t *qt, cons
     __m256 f[HALF_ROWS];
     for (int i = 0; i < R; i++) f[i] = _mm256_setzero_ps();
     for (long g = 0; g < G; g++) {
+        if (h == 0) prefetch_group(qt + (bits == 4 ? 256 : 512) * g, bits == 4 ? 256 : 512); /* both halves' lines */
         __m256i a[HALF_ROWS];
         const int32_t *xp[HALF_ROWS];
         for (int i = 0; i < R; i++) {

@@ -1,0 +1,86 @@
+"""The CPU's compute roof for the group kernel's products: multiply-adds per second per core of
+each instruction they are made of (``vector_peak.c``, compiled here with ``cc``), and, from it,
+the least time a decode step's products can take at a number of rows (``roof_ms``). Used by
+``bench group-kernels`` to say how close each kernel version is to what the CPU can do."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+# instruction -> (multiply-adds per instruction, CPU flags it needs)
+INSTRUCTIONS = {
+    "vpdpwssd_zmm": (32, ("avx512f", "avx512bw", "avx512_vnni")),
+    "vpdpbusd_zmm": (64, ("avx512f", "avx512bw", "avx512_vnni")),
+    "vpmaddwd_ymm": (16, ("avx2",)),
+    "vpmaddubsw_ymm": (32, ("avx2",)),
+}
+
+# a kernel version (bench group-kernels' names) -> the instruction of its 4-bit products and of its
+# 8-bit ones (the LM head: 16-bit activations in every version)
+VERSION_INSTRUCTIONS = {
+    "avx512_vnni": ("vpdpwssd_zmm", "vpdpwssd_zmm"),
+    "avx512_vnni a8": ("vpdpbusd_zmm", "vpdpwssd_zmm"),
+    "avx2": ("vpmaddwd_ymm", "vpmaddwd_ymm"),
+    "avx2 a8": ("vpmaddubsw_ymm", "vpmaddwd_ymm"),
+}
+
+
+def _library(folder: Path) -> ctypes.CDLL:
+    source = Path(__file__).with_name("vector_peak.c")
+    out = folder / "vector_peak.so"
+    subprocess.run(
+        [os.environ.get("CC", "cc"), "-O3", "-shared", "-fPIC", str(source), "-o", str(out)],
+        check=True,
+        capture_output=True,
+    )
+    lib = ctypes.CDLL(str(out))
+    for name in INSTRUCTIONS:
+        getattr(lib, name).restype = ctypes.c_double
+        getattr(lib, name).argtypes = [ctypes.c_long, ctypes.POINTER(ctypes.c_long)]
+    return lib
+
+
+def peaks(cpu_flags: set[str], threads: int = 1, seconds: float = 0.2, repeats: int = 5) -> dict[str, float]:
+    """Multiply-adds per second of each instruction this CPU has, on ``threads`` cores at once
+    (each thread its own loop; ctypes lets go of the GIL), best of ``repeats`` (the machine is
+    shared: a neighbour's load only ever lowers a figure)."""
+    result = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = _library(Path(tmp))
+        for name, (macs, needs) in INSTRUCTIONS.items():
+            if not set(needs) <= cpu_flags:
+                continue
+            fn = getattr(lib, name)
+            iters = max(1000, int(seconds / fn(100000, ctypes.byref(ctypes.c_long())) * 100000))
+            fastest = min(_rounds(fn, iters, threads) for _ in range(repeats))
+            result[name] = threads * iters * 12 * macs / fastest
+    return result
+
+
+def _rounds(fn, iters: int, threads: int) -> float:
+    """Seconds ``threads`` threads take to run ``fn``'s ``iters`` rounds each, all at once."""
+    took = [0.0] * threads
+
+    def run(i: int) -> None:
+        took[i] = fn(iters, ctypes.byref(ctypes.c_long()))
+
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return max(took)
+
+
+def roof_ms(version: str, rows: int, macs_4bit: int, macs_8bit: int, peak: dict[str, float]) -> float | None:
+    """The least time (ms) ``version`` can make a step's products in at ``rows`` rows: their
+    multiply-adds at its instructions' peak (None where the CPU lacks one)."""
+    four, eight = VERSION_INSTRUCTIONS[version]
+    if four not in peak or eight not in peak:
+        return None
+    return 1e3 * rows * (macs_4bit / peak[four] + macs_8bit / peak[eight])
