@@ -847,6 +847,13 @@ ALWAYS_INLINE const void *kv_at(const void *p, long i, int half) {
     return (const char *)p + i * (half ? 2 : 4);
 }
 
+/* the next page's keys or values of a KV head (`elements` of them from p), asked for now: a
+ * sequence's pages lie anywhere in the pool, so the hardware's prefetcher does not run ahead */
+ALWAYS_INLINE void prefetch_page(const void *p, long elements, int half) {
+    const long bytes = elements * (half ? 2 : 4);
+    for (long b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T0);
+}
+
 /* scores[t] = q . k_t * scaling for t < len (k_t: token t's key in the sequence's pages), page by
  * page, 8 tokens at a time (their 8 dot products summed across lanes together); the largest score */
 ALWAYS_INLINE float key_scores(const float *q, const void *kbase, const long *table, long len, long S, long D,
@@ -857,6 +864,7 @@ ALWAYS_INLINE float key_scores(const float *q, const void *kbase, const long *ta
     for (long pg = 0, t0 = 0; t0 < len; pg++, t0 += S) {
         const void *kp = kv_at(kbase, table[pg] * page_floats, half);
         const long n = len - t0 < S ? len - t0 : S;
+        if (t0 + S < len) prefetch_page(kv_at(kbase, table[pg + 1] * page_floats, half), S * D, half);
         long i = 0;
         for (; i + 8 <= n; i += 8) {
             __m256 acc[8];
@@ -889,6 +897,7 @@ ALWAYS_INLINE void value_sum(long D, const float *w, const void *vbase, const lo
     for (long pg = 0, t0 = 0; t0 < len; pg++, t0 += S) {
         const void *vp = kv_at(vbase, table[pg] * page_floats, half);
         const long n = len - t0 < S ? len - t0 : S;
+        if (t0 + S < len) prefetch_page(kv_at(vbase, table[pg + 1] * page_floats, half), S * D, half);
         for (long i = 0; i < n; i++) {
             const __m256 wt = _mm256_set1_ps(w[t0 + i]);
             for (long j = 0; j < D / 8; j++) o[j] = _mm256_fmadd_ps(wt, kv8(vp, i * D + 8 * j, half), o[j]);
