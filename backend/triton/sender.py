@@ -50,10 +50,10 @@ class GuardedSender:
 
     def is_cancelled(self) -> bool:
         with self._lock:
-            if self.closed or self._cancelled:
-                return not self.closed
+            if self.closed:
+                return False
             now = time.monotonic()
-            if now >= self._next_poll:
+            if not self._cancelled and now >= self._next_poll:
                 self._next_poll = now + CANCEL_POLL_S
                 self._cancelled = self._sender.is_cancelled()
             return self._cancelled

@@ -12,13 +12,16 @@ import tempfile
 import threading
 from pathlib import Path
 
-# instruction -> (multiply-adds per instruction, CPU flags it needs)
+from backend.engine.cpu_kernels import GROUP_VNNI_FLAGS
+
+# instruction -> (multiply-adds per instruction, CPU flags it needs: the kernel version's that uses it)
 INSTRUCTIONS = {
-    "vpdpwssd_zmm": (32, ("avx512f", "avx512bw", "avx512_vnni")),
-    "vpdpbusd_zmm": (64, ("avx512f", "avx512bw", "avx512_vnni")),
+    "vpdpwssd_zmm": (32, GROUP_VNNI_FLAGS),
+    "vpdpbusd_zmm": (64, GROUP_VNNI_FLAGS),
     "vpmaddwd_ymm": (16, ("avx2",)),
     "vpmaddubsw_ymm": (32, ("avx2",)),
 }
+ROUND = 12  # instructions a round of vector_peak.c's loops (its 12 independent sums)
 
 # a kernel version (bench group-kernels' names) -> the instruction of its 4-bit products and of its
 # 8-bit ones (the LM head: 16-bit activations in every version)
@@ -58,7 +61,7 @@ def peaks(cpu_flags: set[str], threads: int = 1, seconds: float = 0.2, repeats: 
             fn = getattr(lib, name)
             iters = max(1000, int(seconds / fn(100000, ctypes.byref(ctypes.c_long())) * 100000))
             fastest = min(_rounds(fn, iters, threads) for _ in range(repeats))
-            result[name] = threads * iters * 12 * macs / fastest
+            result[name] = threads * iters * ROUND * macs / fastest
     return result
 
 
