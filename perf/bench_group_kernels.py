@@ -6,12 +6,13 @@ SmolLM2-135M decode step (per layer q/k/v, o, gate/up and down as int4w fuses th
 and the LM head's 8-bit groups; random weights of those shapes, read from memory as in serving:
 80 MB of 4-bit tiles and 32 MB of LM head), for a few rows (decode steps of that many sequences)
 and thread counts. Best of ``--repeats`` per cell, the versions alternated. This is how
-``group_linear.MAX_ROWS`` and the two versions were measured. Beside each cell, its roof: the
-least time the step's multiply-adds take at the CPU's measured peak rate of the version's
-instruction on that many cores (``perf/lib/vector_peak.py``): a cell near 100% of its roof is
-bound by arithmetic, and only fewer or cheaper products make it faster. Prints a table and writes
-``group_kernels_<stamp>.json`` (ms per step by version, threads and rows; the peaks and the roofs)
-to the results folder.
+``group_linear.MAX_ROWS`` and the two versions were measured. Beside each cell, its roof
+(``perf/lib/vector_peak.py``): the least time the step's products can take on that many cores,
+the longer of their multiply-adds at the CPU's measured peak rate of the version's instruction
+("a": arithmetic) and their weights' bytes read once at the measured rate those cores read memory
+("m"); a cell near 100% of its roof is bound by that, and only fewer or cheaper products, or fewer
+bytes, make it faster. Prints a table and writes ``group_kernels_<stamp>.json`` (ms per step by
+version, threads and rows; the peaks, the read rates and the roofs) to the results folder.
 
     python -m perf.bench_group_kernels [--rows 1,2,4,8,16] [--threads 1,2] [--repeats 5] [--layers 30]
 """
@@ -86,6 +87,7 @@ def main(argv=None) -> int:
     names = versions()
     flags = cpu_kernels.cpu_flags()
     peaks_before = {str(t): vector_peak.peaks(flags, t) for t in threads}  # again after: the best of both
+    read_before = {str(t): vector_peak.read_bandwidth(t) for t in threads}
     products = step_products(args.layers)
     inputs = {k: torch.randn(max(rows), k).contiguous() for k in {g.k for g in products}}
     ms: dict[str, dict[str, dict[str, float]]] = {n: {str(t): {} for t in threads} for n in names}
@@ -103,9 +105,16 @@ def main(argv=None) -> int:
     peaks = {
         str(t): {k: max(v, peaks_before[str(t)][k]) for k, v in vector_peak.peaks(flags, t).items()} for t in threads
     }
+    read = {str(t): max(vector_peak.read_bandwidth(t), read_before[str(t)]) for t in threads}
     macs = step_macs(args.layers)
+    step_bytes = sum(
+        t.numel() * t.element_size() for g in products for t in (g.q, g.d, g.m) if t is not None
+    )  # the tiles and their float16 constants
     roofs = {
-        n: {str(t): {str(r): vector_peak.roof_ms(n, r, *macs, peaks[str(t)]) for r in rows} for t in threads}
+        n: {
+            str(t): {str(r): vector_peak.roof_ms(n, r, *macs, peaks[str(t)], step_bytes, read[str(t)]) for r in rows}
+            for t in threads
+        }
         for n in names
     }
     result = {
@@ -115,14 +124,22 @@ def main(argv=None) -> int:
         "ms_per_step": ms,
         "macs_per_row": {"4bit": macs[0], "8bit": macs[1]},
         "peak_macs_per_s": peaks,
-        "roof_ms": roofs,
+        "step_bytes": step_bytes,
+        "read_bytes_per_s": read,
+        "roof_ms": {
+            n: {t: {r: None if v is None else v[0] for r, v in c.items()} for t, c in by.items()}
+            for n, by in roofs.items()
+        },
+        "roof_bound": {
+            n: {t: {r: None if v is None else v[1] for r, v in c.items()} for t, c in by.items()}
+            for n, by in roofs.items()
+        },
     }
     out = results_dir()
     out.mkdir(parents=True, exist_ok=True)
     (out / f"group_kernels_{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(json.dumps(result, indent=1))
-    megabytes = sum(g.q.numel() + 4 * (g.d.numel() + (g.m.numel() if g.m is not None else 0)) for g in products) / 1e6
     print(
-        f"\n{args.layers} layers' products and the LM head ({megabytes:.0f} MB of groups), ms per step, best of "
+        f"\n{args.layers} layers' products and the LM head ({step_bytes / 1e6:.0f} MB of groups), ms per step, best of "
         f"{args.repeats}; {path.cpu} ({path.cpu_id})\n"
     )
     print("| version, threads | " + " | ".join(f"{r} rows" for r in rows) + " |")
@@ -132,14 +149,20 @@ def main(argv=None) -> int:
             cells = []
             for r in rows:
                 took, roof = ms[n][str(t)][str(r)], roofs[n][str(t)][str(r)]
-                cells.append(f"{took:.1f}" + ("" if roof is None else f" ({roof:.1f}, {100 * roof / took:.0f}%)"))
+                cells.append(
+                    f"{took:.1f}"
+                    + ("" if roof is None else f" ({roof[0]:.1f} {roof[1][0]}, {100 * roof[0] / took:.0f}%)")
+                )
             print(f"| {n}, {t} | " + " | ".join(cells) + " |")
     print(
-        "\n(in brackets: the roof, ms: the step's multiply-adds at the measured peak of the version's instruction on "
-        "that many cores, and the share of it reached)\n\npeak multiply-adds per second (G), by instruction and cores: "
+        "\n(in brackets: the roof, ms, the longer of the step's multiply-adds at the measured peak of the version's "
+        "instruction on that many cores (a) and its weights' bytes read once at the rate those cores read memory (m); "
+        "the share of it reached)\n\npeak multiply-adds per second (G), by instruction and cores: "
         + "; ".join(
             f"{t} core(s): " + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in peaks[str(t)].items()) for t in threads
         )
+        + "\nmemory read (GB/s), by cores: "
+        + ", ".join(f"{t} core(s) {read[str(t)] / 1e9:.1f}" for t in threads)
     )
     return 0
 

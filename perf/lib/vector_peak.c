@@ -1,8 +1,9 @@
 /* vector_peak: the most multiply-adds per second one core does with each instruction the group
  * kernel's products are made of (backend/engine/kernels/group_matmul.c), in a loop of 12
  * independent sums (more than each instruction's latency times its throughput), nothing else in
- * it (the sums in registers: the loops unrolled). Built and run by perf/lib/vector_peak.py; what bench group-kernels compares its products to.
- * Each function runs `iters` rounds and returns the seconds they took; a round is 12 instructions. */
+ * it (the sums in registers: the loops unrolled); and how fast a core reads memory (read_pass).
+ * Built and run by perf/lib/vector_peak.py; what bench group-kernels compares its products to.
+ * Each PEAK function runs `iters` rounds and returns the seconds they took; a round is 12 instructions. */
 #include <immintrin.h>
 #include <time.h>
 
@@ -42,3 +43,19 @@ PEAK(vpmaddwd_ymm, "avx2", __m256i, _mm256_set1_epi16(3), _mm256_add_epi32(a[i],
      _mm_cvtsi128_si32(_mm256_castsi256_si128(a[i])))
 PEAK(vpmaddubsw_ymm, "avx2", __m256i, _mm256_set1_epi8(3), _mm256_add_epi16(a[i], _mm256_maddubs_epi16(w, x)),
      _mm_cvtsi128_si32(_mm256_castsi256_si128(a[i])))
+
+/* the seconds one read of `bytes` (a multiple of 256) from p takes: 256 bytes a round in four 64-byte
+ * loads (AVX2: every x86-64 CPU the kernels run on), folded into sums the caller gets in *sink */
+__attribute__((target("avx2"))) double read_pass(const char *p, long bytes, long *sink) {
+    __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
+    const double t = now();
+    for (long o = 0; o < bytes; o += 256) {
+        a = _mm256_xor_si256(a, _mm256_load_si256((const __m256i *)(p + o)));
+        b = _mm256_xor_si256(b, _mm256_load_si256((const __m256i *)(p + o + 64)));
+        c = _mm256_xor_si256(c, _mm256_load_si256((const __m256i *)(p + o + 128)));
+        d = _mm256_xor_si256(d, _mm256_load_si256((const __m256i *)(p + o + 192)));
+    }
+    const double took = now() - t;
+    *sink = _mm_cvtsi128_si32(_mm256_castsi256_si128(_mm256_xor_si256(_mm256_xor_si256(a, b), _mm256_xor_si256(c, d))));
+    return took;
+}

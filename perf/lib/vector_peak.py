@@ -1,7 +1,9 @@
-"""The CPU's compute roof for the group kernel's products: multiply-adds per second per core of
-each instruction they are made of (``vector_peak.c``, compiled here with ``cc``), and, from it,
-the least time a decode step's products can take at a number of rows (``roof_ms``). Used by
-``bench group-kernels`` to say how close each kernel version is to what the CPU can do."""
+"""The CPU's roofs for the group kernel's products: multiply-adds per second per core of each
+instruction they are made of, and bytes per second its cores read from memory (``vector_peak.c``,
+compiled here with ``cc``); from them, the least time a decode step's products can take at a
+number of rows (``roof_ms``): their multiply-adds at the peak, or their weights' bytes read once,
+whichever takes longer. Used by ``bench group-kernels`` to say how close each kernel version is to
+what the CPU can do, and what bounds it."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import os
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from backend.engine.cpu_kernels import GROUP_VNNI_FLAGS
@@ -45,6 +48,8 @@ def _library(folder: Path) -> ctypes.CDLL:
     for name in INSTRUCTIONS:
         getattr(lib, name).restype = ctypes.c_double
         getattr(lib, name).argtypes = [ctypes.c_long, ctypes.POINTER(ctypes.c_long)]
+    lib.read_pass.restype = ctypes.c_double
+    lib.read_pass.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.POINTER(ctypes.c_long)]
     return lib
 
 
@@ -60,17 +65,37 @@ def peaks(cpu_flags: set[str], threads: int = 1, seconds: float = 0.2, repeats: 
                 continue
             fn = getattr(lib, name)
             iters = max(1000, int(seconds / fn(100000, ctypes.byref(ctypes.c_long())) * 100000))
-            fastest = min(_rounds(fn, iters, threads) for _ in range(repeats))
+            fastest = min(
+                _together(threads, lambda i, f=fn, n=iters: f(n, ctypes.byref(ctypes.c_long()))) for _ in range(repeats)
+            )
             result[name] = threads * iters * ROUND * macs / fastest
     return result
 
 
-def _rounds(fn, iters: int, threads: int) -> float:
-    """Seconds ``threads`` threads take to run ``fn``'s ``iters`` rounds each, all at once."""
+def read_bandwidth(threads: int = 1, megabytes: int = 256, repeats: int = 5) -> float:
+    """Bytes per second ``threads`` cores read from memory at once, each its share of a buffer of
+    ``megabytes`` (written first: untouched pages would all read one zero page; larger than the
+    caches, as a decode step's weights are), best of ``repeats``."""
+    share = (megabytes << 20) // threads // 256 * 256
+    buffer = ctypes.create_string_buffer(threads * share + 64)
+    start = (ctypes.addressof(buffer) + 63) // 64 * 64
+    ctypes.memset(start, 1, threads * share)
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = _library(Path(tmp))
+        fastest = min(
+            _together(threads, lambda i: lib.read_pass(start + i * share, share, ctypes.byref(ctypes.c_long())))
+            for _ in range(repeats)
+        )
+    return threads * share / fastest
+
+
+def _together(threads: int, one: Callable[[int], float]) -> float:
+    """The most seconds ``one(i)`` reports for thread i of ``threads`` run at once (ctypes lets go
+    of the GIL)."""
     took = [0.0] * threads
 
     def run(i: int) -> None:
-        took[i] = fn(iters, ctypes.byref(ctypes.c_long()))
+        took[i] = one(i)
 
     workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
     for w in workers:
@@ -80,10 +105,16 @@ def _rounds(fn, iters: int, threads: int) -> float:
     return max(took)
 
 
-def roof_ms(version: str, rows: int, macs_4bit: int, macs_8bit: int, peak: dict[str, float]) -> float | None:
-    """The least time (ms) ``version`` can make a step's products in at ``rows`` rows: their
-    multiply-adds at its instructions' peak (None where the CPU lacks one)."""
+def roof_ms(
+    version: str, rows: int, macs_4bit: int, macs_8bit: int, peak: dict[str, float], step_bytes: int, bandwidth: float
+) -> tuple[float, str] | None:
+    """The least time (ms) ``version`` can make a step's products in at ``rows`` rows, and what
+    bounds it: their multiply-adds at its instructions' peak ("arithmetic"), or the weights'
+    ``step_bytes`` read once at ``bandwidth`` bytes/s ("memory"), whichever is longer (None where
+    the CPU lacks an instruction)."""
     four, eight = VERSION_INSTRUCTIONS[version]
     if four not in peak or eight not in peak:
         return None
-    return 1e3 * rows * (macs_4bit / peak[four] + macs_8bit / peak[eight])
+    arithmetic = 1e3 * rows * (macs_4bit / peak[four] + macs_8bit / peak[eight])
+    memory = 1e3 * step_bytes / bandwidth
+    return (arithmetic, "arithmetic") if arithmetic >= memory else (memory, "memory")

@@ -252,15 +252,22 @@ def _group_kernels(run: Run) -> None:
         assert set(by_threads) == {"1", "2"} and all(set(by_rows) == {"1", "3"} for by_rows in by_threads.values())
         positive(*(ms for by_rows in by_threads.values() for ms in by_rows.values()))
     assert "| avx2, 2 |" in run.stdout and "| avx2 a8, 2 |" in run.stdout  # the table printed
-    # each cell's roof: the step's multiply-adds at the measured peak of the version's instructions
+    # each cell's roof: the longer of the step's multiply-adds at the measured peak of the version's
+    # instructions and its weights' bytes (tiles and float16 constants) read at the measured rate
     macs = figure["macs_per_row"]
     assert macs == {"4bit": 2 * (960 + 576 + 3072 + 1536) * 576, "8bit": 49152 * 576}, macs
+    four_bit, head = 2 * (960 + 576 + 3072 + 1536) * 576, 49152 * 576
+    assert figure["step_bytes"] == four_bit // 2 + 2 * 2 * four_bit // 32 + head + 2 * head // 32, figure["step_bytes"]
     for version, by_threads in figure["roof_ms"].items():
-        peak = figure["peak_macs_per_s"]
+        peak, read = figure["peak_macs_per_s"], figure["read_bytes_per_s"]
         for t, by_rows in by_threads.items():
             four, eight = (peak[t][name] for name in vector_peak.VERSION_INSTRUCTIONS[version])
+            memory = 1e3 * figure["step_bytes"] / read[t]
             for rows, roof in by_rows.items():
-                assert roof == pytest.approx(1e3 * int(rows) * (macs["4bit"] / four + macs["8bit"] / eight)), version
+                arithmetic = 1e3 * int(rows) * (macs["4bit"] / four + macs["8bit"] / eight)
+                assert roof == pytest.approx(max(arithmetic, memory)), version
+                bound = figure["roof_bound"][version][t][rows]
+                assert bound == ("arithmetic" if arithmetic >= memory else "memory"), (version, t, rows)
         assert set(by_threads) == {"1", "2"} and all(set(by_rows) == {"1", "3"} for by_rows in by_threads.values())
     assert "(in brackets: the roof" in run.stdout
 
