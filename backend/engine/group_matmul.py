@@ -61,12 +61,18 @@ def cache_dir() -> Path:
 
 @functools.cache
 def library() -> ctypes.CDLL:
-    """The compiled kernel library (built on first use, then loaded from the cache). A cached build
-    is named by its source, compiler, flags and architecture and by the SHA-256 of its own bytes:
-    one whose bytes do not hash to its name (truncated, altered) or that does not load is logged,
+    """The compiled kernel library (built on first use, then loaded from the cache): :func:`build`."""
+    return build()
+
+
+def build(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The kernel library compiled with ``defines`` (``-DNAME=VALUE``: the source's test hooks;
+    none in serving), built on first use, then loaded from the cache. A cached build is named by
+    its source, compiler, flags, defines and architecture and by the SHA-256 of its own bytes: one
+    whose bytes do not hash to its name (truncated, altered) or that does not load is logged,
     removed and built again, never loaded."""
     compiler = os.environ.get("CC", "cc")
-    key = build_key(compiler)
+    key = build_key(compiler, defines)
     folder = cache_dir()
     for cached in sorted(folder.glob(f"group_matmul-{key}-*.so")):
         lib = _load_cached(cached)
@@ -77,7 +83,7 @@ def library() -> ctypes.CDLL:
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *CFLAGS, "-o", tmp, str(SOURCE), *LIBS], capture_output=True, text=True, timeout=120
+            [compiler, *CFLAGS, *defines, "-o", tmp, str(SOURCE), *LIBS], capture_output=True, text=True, timeout=120
         )
     except (OSError, subprocess.TimeoutExpired) as e:
         os.unlink(tmp)
@@ -91,9 +97,10 @@ def library() -> ctypes.CDLL:
     return _typed(ctypes.CDLL(str(lib_path)))
 
 
-def build_key(compiler: str) -> str:
-    """What a cached build is named by first: the source, the compiler, the flags, the architecture."""
-    text = " ".join((compiler, *CFLAGS, *LIBS, platform.machine())).encode()
+def build_key(compiler: str, defines: tuple[str, ...] = ()) -> str:
+    """What a cached build is named by first: the source, the compiler, the flags and defines, the
+    architecture."""
+    text = " ".join((compiler, *CFLAGS, *defines, *LIBS, platform.machine())).encode()
     return hashlib.sha256(SOURCE.read_bytes() + text).hexdigest()[:16]
 
 

@@ -356,29 +356,21 @@ def test_8_bit_groups_take_16_bit_activations_only():
         product(quantize_int8(torch.randn(16, 64)), torch.randn(1, 64), 1, acts=8)
 
 
-def test_helpers_late_to_a_job_they_are_not_needed_for_never_take_the_next_one(tmp_path, monkeypatch, kernels):
+@pytest.fixture(scope="module")
+def delayed_library():
+    """The library built with a pause where a helper may be preempted (``HELPER_DELAY_NS``; from
+    the build cache after the first run)."""
+    return group_matmul.build(("-DHELPER_DELAY_NS=20000",))
+
+
+def test_helpers_late_to_a_job_they_are_not_needed_for_never_take_the_next_one(monkeypatch, kernels, delayed_library):
     """A helper that sees a job it is not needed for (a product on fewer threads) and is then
     preempted must not read the job that follows as that one: it ran the next job's part twice,
     counted it twice, and the next job returned before its last part was written (-inf columns in
     CI) or ran a part against a finished product (a crash). The library is built here with a pause
     in that window (``HELPER_DELAY_NS``), so the interleaving happens on every try; products on 1,
     2 and 3 threads, taking turns, are each equal to one thread's, bit for bit."""
-    import ctypes
-    import subprocess
-
-    built = tmp_path / "delayed.so"
-    cmd = [
-        "cc",
-        *group_matmul.CFLAGS,
-        "-DHELPER_DELAY_NS=20000",
-        "-o",
-        str(built),
-        str(group_matmul.SOURCE),
-        *group_matmul.LIBS,
-    ]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-    lib = group_matmul._typed(ctypes.CDLL(str(built)))
-    monkeypatch.setattr(group_matmul, "library", lambda: lib)
+    monkeypatch.setattr(group_matmul, "library", lambda: delayed_library)
     four, eight = quantize_int4(torch.randn(256, 2048) * 0.05), quantize_int8(torch.randn(256, 2048) * 0.05)
     wrong = []
     for attempt in range(40):
@@ -411,33 +403,14 @@ WRAP_FIRST_JOBS = (2**19 - 40, 2**20 - 40)
 
 
 @pytest.fixture(scope="module")
-def wrap_builds(tmp_path_factory) -> dict[int, Path]:
+def wrap_builds() -> dict[int, Path]:
     """The library built with the job numbers starting at each of ``WRAP_FIRST_JOBS``
-    (``FIRST_JOB``), the builds compiled at once."""
-    import subprocess
+    (``FIRST_JOB``), the builds compiled at once (from the build cache after the first run)."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    folder = tmp_path_factory.mktemp("wrap")
-    builds = {job: folder / f"wrap-{job}.so" for job in WRAP_FIRST_JOBS}
-    compiles = [
-        subprocess.Popen(
-            [
-                "cc",
-                *group_matmul.CFLAGS,
-                f"-DFIRST_JOB={job}L",
-                "-o",
-                str(built),
-                str(group_matmul.SOURCE),
-                *group_matmul.LIBS,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        for job, built in builds.items()
-    ]
-    for compile_ in compiles:
-        _, err = compile_.communicate(timeout=120)
-        assert compile_.returncode == 0, err.decode()[-2000:]
-    return builds
+    with ThreadPoolExecutor(len(WRAP_FIRST_JOBS)) as pool:
+        built = pool.map(lambda job: group_matmul.build((f"-DFIRST_JOB={job}L",)), WRAP_FIRST_JOBS)
+        return {job: Path(lib._name) for job, lib in zip(WRAP_FIRST_JOBS, built)}
 
 
 @pytest.mark.parametrize("first_job", WRAP_FIRST_JOBS)
