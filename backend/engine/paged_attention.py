@@ -68,24 +68,29 @@ def build_paged_batch(entries: list[BatchEntry], pool: KVPool, device: torch.dev
     token_ids, positions, pages, last_index = [], [], [], [0] * len(entries)
     prefills, offset = [], 0
     decode_tables, decode_lens = [], []
+    decode_positions, decode_writes = [], []  # one token each: plain ints, one tensor for all below
     for i in order:
         entry = entries[i]
         n = len(entry.token_ids)
         if n == 0:
             raise ValueError("a batch entry must schedule at least one token")
-        pos = torch.arange(entry.start, entry.start + n)
-        table = torch.tensor(entry.page_table, dtype=torch.long)
-        if table.numel() * page_size < entry.start + n:
-            raise ValueError(f"page table of {table.numel()} pages cannot hold {entry.start + n} tokens")
+        context_len = entry.start + n
+        if len(entry.page_table) * page_size < context_len:
+            raise ValueError(f"page table of {len(entry.page_table)} pages cannot hold {context_len} tokens")
         token_ids.extend(entry.token_ids)
+        last_index[i] = offset + n - 1
+        if n == 1:
+            decode_positions.append(entry.start)
+            decode_writes.append(entry.page_table[entry.start // page_size])
+            decode_tables.append(entry.page_table[: -(-context_len // page_size)])
+            decode_lens.append(context_len)
+            offset += n
+            continue
+        pos = torch.arange(entry.start, context_len)
+        table = torch.tensor(entry.page_table, dtype=torch.long)
         positions.append(pos)
         pages.append(table[pos // page_size])
-        last_index[i] = offset + n - 1
-        context_len = entry.start + n
-        if n == 1:
-            decode_tables.append(table[: -(-context_len // page_size)])
-            decode_lens.append(context_len)
-        elif entry.start == 0:
+        if entry.start == 0:
             prefills.append(PrefillSlice(offset, offset + n, context_len, None, None))
         else:
             used = table[: -(-context_len // page_size)].to(device)
@@ -93,13 +98,14 @@ def build_paged_batch(entries: list[BatchEntry], pool: KVPool, device: torch.dev
             mask = (key_pos[None, :] <= pos[:, None]).to(device)
             prefills.append(PrefillSlice(offset, offset + n, context_len, used, mask))
         offset += n
+    if decode_positions:  # the decodes come first (``order``)
+        positions.insert(0, torch.tensor(decode_positions, dtype=torch.long))
+        pages.insert(0, torch.tensor(decode_writes, dtype=torch.long))
     position_ids = torch.cat(positions)
     decode_pages = decode_mask = decode_context = None
     if decode_tables:
-        max_pages = max(t.numel() for t in decode_tables)
-        padded = torch.zeros(len(decode_tables), max_pages, dtype=torch.long)
-        for row, table in enumerate(decode_tables):
-            padded[row, : table.numel()] = table
+        max_pages = max(len(t) for t in decode_tables)
+        padded = torch.tensor([list(t) + [0] * (max_pages - len(t)) for t in decode_tables], dtype=torch.long)
         if min(decode_lens) == max(decode_lens):  # equal contexts: slice the keys instead of masking
             decode_context = decode_lens[0]
         else:
