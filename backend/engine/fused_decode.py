@@ -2,7 +2,7 @@
 ``decode_layers``): every decoder layer for up to ``group_linear.MAX_ROWS`` sequences of one token
 each (RMS norms, the products, the rotary embedding, the K/V write into the paged HND pool,
 attention over each sequence's pages (the (sequence, head) pairs split between the threads), SiLU,
-the residual adds) without a Python call or a torch dispatch per op. The lean layer loop
+the residual adds, the final norm) without a Python call or a torch dispatch per op. The lean layer loop
 (``lean_decoder.py``) spends most of an int4w decode step there: about 600 small ops at batch 1.
 The products' weights: int4w's 4-bit groups, float32 (read in place through ``f32_matmul``) or
 fp16w's float16 (``f16_matmul`` over :class:`~backend.engine.fp16_linear.Fp16Linear`'s ``half``).
@@ -23,7 +23,6 @@ import ctypes
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from backend.engine import group_linear
@@ -121,8 +120,9 @@ class FusedDecode:
         self.inner, self.pool = inner, pool
         head_dim, self.eps = pool.head_dim, config.rms_norm_eps
         self._kernel = library().decode_layers
+        self._final_norm = inner.norm.weight
         argtypes: list[type[ctypes.c_void_p] | type[ctypes.c_long]] = [_P, ctypes.c_long, _P, _P, ctypes.c_long]
-        self._kernel.argtypes = argtypes + [_P] * 7 + [ctypes.c_long]
+        self._kernel.argtypes = argtypes + [_P] * 8 + [ctypes.c_long]
         self.threads = threads
         self._kernel.restype = ctypes.c_int
         self._weights = _weights(inner.layers[0].self_attn.qkv_proj)
@@ -189,10 +189,11 @@ class FusedDecode:
                 lengths.data_ptr(),
                 batch.write_pages.data_ptr(),
                 batch.write_offsets.data_ptr(),
+                self._final_norm.data_ptr(),
                 self.threads,
             )
         if rc == -2:
             raise ValueError("fused decode: the kernel library refused the products (see group_matmul.c)")
         if rc != 0:
             raise MemoryError("fused decode: no memory for the step's activations")
-        return F.rms_norm(h, (h.shape[-1],), self.inner.norm.weight, self.eps)
+        return h  # the final norm applied by the kernel

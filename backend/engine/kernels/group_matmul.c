@@ -716,7 +716,8 @@ int f16_matmul(const uint16_t *w, const float *x, float *y, long M, long N, long
  * decode_layers: every decoder layer of a Llama-family model for B <= 16 sequences of one token each,
  * in one call: RMS norm, the fused q/k/v product, the rotary embedding of q and k, the K/V write into
  * the paged HND pool, attention over each sequence's pages, the output product and residual add, RMS
- * norm, the fused gate/up product, SiLU(gate) * up, the down product and residual add. The products'
+ * norm, the fused gate/up product, SiLU(gate) * up, the down product and residual add; then, given
+ * final_norm (else NULL), the model's RMS norm after the last layer. The products'
  * weights: 4-bit groups (Dims.weights 4: int4_matmul's q, d, m), float32 (32: f32_matmul's W in
  * the q pointers, d and m unused) or float16 (16: f16_matmul's, likewise). float32 activations; the
  * pool float32 or float16 (Dims.kv_bits: K/V rounded to nearest even as written, as torch's
@@ -942,7 +943,7 @@ static void attention_part(const void *ctx, long u0, long u1, long thread) {
 /* 0: done; -1: out of memory; -2: as int4_matmul's or f32_matmul's */
 int decode_layers(const Layer *layers, long num_layers, const Dims *dm, float *h, long B, const float *cos,
                   const float *sin, void *pool, const long *tables, const long *lengths, const long *write_page,
-                  const long *write_offset, long threads) {
+                  const long *write_offset, const float *final_norm, long threads) {
     const long hd = dm->hidden, H = dm->heads, Hkv = dm->kv_heads, D = dm->head_dim, I = dm->inter, S = dm->page_size;
     const long qkv_n = (H + 2 * Hkv) * D, half = D / 2;
     const long page_floats = 2 * Hkv * S * D, layer_floats = dm->num_pages * page_floats;
@@ -994,6 +995,8 @@ int decode_layers(const Layer *layers, long num_layers, const Dims *dm, float *h
         if ((rc = layer_product(dm, ly->down_q, ly->down_d, ly->down_m, act, tmp, B, hd, I, threads))) break;
         for (long i = 0; i < B * hd; i++) h[i] += tmp[i];
     }
+    if (rc == 0 && final_norm != NULL) /* the model's norm after the last layer, in place */
+        for (long b = 0; b < B; b++) rms_norm(h + b * hd, final_norm, h + b * hd, hd, dm->eps);
     free(x);
     return rc;
 }
