@@ -110,6 +110,23 @@ def _weights(part: nn.Module) -> int | None:
     return None
 
 
+# the positions whose rotary cos and sin a fused step reads from tables made at load (8 MB at head size 64)
+ROPE_TABLE_POSITIONS = 16384
+
+
+def rope_table(inner: Any, config: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The rotary ``cos`` and sign-folded ``sin`` of positions 0 .. ``ROPE_TABLE_POSITIONS`` - 1
+    (at most the model's), computed once by the model's own rotary module (row p is what it gives
+    for position p alone: the same elementwise ops); None where its frequencies may change with
+    the sequence's length (transformers' dynamic and longrope types, which its forward updates)."""
+    rope_type = str(getattr(inner.rotary_emb, "rope_type", "default"))
+    if "dynamic" in rope_type or rope_type == "longrope":
+        return None
+    count = min(ROPE_TABLE_POSITIONS, int(getattr(config, "max_position_embeddings", ROPE_TABLE_POSITIONS)))
+    cos, sin = rotary(inner, torch.zeros(1, 1, 1), torch.arange(count)[None])
+    return cos.contiguous(), sin.contiguous()
+
+
 class FusedDecode:
     """``forward(batch) -> [B, hidden]`` (after the final norm), or None when the step is not one
     it takes (see the module docstring). ``threads``: how many threads split each product."""
@@ -121,6 +138,7 @@ class FusedDecode:
         head_dim, self.eps = pool.head_dim, config.rms_norm_eps
         self._kernel = library().decode_layers
         self._final_norm = inner.norm.weight
+        self._rope_table = rope_table(inner, config)
         argtypes: list[type[ctypes.c_void_p] | type[ctypes.c_long]] = [_P, ctypes.c_long, _P, _P, ctypes.c_long]
         self._kernel.argtypes = argtypes + [_P] * 8 + [ctypes.c_long]
         self.threads = threads
@@ -159,6 +177,15 @@ class FusedDecode:
             kv_bits=KV_BITS[pool.dtype],
         )
 
+    def _cos_sin(self, h: torch.Tensor, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's rotary ``cos`` and sign-folded ``sin`` ([B, D] each): rows of the tables made
+        at load where they hold the step's positions, else computed as the lean loop does."""
+        if self._rope_table is not None and max(batch.decode_lengths) <= len(self._rope_table[0]):
+            positions = batch.position_ids[0]
+            return self._rope_table[0].index_select(0, positions), self._rope_table[1].index_select(0, positions)
+        cos, sin = rotary(self.inner, h, batch.position_ids)
+        return cos.contiguous(), sin.contiguous()
+
     def forward(self, batch: PagedBatch) -> torch.Tensor | None:
         count = batch.num_decode
         if (
@@ -170,8 +197,8 @@ class FusedDecode:
         ):
             return None
         h = self.inner.embed_tokens(batch.input_ids)  # [1, B, hidden]
-        cos, sin = rotary(self.inner, h, batch.position_ids)
-        cos, sin, h = cos.contiguous(), sin.contiguous(), h[0].contiguous()
+        cos, sin = self._cos_sin(h, batch)
+        h = h[0].contiguous()
         tables = batch.decode_pages
         lengths = torch.tensor(batch.decode_lengths, dtype=torch.long)
         dims = _Dims(**self._dims, max_pages=tables.numel() // count)

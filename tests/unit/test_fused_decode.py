@@ -76,6 +76,35 @@ def test_fused_steps_give_the_lean_loops_tokens_hidden_states_and_kv(tiny, kerne
     assert torch.allclose(fused.runner.pool.tensor, lean.runner.pool.tensor, rtol=kv_tol, atol=kv_tol), diff
 
 
+def test_rotary_rows_come_from_the_table_up_to_its_end_and_are_computed_past_it(tiny, monkeypatch):
+    """The step's rotary cos and sin: rows of the table made at load (each equal, bit for bit, to
+    what the model's rotary module gives for that position alone), and computed beyond the
+    table's last position, with the same tokens as the lean loop either way."""
+    from backend.engine import fused_decode
+    from backend.engine.lean_decoder import rotary
+
+    monkeypatch.setattr(fused_decode, "ROPE_TABLE_POSITIONS", 48)  # the prompts run past it
+    fused, lean = engines(tiny, "float32")
+    steps = fused.runner._fused
+    cos, sin = steps._rope_table
+    assert cos.shape[0] == 48 == sin.shape[0]
+    inner = fused.runner.model.model
+    for p in (0, 5, 47):
+        one_cos, one_sin = rotary(inner, torch.zeros(1, 1, 1), torch.tensor([[p]]))
+        assert torch.equal(cos[p], one_cos[0]) and torch.equal(sin[p], one_sin[0])
+    computed, steps_taken = [], []
+    real, rows = fused_decode.rotary, steps._cos_sin
+    monkeypatch.setattr(fused_decode, "rotary", lambda *a: computed.append(1) or real(*a))
+    monkeypatch.setattr(steps, "_cos_sin", lambda *a: steps_taken.append(1) or rows(*a))
+    results = []
+    for engine in (fused, lean):
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+        results.append({k: tokens_of(v) for k, v in run_to_completion(engine).items()})
+    assert results[0] == results[1]
+    assert 0 < len(computed) < len(steps_taken), (len(computed), len(steps_taken))  # past 47 only
+
+
 @FORMATS
 def test_steps_it_does_not_take_run_the_lean_loop(tiny, kernels, fmt):
     fused, _ = engines(tiny, fmt)
