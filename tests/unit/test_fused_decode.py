@@ -43,18 +43,21 @@ def engines(tiny, fmt="int4w", kv_dtype=""):
     return fused, lean
 
 
+def greedy_tokens(engine, max_tokens: int) -> dict:
+    """PROMPTS' greedy tokens through ``engine``, by request."""
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return {k: tokens_of(v) for k, v in run_to_completion(engine).items()}
+
+
 @FORMATS
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
 def test_fused_steps_give_the_lean_loops_tokens_hidden_states_and_kv(tiny, kernels, fmt, kv_dtype):
     fused, lean = engines(tiny, fmt, kv_dtype)
     assert fused.runner.pool.dtype == getattr(torch, kv_dtype)
-    results = []
-    for engine in (fused, lean):
-        for i, prompt in enumerate(PROMPTS):
-            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=24, ignore_eos=True))
-        results.append({k: tokens_of(v) for k, v in run_to_completion(engine).items()})
-        assert_pool_idle(engine)
-    assert results[0] == results[1]
+    assert greedy_tokens(fused, 24) == greedy_tokens(lean, 24)
+    assert_pool_idle(fused)
+    assert_pool_idle(lean)
     # one decode step of three sequences, straight through the runners on equal pools
     entries = [
         BatchEntry([7 + i], start=len(p), page_table=list(range(4 * i, 4 * i + 4))) for i, p in enumerate(PROMPTS)
@@ -96,12 +99,7 @@ def test_rotary_rows_come_from_the_table_up_to_its_end_and_are_computed_past_it(
     real, rows = fused_decode.rotary, steps._cos_sin
     monkeypatch.setattr(fused_decode, "rotary", lambda *a: computed.append(1) or real(*a))
     monkeypatch.setattr(steps, "_cos_sin", lambda *a: steps_taken.append(1) or rows(*a))
-    results = []
-    for engine in (fused, lean):
-        for i, prompt in enumerate(PROMPTS):
-            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=12, ignore_eos=True))
-        results.append({k: tokens_of(v) for k, v in run_to_completion(engine).items()})
-    assert results[0] == results[1]
+    assert greedy_tokens(fused, 12) == greedy_tokens(lean, 12)
     assert 0 < len(computed) < len(steps_taken), (len(computed), len(steps_taken))  # past 47 only
 
 
@@ -140,12 +138,7 @@ def test_fused_steps_on_two_threads_equal_one_threads(tiny, kernels, fmt):
     one = make_engine(tiny, weights_dtype=fmt, num_threads=1)
     two = make_engine(tiny, weights_dtype=fmt, num_threads=2)
     assert one.runner._fused.threads == 1 and two.runner._fused.threads == 2
-    results = []
-    for engine in (one, two):
-        for i, prompt in enumerate(PROMPTS):
-            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=16, ignore_eos=True))
-        results.append({k: tokens_of(v) for k, v in run_to_completion(engine).items()})
-    assert results[0] == results[1]
+    assert greedy_tokens(one, 16) == greedy_tokens(two, 16)
 
 
 @pytest.mark.parametrize("fmt", ["float32", "fp16w"])
