@@ -10,7 +10,7 @@ import torch
 from backend.engine.config import KV_AUTO_WHY, EngineConfig, choose_kv_format
 from backend.engine.kv_pool import KVPool
 from backend.engine.page_allocator import PageAllocator, PoolFullError
-from backend.engine.sampling.sampler import make_generator, sample
+from backend.engine.sampling.sampler import ARGMAX_CHUNK, ARGMAX_TWO_PASS_ROWS, argmax_rows, make_generator, sample
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.sequence import Sequence
 
@@ -202,6 +202,28 @@ def test_sampler_greedy_and_seeded():
     generator = make_generator(params, torch.device("cpu"))
     seq = [sample(logits[:1], [params], [generator])[0] for _ in range(30)]
     assert len(set(seq)) > 1  # a real random draw, not argmax
+
+
+def test_argmax_rows_is_argmax_ties_nans_and_masked_rows_included():
+    """The two-pass argmax gives argmax's index: the first of tied largest values (in one chunk and
+    across chunks), the first NaN, 0 for a row all -inf; and argmax itself where the vocabulary is
+    not whole chunks or the rows are few."""
+    assert ARGMAX_TWO_PASS_ROWS <= 9
+    torch.manual_seed(0)
+    n = 96 * ARGMAX_CHUNK
+    rows = torch.randn(9, n)
+    rows[1, [5, 6, 3 * ARGMAX_CHUNK + 1]] = 50.0  # ties inside the first chunk and in a later one
+    rows[2, [7 * ARGMAX_CHUNK + 3, 2 * ARGMAX_CHUNK + 9]] = 50.0  # tied across chunks, the later one first
+    rows[3, [40 * ARGMAX_CHUNK + 2, 90 * ARGMAX_CHUNK]] = float("nan")
+    rows[4] = float("-inf")
+    rows[5, -1] = 50.0  # the last value
+    rows[6] = rows[6].round()  # many ties
+    want = rows.argmax(dim=-1)
+    assert want[1] == 5 and want[2] == 2 * ARGMAX_CHUNK + 9 and want[3] == 40 * ARGMAX_CHUNK + 2 and want[4] == 0
+    assert torch.equal(argmax_rows(rows), want)
+    assert torch.equal(argmax_rows(rows[:1]), want[:1])
+    odd = torch.randn(ARGMAX_TWO_PASS_ROWS, n + 5)
+    assert torch.equal(argmax_rows(odd), odd.argmax(dim=-1))
 
 
 def test_sampler_top_k_and_top_p_restrict_support():
