@@ -62,6 +62,22 @@ def wait_metric(url: str, name: str, at_least: float, timeout_s: float = 15.0, *
         time.sleep(0.1)
 
 
+def settled_metric(url: str, name: str, quiet_s: float = 0.6, timeout_s: float = 15.0, **labels) -> float:
+    """The sum of counter ``name`` (with ``labels``) once it has stopped moving: two reads
+    ``quiet_s`` apart give the same value (an instance refreshes its metrics every 0.25 s from a
+    thread of its own, later on a loaded machine, and a prefill's last layers are counted as they
+    are posted); fail with the last two values when it still moves after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    value = sum(metric_values(url, name, **labels))
+    while True:
+        time.sleep(quiet_s)
+        last, value = value, sum(metric_values(url, name, **labels))
+        if value == last:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{name}{labels} still moves after {timeout_s:g} s: {last} -> {value}")
+
+
 @contextlib.contextmanager
 def running_server(repo, log_file, timeout_s: float = 400, **kw):
     """A started TritonServer that is stopped (whole process group) however the block ends."""
