@@ -76,7 +76,10 @@ def run_mode(mode: str, tokens: int, streams: int, overrides: dict, concurrency:
             start, end = max(r.times[0] for r in together), min(r.times[-1] for r in together)
             shared = [g for r in together for a, g in zip(r.times[1:], gaps(r.times)) if start < a <= end]
             if not shared:
-                raise RuntimeError(f"{mode}: the {concurrency} concurrent streams never decoded together")
+                raise RuntimeError(
+                    f"{mode}: the {concurrency} concurrent streams never decoded together (the first ended before "
+                    f"the last one's first token: prefills queue on one prefill instance; raise --tokens)"
+                )
             itl = median(shared)
             summary["concurrent"] = {
                 "streams": concurrency,
