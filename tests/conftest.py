@@ -90,6 +90,7 @@ def running_server(repo, log_file, timeout_s: float = 400, **kw):
     finally:
         server.stop()
         print(f"tritonserver log: {log_file}")
+    assert_no_crash(log_file)
 
 
 REMOTE_PREFILL = {"local_prefill_max_tokens": "0"}
@@ -151,6 +152,16 @@ def deployment_server(tmp_path_factory, name: str, timeout_s: float = 400, **lau
     finally:
         stop(server)
         print(f"tritonserver log: {log_file}")
+    assert_no_crash(log_file)
+
+
+def assert_no_crash(log_file: Path) -> None:
+    """A server that stopped: no Python-backend stub crashed in its log (until stop 60 the front
+    model's stub died at every shutdown: its metric families were destroyed after the stub's
+    shared memory, "Fatal Python error: Segmentation fault ... Garbage-collecting")."""
+    text = Path(log_file).read_text(errors="replace") if Path(log_file).exists() else ""
+    at = text.find("Fatal Python error")
+    assert at < 0, f"a stub crashed in {log_file}:\n{text[max(0, at - 1500) : at + 1500]}"
 
 
 @pytest.fixture(scope="session")

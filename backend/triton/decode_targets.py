@@ -116,9 +116,11 @@ class DecodeTargets:
         if not target.grpc_url and self._own_url:
             target = replace(target, grpc_url=self._own_url)  # a decode model of this server
         with self._lock:
-            link = self._links.get(name)
+            link = old = self._links.get(name)
             if link is None or link.target != target:
                 link = self._links[name] = self._make_link(target)
+        if old is not None and old is not link:
+            old.close()  # its probe channel: the target moved
         return link
 
     def _make_link(self, target: Target) -> DecodeLink:
@@ -194,6 +196,14 @@ class DecodeTargets:
         return out
 
     def close(self) -> None:
+        """Stop probing and following the membership, and close every link's probe channel
+        (none is left to the stub's exit)."""
         self._stop.set()
         if self._membership is not None:
             self._membership.close()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2.0)
+        with self._lock:
+            links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.close()

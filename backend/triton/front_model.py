@@ -443,7 +443,8 @@ class FrontMetrics:
         }
         self._router_seen = dict.fromkeys(self._router, 0)
         self._stop = threading.Event()
-        threading.Thread(target=self._refresh, args=(period_s,), name="front-metrics", daemon=True).start()
+        self._thread = threading.Thread(target=self._refresh, args=(period_s,), name="front-metrics", daemon=True)
+        self._thread.start()
 
     def _refresh(self, period_s: float) -> None:
         while not self._stop.wait(period_s):
@@ -467,4 +468,15 @@ class FrontMetrics:
             self._dropped_seen = dropped
 
     def close(self) -> None:
+        """Stop refreshing and release every metric and family now, while the stub's shared
+        memory is there: one left to the interpreter's exit is destroyed as it collects garbage,
+        and its destructor writes to the shared memory already gone (the stub died with
+        "Segmentation fault ... Garbage-collecting" at every shutdown)."""
         self._stop.set()
+        self._thread.join(timeout=2.0)
+        self._up.clear()
+        self._migrated.clear()
+        self._router.clear()
+        self._dropped = self._active = None
+        self._dropped_family = self._migration_family = self._up_family = self._active_family = None
+        self._router_families = []
