@@ -73,6 +73,13 @@ def time_step(
     return time.perf_counter() - start
 
 
+def _part(roofs: dict, i: int) -> dict:
+    """Part ``i`` of each (time, bound) roof cell (None where a version has no roof)."""
+    return {
+        n: {t: {r: None if v is None else v[i] for r, v in c.items()} for t, c in by.items()} for n, by in roofs.items()
+    }
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="1,2,4,8,16")
@@ -126,14 +133,7 @@ def main(argv=None) -> int:
         "peak_macs_per_s": peaks,
         "step_bytes": step_bytes,
         "read_bytes_per_s": read,
-        "roof_ms": {
-            n: {t: {r: None if v is None else v[0] for r, v in c.items()} for t, c in by.items()}
-            for n, by in roofs.items()
-        },
-        "roof_bound": {
-            n: {t: {r: None if v is None else v[1] for r, v in c.items()} for t, c in by.items()}
-            for n, by in roofs.items()
-        },
+        **{key: _part(roofs, i) for i, key in enumerate(("roof_ms", "roof_bound"))},
     }
     out = results_dir()
     out.mkdir(parents=True, exist_ok=True)
