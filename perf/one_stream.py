@@ -78,7 +78,7 @@ def run_mode(mode: str, tokens: int, streams: int, overrides: dict, concurrency:
             if not shared:
                 raise RuntimeError(
                     f"{mode}: the {concurrency} concurrent streams never decoded together (the first ended before "
-                    f"the last one's first token: prefills queue on one prefill instance; raise --tokens)"
+                    f"the last one's first token: raise --tokens)"
                 )
             itl = median(shared)
             summary["concurrent"] = {
