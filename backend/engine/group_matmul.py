@@ -218,8 +218,11 @@ def f32_product(weight: torch.Tensor, rows: torch.Tensor, threads: int = 1) -> t
 
 @functools.cache
 def f32_unsupported() -> str | None:
-    """None when :func:`f32_product` runs here; else why not (no C compiler, say)."""
+    """None when :func:`f32_product` runs here; else why not (no C compiler, say). The library is
+    built here whatever kernel the CPU picks: :func:`kernel` builds it only on the way to the VNNI
+    kernel, so on an AVX2-only CPU a missing compiler would otherwise surface only at the first call."""
     try:
+        library()
         kernel()
     except (RuntimeError, OSError) as e:
         return str(e)
