@@ -13,6 +13,8 @@ import argparse
 import importlib.util
 import logging
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -79,12 +81,20 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     cfg["dtype"] = "float32"
     model = LlamaForCausalLM(LlamaConfig.from_dict(cfg))
     model.load_state_dict(gguf_model.state_dict())
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    write_source(tmp, name, gguf_tensor_types(gguf_path))
-    tmp.rename(out_dir)  # atomic: a half-written directory is never taken for a checkpoint
+    # a folder of this process's own: two processes that convert at once never write into one
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        write_source(tmp, name, gguf_tensor_types(gguf_path))
+        try:
+            tmp.rename(out_dir)  # atomic: a half-written directory is never taken for a checkpoint
+        except OSError:
+            if not is_checkpoint_dir(out_dir):
+                raise
+            log.info("%s was converted meanwhile by another process; keeping that one", out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     log.info("converted %s -> %s in %.1fs", gguf_path, out_dir, time.perf_counter() - t0)
     return out_dir
 

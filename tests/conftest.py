@@ -279,17 +279,38 @@ def generate_concurrently(url: str, prompts: list[str], model: str, n_tokens: in
     return out
 
 
-def pytest_report_header(config):
-    """The CPU and its kernel path, first in every run: a bound that depends on the path (the
-    int8 kernels') is asserted for the path named here."""
+def kernel_path_header() -> list[str]:
+    """The CPU, what ``TRITON_DISAGG_CPU`` masks and the kernel path: a bound that depends on the
+    path is asserted for the path named here."""
     from backend.engine.cpu_kernels import kernel_path
 
     path = kernel_path()
     return [
         f"cpu: {path.cpu} ({path.cpu_id}); isa: {' '.join(path.isa) or '(no AVX2)'}",
+        path.mask_line,
         f"kernel path: torch {path.torch_capability}; {path.int8_path}",
         f"int4w kernel path: {path.int4w_path}",
     ]
+
+
+def pytest_configure(config):
+    """A run masked as an AVX2-only CPU whose torch dispatches wider is refused, with the reason."""
+    from backend.engine.cpu_kernels import kernel_path, mask_mismatch
+
+    if mask_mismatch(kernel_path()):
+        raise pytest.UsageError(mask_mismatch(kernel_path()))
+
+
+def pytest_report_header(config):
+    return kernel_path_header()
+
+
+def pytest_sessionstart(session):
+    """Under ``-q`` (scripts/test.sh, CI) pytest prints no header: the kernel path is printed anyway."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and reporter.verbosity < 0:
+        for line in kernel_path_header():
+            reporter.write_line(line)
 
 
 STUB = "triton_python_backend_stub"

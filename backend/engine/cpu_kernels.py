@@ -4,7 +4,8 @@ fbgemm's int8 path (8-bit activations where its kernel computes them exactly, wi
 where int16 pair sums could saturate), its fp16-weight path (AVX2 and F16C required) and oneDNN's
 bfloat16 path for ``fp16w-bf16``'s many-row products (AMX-BF16 or AVX512-BF16 required). Figures
 and tests name it beside what they measured, since a result or a bound can depend on it
-(``perf/lib/machine.py``, the test run's header)."""
+(``perf/lib/machine.py``, the test run's header). ``TRITON_DISAGG_CPU=avx2`` makes the process
+behave as an AVX2-only CPU on any x86-64 (:func:`cpu_flags`, :func:`apply_cpu_mask`)."""
 
 from __future__ import annotations
 
@@ -75,9 +76,54 @@ def _cpuinfo() -> dict[str, str]:
     return fields
 
 
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags, in /proc/cpuinfo's spelling (empty where there is none)."""
+# ``TRITON_DISAGG_CPU``: ``native`` (the default) or ``avx2``, where the whole process behaves as an
+# AVX2-only CPU (a Zen 3) on any x86-64: our code sees no flag above AVX2's level (cpu_flags), and
+# torch's ATen dispatch, fbgemm and oneDNN are capped at AVX2 by their own variables
+# (:data:`LIBRARY_CAPS`, set by :func:`apply_cpu_mask` when ``backend`` is imported, before torch's
+# first op; inherited by every process started from it). CI runs the unit tests a second time so.
+CPU_MASK_ENV = "TRITON_DISAGG_CPU"
+CPU_MASKS = ("native", "avx2")
+# the flag families above AVX2's level, in /proc/cpuinfo's spelling
+ABOVE_AVX2 = ("avx512", "avx_vnni", "amx", "avx10", "avx_ifma", "avx_ne_convert")
+LIBRARY_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def cpu_mask() -> str:
+    """The mask asked by ``TRITON_DISAGG_CPU`` (:data:`CPU_MASKS`); a ValueError for another value."""
+    mask = os.environ.get(CPU_MASK_ENV, "native") or "native"
+    if mask not in CPU_MASKS:
+        raise ValueError(f"{CPU_MASK_ENV}={mask!r}: expected one of {', '.join(CPU_MASKS)}")
+    return mask
+
+
+def apply_cpu_mask() -> dict[str, str]:
+    """Under ``TRITON_DISAGG_CPU=avx2``, cap torch's, fbgemm's and oneDNN's dispatch at AVX2 through
+    their variables (a value the user set stays); returns those in force. Must run before torch's
+    first op (``backend/__init__.py`` calls it): ATen reads its variable once."""
+    if cpu_mask() != "avx2":
+        return {}
+    for name, value in LIBRARY_CAPS.items():
+        os.environ.setdefault(name, value)
+    return {name: os.environ[name] for name in LIBRARY_CAPS}
+
+
+def native_flags() -> frozenset[str]:
+    """The CPU's own feature flags, in /proc/cpuinfo's spelling (empty where there is none)."""
     return frozenset(_cpuinfo().get("flags", "").split())
+
+
+def cpu_flags() -> frozenset[str]:
+    """The feature flags this process uses, in /proc/cpuinfo's spelling: the CPU's own, less
+    those above AVX2's level under ``TRITON_DISAGG_CPU=avx2``. Every choice of a kernel reads them here."""
+    flags = native_flags()
+    if cpu_mask() == "avx2":
+        flags = frozenset(f for f in flags if not f.startswith(ABOVE_AVX2))
+    return flags
+
+
+def masked_flags() -> tuple[str, ...]:
+    """The CPU's flags that ``TRITON_DISAGG_CPU`` hides from this process, sorted (empty: none)."""
+    return tuple(sorted(native_flags() - cpu_flags()))
 
 
 def missing_flags(required: Iterable[str]) -> list[str]:
@@ -126,6 +172,17 @@ class KernelPath:
     torch_capability: str  # ATen's vectorized-kernel level: "AVX2", "AVX512", ...
     int8_full_range: bool  # fbgemm's int8 product is exact with 8-bit activations
     group_kernel: str = "avx2"  # group_kernel(): int4w's kernel version
+    mask: str = "native"  # cpu_mask()
+    masked: tuple[str, ...] = ()  # masked_flags()
+
+    @property
+    def mask_line(self) -> str:
+        """What ``TRITON_DISAGG_CPU`` changes in this process, for a header or a log line."""
+        if self.mask == "native":
+            return f"cpu mask: none ({CPU_MASK_ENV} unset: the CPU's own features)"
+        hidden = " ".join(self.masked) or "none (this CPU has nothing above AVX2)"
+        caps = ", ".join(f"{k}={v}" for k, v in LIBRARY_CAPS.items())
+        return f"cpu mask: {CPU_MASK_ENV}={self.mask}: as an AVX2-only CPU; hidden: {hidden}; {caps}"
 
     @property
     def int8_path(self) -> str:
@@ -186,6 +243,8 @@ class KernelPath:
             "bf16_path": self.bf16_path,
             "int4w_path": self.int4w_path,
             "float32_path": self.float32_path,
+            "mask": self.mask,
+            "masked": list(self.masked),
         }
 
 
@@ -204,4 +263,17 @@ def kernel_path() -> KernelPath:
         torch_capability=str(torch.backends.cpu.get_cpu_capability()),
         int8_full_range=full_range_is_exact(),
         group_kernel=group_kernel(),
+        mask=cpu_mask(),
+        masked=masked_flags(),
     )
+
+
+def mask_mismatch(path: KernelPath) -> str | None:
+    """None when torch's dispatch honours the mask; else why not (torch ran an op before
+    :func:`apply_cpu_mask`, or the user capped it elsewhere)."""
+    if path.mask == "avx2" and path.torch_capability.upper().startswith("AVX512"):
+        return (
+            f"{CPU_MASK_ENV}=avx2, yet torch dispatches {path.torch_capability}: its capability was read "
+            "before backend was imported (set ATEN_CPU_CAPABILITY=avx2 too, or import backend first)"
+        )
+    return None
