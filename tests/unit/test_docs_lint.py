@@ -87,3 +87,28 @@ def test_every_relative_link_reaches_a_file():
         if "://" not in m.group("target") and not (path.parent / m.group("target")).exists()
     ]
     assert not broken, "\n".join(broken)
+
+
+def test_the_convention_reads_markers_and_rewrites_only_the_documented_ports(tmp_path):
+    from tests.doc_blocks import blocks, with_ports
+
+    page = tmp_path / "page.md"
+    page.write_text(
+        "text\n\n```bash\ncurl localhost:8000/x\n```\n\n<!-- not run: needs two hosts -->\n\n```sh\nssh b\n```\n"
+        "<!-- run: deployment -->\n```bash\nserve --http-port 8000\n```\n<!-- odd -->\n```python\nprint(1)\n```\n"
+        "```\n+-- picture --+\n```\n"
+    )
+    found = blocks(page)
+    assert [(b.lang, b.marker, b.reason) for b in found] == [
+        ("bash", "", ""),
+        ("sh", "not run", "needs two hosts"),
+        ("bash", "run: deployment", ""),
+        ("python", "<!-- odd -->", ""),
+        ("", "", ""),
+    ]
+    assert [b.is_runnable for b in found] == [True, False, False, False, False]
+    assert found[0].text == "curl localhost:8000/x\n" and found[2].is_deployment
+    ports = {"http": 31000, "grpc": 31001, "metrics": 31002, "openai": 31009}
+    assert with_ports("localhost:8000 --grpc-port 8001 :8002/m 9000 80001 1.8000 9400", ports) == (
+        "localhost:31000 --grpc-port 31001 :31002/m 31009 80001 1.8000 9400"
+    )
