@@ -22,7 +22,7 @@ from backend.launch.deployment import prefill_endpoints_of
 from fabric_bridge.control import recv_msg, send_msg
 from tests.conftest import PROMPTS, wait_pool_free
 
-pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+pytestmark = pytest.mark.usefixtures("nixl")
 
 
 def endpoint(server) -> tuple[str, int]:
