@@ -1,6 +1,7 @@
 """The run's skip policy (tests/skips.py, hooked in tests/conftest.py), shown on pytest runs of
 their own: a CI run fails on a skip off the allowlist and passes on one on it, each skip is
-listed with its reason, and a broken ``prepare`` fails a CI run instead of skipping."""
+listed with its reason, and a broken ``prepare`` or a missing pinned dependency fails a CI run
+instead of skipping."""
 
 from __future__ import annotations
 
@@ -25,14 +26,18 @@ def test_a_missing_tool():
     pytest.skip(reason="a tool is not around")
 """
 
-USES_THE_MODEL = """
+MISSING_SETUP = """
 from tests.checkpoint import real_model_dir
+from tests.skips import require_module
 
 def test_through_the_fixture(model_dir):
     assert model_dir.is_dir()
 
 def test_through_the_helper():
     assert real_model_dir().is_dir()
+
+def test_a_missing_pinned_dependency():
+    require_module("no_such_pinned_module", "a pinned dependency")
 """
 
 # loaded first (``-p``): build_scripts/prepare_model.py finds no checkpoint where it looks and
@@ -84,12 +89,15 @@ def test_a_ci_run_with_allowed_skips_only_passes(tmp_path):
     assert "1 skipped, 0 not allowed: all allowed" in out, out
 
 
-def test_a_broken_prepare_fails_a_ci_run(tmp_path):
-    files = {"test_uses_the_model.py": USES_THE_MODEL, "break_prepare.py": BREAK_PREPARE}
-    run = run_pytest(tmp_path, files, "-p", "break_prepare", "test_uses_the_model.py", ci=True)
+@pytest.mark.parametrize("ci", [True, False])
+def test_a_broken_prepare_or_a_missing_dependency_fails_a_ci_run_and_skips_elsewhere(tmp_path, ci):
+    files = {"test_missing_setup.py": MISSING_SETUP, "break_prepare.py": BREAK_PREPARE}
+    run = run_pytest(tmp_path, files, "-p", "break_prepare", "test_missing_setup.py", ci=ci)
     out = run.stdout + run.stderr
-    assert run.returncode == 1, out
-    assert "1 failed, 1 error" in out, out  # the helper's test fails, the fixture's errs at its set-up
     assert "package 'no_such_gguf_package' is not installed" in out, out
     assert "the real model checkpoint cannot be prepared" in out, out
-    assert "skipped" not in out, out
+    assert "a pinned dependency is not installed (No module named 'no_such_pinned_module')" in out, out
+    if ci:  # the helper's test and the dependency's fail, the fixture's errs at its set-up
+        assert run.returncode == 1 and "2 failed, 1 error" in out and "skipped" not in out, out
+    else:  # skipped, each named, and a CI run would fail
+        assert run.returncode == 0 and "3 skipped, 3 not allowed: a CI run would fail" in out, out
