@@ -22,8 +22,8 @@ Lock discipline: none needed; frozen values and pure functions.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -118,10 +118,6 @@ def writes_per_page(src: KVLayout, dst: KVLayout) -> int:
     return sum(len(p) for p in choose_pairs(src, dst))
 
 
-def _other_layout(layout: KVLayout) -> KVLayout:
-    return replace(layout, layout="NHD" if layout.layout == "HND" else "HND")
-
-
 @dataclass(frozen=True)
 class TransferPlan:
     """Writes for one request: page mapping plus the chosen shard pairs and their segments."""
@@ -140,32 +136,10 @@ class TransferPlan:
     def writes_per_page(self) -> int:
         return sum(len(p) for p in self.pairs)
 
-    @property
-    def other_layout_writes_per_page(self) -> int:
-        """Writes per page the same transfer would need with both sides' in-page order swapped
-        (HND <-> NHD): reported to show what the layout choice saves."""
-        return writes_per_page(_other_layout(self.src), _other_layout(self.dst))
-
     def writes(self, positions: Sequence[int] | None = None, n_layers: int = 1) -> int:
         """Number of writes for ``positions`` (default: all pages) over ``n_layers`` layers."""
         n = self.n_pages if positions is None else len(positions)
         return n * self.writes_per_page * n_layers
-
-    def iter_writes(self, positions: Iterable[int] | None = None):
-        """Yield ``(src_shard, src_byte, dst_shard, dst_byte, length)`` for one layer, bytes
-        counted from the start of that shard's per-layer pool. For tests and debugging."""
-        idx = range(self.n_pages) if positions is None else positions
-        for p in self.pairs:
-            for i in idx:
-                sp, dp = int(self.src_pages[i]), int(self.dst_pages[i])
-                for so, do, ln in zip(p.src_off, p.dst_off, p.length):
-                    yield (
-                        p.src_shard,
-                        sp * self.src.page_bytes + int(so),
-                        p.dst_shard,
-                        dp * self.dst.page_bytes + int(do),
-                        int(ln),
-                    )
 
 
 def build_plan(

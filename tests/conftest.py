@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from perf.lib.metrics import metric_values, read_metrics  # noqa: F401  (tests import them from here)
+from tests.checkpoint import real_model_dir
+from tests.skips import SkipRecord, require_module
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -23,9 +25,15 @@ os.environ.setdefault("TRITON_DISAGG_CACHE", tempfile.mkdtemp(prefix="triton-dis
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    from build_scripts.prepare_model import ensure_model
+    """The prepared real checkpoint (tests/checkpoint.py)."""
+    return real_model_dir()
 
-    return ensure_model()
+
+@pytest.fixture(scope="session")
+def nixl():
+    """NIXL (nixl-cu12), a pinned dependency: a test module that needs it says
+    ``pytestmark = pytest.mark.usefixtures("nixl")``; missing, its tests skip, or fail in CI."""
+    return require_module("nixl_cu12._api", "NIXL (nixl-cu12)")
 
 
 @pytest.fixture(scope="session")
@@ -240,9 +248,7 @@ def hf_model():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from build_scripts.prepare_model import ensure_model
-
-    return AutoModelForCausalLM.from_pretrained(str(ensure_model()), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(real_model_dir()), dtype=torch.float32).eval()
 
 
 _greedy_memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {prompt ids: tokens}
@@ -355,10 +361,28 @@ def _reap_orphaned_stubs(request):
 
 
 def pytest_terminal_summary(terminalreporter):
+    _skips.write(terminalreporter)
     if _reaped:
         terminalreporter.section("orphaned python-backend stubs reaped after")
         for line in _reaped:
             terminalreporter.write_line(line)
+
+
+_skips = SkipRecord()
+
+
+def pytest_runtest_logreport(report):
+    _skips.add(report)
+
+
+def pytest_collectreport(report):
+    _skips.add(report)  # a module skipped as a whole
+
+
+def pytest_sessionfinish(session):
+    """A CI run fails on a skip that tests/skips.py does not allow (each is listed at the end)."""
+    if _skips.fails_run() and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 # Run last among the integration tests: the benchmarks' tiny cases, whose external tools

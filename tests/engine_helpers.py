@@ -1,12 +1,11 @@
-"""Shared helpers for the engine tests: a tiny random Llama checkpoint, the real checkpoint, and
-running an engine until its requests finish."""
+"""Shared helpers for the engine tests: a tiny random Llama checkpoint, the real checkpoint
+(:func:`tests.checkpoint.real_model_dir`), and running an engine until its requests finish."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -15,8 +14,8 @@ from backend.engine.config import EngineConfig  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.engine.outputs import EngineOutput  # noqa: E402
 from backend.parallel.engine_factory import build_engine  # noqa: E402
+from tests.checkpoint import real_model_dir  # noqa: E402, F401  (the engine tests import it from here)
 
-REAL_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct"
 TINY_VOCAB = 256
 
 
@@ -47,18 +46,6 @@ def build_tiny_llama(path: Path) -> Path:
 def prompt_of(length: int, seed: int = 0) -> list[int]:
     """Random token ids of the tiny model's vocabulary (ids 0-2 are special)."""
     return torch.randint(3, TINY_VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def real_model_dir() -> Path:
-    if not (REAL_MODEL_DIR / "config.json").is_file():
-        try:
-            from build_scripts.prepare_model import ensure_model
-
-            return ensure_model()
-        except Exception as exc:  # the checkpoint cannot be made on this machine
-            print(f"SKIP: real model unavailable: {exc}")
-            pytest.skip(reason=f"real model checkpoint unavailable: {exc}")
-    return REAL_MODEL_DIR
 
 
 def make_engine(model_dir: Path, store=None, disk_reader=None, **overrides) -> LLMEngine:

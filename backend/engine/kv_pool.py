@@ -54,10 +54,6 @@ class KVPool:
     def total_bytes(self) -> int:
         return self.num_layers * self.bytes_per_layer
 
-    def page_byte_offset(self, layer_idx: int, page_id: int) -> int:
-        """Offset of (layer, page) from the start of :attr:`tensor` in bytes."""
-        return (layer_idx * self.num_pages + page_id) * self.bytes_per_page_per_layer
-
     def layout(self) -> dict:
         """What a peer needs to check that its pages are byte-compatible with ours."""
         return {

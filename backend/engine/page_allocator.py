@@ -122,10 +122,6 @@ class PageAllocator:
     def pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.page_size)
 
-    def uncommitted_pages(self) -> int:
-        with self._lock:
-            return self.num_pages - self._committed_total
-
     def allocate(
         self, req_id: str, n_tokens: int, commit_tokens: int = 0, token_ids=None, cache_salt: str = ""
     ) -> list[int]:

@@ -161,14 +161,3 @@ def render_deployment(
         if with_aggregated:
             models["llm_aggregated"] = agg
     return render(Path(out_dir), models)
-
-
-def prefill_endpoints_of(repo: Path) -> list[str]:
-    """The messenger endpoints a rendered repository's prefill models listen on."""
-    from build_scripts.render_repository import read_parameters
-
-    out = []
-    for cfg in sorted(Path(repo).glob("prefill_*/config.pbtxt")):
-        p = read_parameters(cfg.read_text())
-        out.append(f"{p['messenger_host']}:{p['messenger_port']}")
-    return out

@@ -26,7 +26,7 @@ from perf.autoscale_ramp import RampDeployment, Setup, complete, replay
 from perf.lib.loadgen import Phase, ramp_trace
 from tests.conftest import read_metrics
 
-pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+pytestmark = pytest.mark.usefixtures("nixl")
 
 # The high load is 1.2 req/s (it was 0.6, then 1.0): on a faster CPU (an Intel Xeon, family 6
 # model 167) 0.6 req/s threatened the SLO only 95-110 s into the high phase, and at 1.0 req/s

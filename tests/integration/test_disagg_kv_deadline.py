@@ -14,7 +14,7 @@ import pytest
 from backend.client import stream_generate
 from tests.conftest import deployment_server, wait_pool_free
 
-pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+pytestmark = pytest.mark.usefixtures("nixl")
 
 TRANSFER_TIMEOUT_S = 5.0
 PROMPT = "Summarise: " + " ".join(f"item{i} costs {i * 3} coins;" for i in range(90))

@@ -11,6 +11,7 @@ import socket
 import struct
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,16 +19,17 @@ from backend.client import stream_generate
 from backend.disagg import auth
 from backend.disagg.protocol import PROTOCOL_VERSION, AuthChallenge, Hello, PrefillFailed, PrefillRequest, encode
 from backend.engine.outputs import ErrorKind
-from backend.launch.deployment import prefill_endpoints_of
+from build_scripts.render_repository import read_parameters
 from fabric_bridge.control import recv_msg, send_msg
 from tests.conftest import PROMPTS, wait_pool_free
 
-pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+pytestmark = pytest.mark.usefixtures("nixl")
 
 
 def endpoint(server) -> tuple[str, int]:
-    host, port = prefill_endpoints_of(server.repo)[0].rsplit(":", 1)
-    return host, int(port)
+    """Where the deployment's first prefill model's messenger listens (its rendered config)."""
+    cfg = read_parameters((Path(server.repo) / "prefill_0" / "config.pbtxt").read_text())
+    return cfg["messenger_host"], int(cfg["messenger_port"])
 
 
 def closed_within(sock: socket.socket, seconds: float) -> bool:

@@ -9,12 +9,12 @@ import pytest
 import torch
 from fabric_helpers import make_pools
 
-pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+from fabric_bridge import control, nixl_api
+from fabric_bridge.agent import FabricAgent, TransportUnavailable
+from fabric_bridge.layout import KVLayout
+from fabric_bridge.plan import build_plan, expected_writes
 
-from fabric_bridge import control, nixl_api  # noqa: E402
-from fabric_bridge.agent import FabricAgent, TransportUnavailable  # noqa: E402
-from fabric_bridge.layout import KVLayout  # noqa: E402
-from fabric_bridge.plan import build_plan, expected_writes  # noqa: E402
+pytestmark = pytest.mark.usefixtures("nixl")
 
 
 def lay(**kw):

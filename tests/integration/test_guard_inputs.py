@@ -10,7 +10,6 @@ import threading
 import time
 
 import numpy as np
-import pytest
 
 from backend.serving.tensors import INPUTS
 from tests.conftest import metric_values, wait_pool_free
@@ -132,6 +131,5 @@ def test_worst_values_aggregated(aggregated_server):
     assert_refusals(feed_worst(aggregated_server, "llm", ["llm"]))
 
 
-def test_worst_values_disaggregated(disagg_server):
-    pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+def test_worst_values_disaggregated(nixl, disagg_server):
     assert_refusals(feed_worst(disagg_server, "llm", ["prefill_0", "prefill_1", "decode_0", "decode_1"]))

@@ -18,7 +18,7 @@ import requests
 from backend.client import stream_generate
 from tests.conftest import deployment_server, metric_values, wait_pool_free
 
-pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+pytestmark = pytest.mark.usefixtures("nixl")
 
 MODELS = ["prefill_0", "decode_0", "decode_1"]
 LONG = "Tell me a long story about a dragon who learns to paint."

@@ -22,7 +22,7 @@ from backend.client import stream_generate
 from backend.disagg.auth import SECRET_ENV, new_secret
 from tests.conftest import EXACT, etcd_server, fabric_env, metric_values, running_server, wait_pool_free
 
-pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+pytestmark = pytest.mark.usefixtures("nixl")
 
 COMMON = {
     **EXACT,

@@ -29,7 +29,7 @@ from backend.client import stream_generate
 from backend.serving.request import prompt_token_ids
 from tests.conftest import PROMPTS, deployment_server, hf_greedy, metric_values, wait_metric, wait_pool_free
 
-pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+pytestmark = pytest.mark.usefixtures("nixl")
 
 MODELS = ["prefill_0", "prefill_1", "decode_0", "decode_1"]
 N_TOKENS = 160

@@ -24,11 +24,18 @@ from backend.disagg.auth import SECRET_ENV
 from backend.launch.ports import free_port
 from backend.launch.prometheus_server import prometheus_binary
 from tests.conftest import PROMPTS, deployment_server
+from tests.skips import missing_setup
 
-NO_PROMETHEUS = "prometheus is not installed (scripts/setup.sh installs Debian's)"
-pytestmark = pytest.mark.skipif(prometheus_binary() is None, reason=NO_PROMETHEUS)
+pytestmark = pytest.mark.usefixtures("prometheus_installed")
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "triton-disagg.json"
 OVERRIDES = {"kv_cache_tokens": "1024", "num_threads": "1"}
+
+
+@pytest.fixture(scope="session")
+def prometheus_installed():
+    """Debian's prometheus, which scripts/setup.sh installs: missing, the tests skip, or fail in CI."""
+    if prometheus_binary() is None:
+        missing_setup("prometheus is not installed (Debian's)")
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from backend.client import stream_generate
 from perf.lib.otlp_receiver import OTLPReceiver
 from tests.conftest import EXACT, deployment_server, hf_greedy, metric_values, wait_metric, wait_pool_free
 
-pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+pytestmark = pytest.mark.usefixtures("nixl")
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"

@@ -56,7 +56,7 @@ from tests.conftest import (
     wait_metric,
 )
 
-pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+pytestmark = pytest.mark.usefixtures("nixl")
 
 MODEL = "smollm2"
 OVERRIDES = {

@@ -10,10 +10,8 @@ import pytest
 from engine_helpers import assert_pool_idle, make_engine, real_model_dir, run_to_completion, tokens_of
 from schema_check import PROMPTS, SCHEMAS, violations
 
+from backend.engine.sampling.grammar import GrammarCompiler, GrammarError, GrammarState
 from backend.engine.sampling_params import SamplingParams
-
-pytest.importorskip("xgrammar", reason="xgrammar is not installed")
-from backend.engine.sampling.grammar import GrammarCompiler, GrammarError, GrammarState  # noqa: E402
 
 
 @pytest.fixture(scope="module")
