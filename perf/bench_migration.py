@@ -32,9 +32,9 @@ import time
 from pathlib import Path
 
 from backend.client import stream_generate
+from backend.cluster.prometheus_text import metric_sum
 from perf.lib import servers
 from perf.lib.machine import cpu_model
-from perf.lib.metrics import metric_sum
 from perf.lib.progress import bar
 from perf.lib.results import results_dir
 from perf.lib.stats import gaps as gaps_of

@@ -39,8 +39,8 @@ import threading
 import time
 
 from backend.client import stream_generate
+from backend.cluster.prometheus_text import metric_sum
 from perf.lib import loadgen, servers
-from perf.lib.metrics import metric_sum
 from perf.lib.progress import Progress
 from perf.lib.results import results_dir
 from perf.lib.stats import median

@@ -21,9 +21,9 @@ import platform
 import time
 
 from backend.client import stream_generate
+from backend.cluster.prometheus_text import metric_values
 from backend.launch.deployment import core_split
 from perf.lib import loadgen, servers
-from perf.lib.metrics import metric_values
 from perf.lib.results import results_dir
 from perf.lib.stats import median
 

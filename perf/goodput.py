@@ -26,9 +26,9 @@ import os
 import time
 from pathlib import Path
 
+from backend.cluster.prometheus_text import metric_sum
 from backend.planner.workload import TraceRequest, save_trace
 from perf.lib import loadgen, servers
-from perf.lib.metrics import metric_sum
 from perf.lib.results import command_line, results_dir
 from perf.lib.stats import median, percentile
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from perf.lib.metrics import metric_values, read_metrics  # noqa: F401  (tests import them from here)
+from backend.cluster.prometheus_text import metric_values, read_metrics  # noqa: F401  (tests import them from here)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

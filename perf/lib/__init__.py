@@ -5,7 +5,6 @@
 - ``loadgen``: arrival processes (Poisson, phased Poisson), prompts and held-out text, open-loop
   replay against a server;
 - ``stats``: one percentile definition, a summary, a stream's decode rate;
-- ``metrics``: reading a server's Prometheus metrics;
 - ``results``: where results live and the one envelope a run is recorded in (``report``: the
   report written from the envelopes);
 - ``tools``: external tools' venvs (genai-perf, AIPerf, lm-eval, llama.cpp), perf_analyzer, and
