@@ -506,10 +506,11 @@ def _add_agent_args(sp: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench(args) -> int:
-    # the benchmarks live in perf/ (tools above the runtime): imported only for this command
-    from perf.cli import main as bench_main
+    # the benchmarks live in perf/, above everything here (nothing in backend imports it): they run
+    # as a program of their own, ``python -m perf.cli``, with this process's environment
+    import subprocess
 
-    return bench_main(args.bench_args)
+    return subprocess.call([sys.executable, "-m", "perf.cli", *args.bench_args])
 
 
 def _ints(text: str) -> list[int]:

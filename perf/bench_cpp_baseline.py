@@ -23,7 +23,7 @@ import os
 import time
 from pathlib import Path
 
-from perf.lib import stats
+from backend.planner import stats
 from perf.lib.progress import bar
 from perf.lib.results import results_dir
 from perf.lib.servers import start_llama_cpp

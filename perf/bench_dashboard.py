@@ -21,8 +21,9 @@ from pathlib import Path
 import requests
 
 from backend.client import stream_generate
+from backend.planner.workload import parse_phases, phased_arrivals
 from perf.lib import servers
-from perf.lib.loadgen import load_tokenizer, make_prompt, parse_phases, phased_arrivals, replay
+from perf.lib.loadgen import load_tokenizer, make_prompt, replay
 from perf.lib.machine import ROOT, cpu_model
 from perf.lib.results import results_dir
 

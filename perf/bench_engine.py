@@ -31,9 +31,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from backend.engine.sampling_params import SamplingParams  # noqa: E402
+from backend.planner.stats import gaps, median  # noqa: E402
 from perf.lib.progress import bar  # noqa: E402
 from perf.lib.results import results_dir  # noqa: E402
-from perf.lib.stats import gaps, median  # noqa: E402
 from perf.lib.step_profile import markdown, profile_steps  # noqa: E402
 
 if TYPE_CHECKING:

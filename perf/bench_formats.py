@@ -36,16 +36,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from backend.engine.heldout import WINDOW, heldout_figures, heldout_windows  # noqa: E402
 from backend.engine.sampling_params import SamplingParams  # noqa: E402
+from backend.planner.stats import median  # noqa: E402
 from perf.lib.loadgen import HELDOUT  # noqa: E402
 from perf.lib.progress import bar  # noqa: E402
 from perf.lib.results import results_dir  # noqa: E402
-from perf.lib.stats import median  # noqa: E402
 
 if TYPE_CHECKING:
     from backend.engine.llm_engine import LLMEngine
 
-WINDOW, WINDOW_DECODE, PREFILL_CHUNK = 512, 32, 256
+PREFILL_CHUNK = 256
 PROMPTS = [
     "The history of the printing press begins",
     "Write a short poem about the sea.",
@@ -157,27 +158,8 @@ def _heldout(engine: LLMEngine, windows: list[list[int]]) -> tuple[torch.Tensor,
     return torch.stack(nll), torch.stack(top)
 
 
-def heldout_figures(nll: torch.Tensor, top: torch.Tensor, reference: tuple[torch.Tensor, torch.Tensor]) -> dict:
-    """Perplexity, its ratio to the reference's and the argmax agreement with it, for the prompt
-    positions (the chunked prefill) and the decode steps apart."""
-    out = {}
-    for part, cols in (("prefill", slice(0, WINDOW - 1)), ("decode", slice(WINDOW - 1, None))):
-        mean, ref_mean = nll[:, cols].mean(), reference[0][:, cols].mean()
-        out[f"heldout_ppl_{part}"] = float(mean.exp())
-        out[f"heldout_ppl_ratio_{part}"] = float((mean - ref_mean).exp())
-        out[f"heldout_argmax_agree_{part}"] = float((top[:, cols] == reference[1][:, cols]).float().mean())
-    return out
-
-
 def _label(fmt: str, decoder: str) -> str:
     return f"{fmt}, {'lean loop' if decoder == 'auto' else decoder}"
-
-
-def heldout_windows(tokenizer, path: Path, count: int) -> list[list[int]]:
-    """Up to ``count`` windows of WINDOW + WINDOW_DECODE tokens of the text, starting every WINDOW."""
-    ids = tokenizer.encode(path.read_text(), add_special_tokens=False)
-    size = WINDOW + WINDOW_DECODE
-    return [ids[s : s + size] for s in range(0, len(ids) - size + 1, WINDOW)][:count]
 
 
 def engine_figures(

@@ -33,10 +33,10 @@ import warnings
 
 import torch
 
+from backend.planner.stats import median
 from perf.lib.machine import cpu_model
 from perf.lib.progress import bar
 from perf.lib.results import results_dir
-from perf.lib.stats import median
 
 HIDDEN, INTER, KV, VOCAB, LAYERS = 576, 1536, 192, 49152, 30
 SHAPES = [(HIDDEN, HIDDEN), (HIDDEN, KV), (HIDDEN, KV), (HIDDEN, HIDDEN), (HIDDEN, INTER), (HIDDEN, INTER)]

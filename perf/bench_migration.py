@@ -17,7 +17,7 @@ One server, 1 prefill + 2 decode instances behind the front model ``llm`` (cores
    finished without error per second (and their tokens per second); failures by kind.
 
 JSON to ``migration.json`` in the results folder (``perf/results/``); the machine (CPU model,
-cores) is recorded with it. Percentiles are ``perf/lib/stats.py``'s (linear interpolation).
+cores) is recorded with it. Percentiles are ``backend/planner/stats.py``'s (linear interpolation).
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ import time
 from pathlib import Path
 
 from backend.client import stream_generate
+from backend.cluster.prometheus_text import metric_sum
+from backend.planner.stats import gaps as gaps_of
+from backend.planner.stats import median, percentile
 from perf.lib import servers
 from perf.lib.machine import cpu_model
-from perf.lib.metrics import metric_sum
 from perf.lib.progress import bar
 from perf.lib.results import results_dir
-from perf.lib.stats import gaps as gaps_of
-from perf.lib.stats import median, percentile
 
 PROMPTS = [
     "Write a long story about a lighthouse keeper and the sea.",

@@ -39,11 +39,11 @@ import threading
 import time
 
 from backend.client import stream_generate
+from backend.cluster.prometheus_text import metric_sum
+from backend.planner.stats import median
 from perf.lib import loadgen, servers
-from perf.lib.metrics import metric_sum
 from perf.lib.progress import Progress
 from perf.lib.results import results_dir
-from perf.lib.stats import median
 
 PAGE_WAIT_S = 300  # --tiers: how long a decode instance waits for free pages (page_wait_timeout_s)
 

@@ -45,7 +45,8 @@ from pathlib import Path
 
 import requests
 
-from perf.lib import loadgen, stats
+from backend.planner import stats
+from perf.lib import loadgen
 from perf.lib.machine import cpu_id, cpu_model
 from perf.lib.progress import bar
 from perf.lib.results import results_dir

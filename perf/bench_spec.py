@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from backend.engine.sampling_params import SamplingParams  # noqa: E402
+from backend.planner.stats import median  # noqa: E402
 from perf.lib.progress import bar  # noqa: E402
 from perf.lib.results import results_dir  # noqa: E402
-from perf.lib.stats import median  # noqa: E402
 
 if TYPE_CHECKING:
     from backend.engine.llm_engine import LLMEngine

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from backend.engine.page_allocator import PageAllocator
+from backend.planner.stats import median
 from fabric_bridge import control
 from fabric_bridge.agent import FabricAgent
 from fabric_bridge.layout import KVLayout
@@ -46,7 +47,6 @@ from perf.lib.machine import ROOT
 from perf.lib.progress import ENV as PROGRESS_ENV
 from perf.lib.progress import bar
 from perf.lib.results import results_dir
-from perf.lib.stats import median
 
 POLL_S = 0.0002  # raw baseline polls as often as the agent's progress thread does
 

@@ -21,11 +21,11 @@ import platform
 import time
 
 from backend.client import stream_generate
+from backend.cluster.prometheus_text import metric_values
 from backend.launch.deployment import core_split
+from backend.planner.stats import median
 from perf.lib import loadgen, servers
-from perf.lib.metrics import metric_values
 from perf.lib.results import results_dir
-from perf.lib.stats import median
 
 
 def long_prompt(tokenizer, n_tokens: int) -> str:

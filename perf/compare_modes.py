@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from backend.launch.deployment import core_split
+from backend.planner.stats import percentile
 from perf.lib import loadgen, results, servers
 from perf.lib.results import results_dir
-from perf.lib.stats import percentile
 
 MODES = ("aggregated", "disagg")
 TARGETS = {"decode_tps_p50": (">=", 1.8), "itl_p99": ("<=", 0.3), "ttft_p50_low_load": ("<=", 1.3)}

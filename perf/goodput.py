@@ -26,13 +26,12 @@ import os
 import time
 from pathlib import Path
 
+from backend.cluster.prometheus_text import metric_sum
+from backend.planner.slo import ATTAINMENT_GOAL, SLO, measured_goodput
+from backend.planner.stats import median
 from backend.planner.workload import TraceRequest, save_trace
 from perf.lib import loadgen, servers
-from perf.lib.metrics import metric_sum
 from perf.lib.results import command_line, results_dir
-from perf.lib.stats import median, percentile
-
-ATTAINMENT_GOAL = 0.9
 
 
 def deployment(name: str) -> tuple[str, int]:
@@ -44,28 +43,11 @@ def deployment(name: str) -> tuple[str, int]:
     raise SystemExit(f"unknown deployment {name!r}: aggN (N = per-step token budget) or disagg")
 
 
-def attains(rec: dict, ttft_slo: float, itl_slo: float) -> bool:
-    """Complete, TTFT within its SLO and the p90 of the gaps within theirs (a one-token answer has none)."""
-    return (
-        rec["error"] is None
-        and rec["n_tokens"] == rec["max_tokens"]
-        and rec["ttft"] <= ttft_slo
-        and (not rec["gaps"] or percentile(rec["gaps"], 90) <= itl_slo)
-    )
-
-
 def attainment(recs: list[dict], ttft_slo: float, itl_slo: float) -> float:
-    return sum(attains(r, ttft_slo, itl_slo) for r in recs) / len(recs) if recs else float("nan")
-
-
-def goodput(points: dict[float, float]) -> float:
-    """Highest rate such that every rate up to it attains the goal; 0 if the lowest does not."""
-    best = 0.0
-    for rate in sorted(points):
-        if points[rate] < ATTAINMENT_GOAL:
-            break
-        best = rate
-    return best
+    """The share of measured requests (``as_dict``) that attain the SLO (``backend/planner/slo.py``)."""
+    slo = SLO(ttft_slo, itl_slo)
+    met = [slo.attained(r["error"] is None and r["n_tokens"] == r["max_tokens"], r["ttft"], r["gaps"]) for r in recs]
+    return sum(met) / len(met) if met else float("nan")
 
 
 def as_dict(rec: loadgen.RequestRecord) -> dict:
@@ -198,7 +180,7 @@ def sensitivity(results: dict, s: dict, factors=(1.5, 2.0, 2.5, 3.0)) -> str:
         cells = []
         for name in names:
             pts = {float(r): attainment(p["records"], s["ttft"], itl) for r, p in results[name]["points"].items()}
-            cells.append(f"{goodput(pts):g}")
+            cells.append(f"{measured_goodput(pts):g}")
         lines.append(f"| {f:g}x = {itl * 1e3:.0f} ms | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -226,7 +208,7 @@ def report(results: dict, s: dict, args, plot_path: Path) -> str:
             tight[float(r)] = attainment(recs, s["ttft"], s["tight_itl"])
             loose[float(r)] = attainment(recs, s["ttft"], s["loose_itl"])
             cells.append(f"{r}: {tight[float(r)] * 100:.0f}/{loose[float(r)] * 100:.0f}%")
-        gp[name] = (goodput(tight), goodput(loose))
+        gp[name] = (measured_goodput(tight), measured_goodput(loose))
         u = res["unloaded"]
         lines.append(
             f"| {name} | {u['ttft'] * 1e3:.0f} | {u['itl'] * 1e3:.1f} | {'; '.join(cells)} | "

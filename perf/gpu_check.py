@@ -47,6 +47,8 @@ from pathlib import Path
 
 import torch
 
+from backend.engine.reference import hf_greedy
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -134,24 +136,6 @@ def pages_sha256(engine, pages: list[int]) -> str:
     """Hash of the bytes of the given pages, every layer (a TP-1 pool)."""
     kv = engine.kv_cache().shards[0][:, pages].contiguous()
     return hashlib.sha256(kv.view(torch.uint8).cpu().numpy()).hexdigest()
-
-
-def hf_greedy(model, ids: list[int], n: int, device: str) -> list[int]:
-    """Transformers' own forward and KV cache, greedy, EOS not special."""
-    import inspect
-
-    # the KV cache keyword: ``cache`` in newer transformers, ``past_key_values`` before
-    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    out, past = [], None
-    x = torch.tensor([ids], device=device)
-    with torch.inference_mode():
-        for _ in range(n):
-            r = model(input_ids=x, use_cache=True, **{key: past})
-            past = r.past_key_values
-            tok = int(r.logits[0, -1].argmax())
-            out.append(tok)
-            x = torch.tensor([[tok]], device=device)
-    return out
 
 
 # ---------------------------------------------------------------- 0. device marks

@@ -24,10 +24,10 @@ import threading
 import time
 
 from backend.client import stream_generate
+from backend.planner.stats import gaps, median
 from perf.lib import servers
 from perf.lib.machine import cpu_model
 from perf.lib.results import results_dir
-from perf.lib.stats import gaps, median
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea. " * 4
 
@@ -94,7 +94,7 @@ def run_mode(mode: str, tokens: int, streams: int, overrides: dict, concurrency:
 def run_tracing(mode: str, tokens: int, streams: int, overrides: dict) -> dict:
     """Tokens/s and TTFT of single streams alternating between a deployment that traces every
     request and one that does not (both up at once: one serves at a time)."""
-    from perf.lib.otlp_receiver import OTLPReceiver
+    from backend.cluster.otlp_receiver import OTLPReceiver
 
     traced = {**overrides, "otlp_endpoint": ""}
     with OTLPReceiver() as receiver:

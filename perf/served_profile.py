@@ -31,8 +31,8 @@ from pathlib import Path
 
 from backend.launch.deployment import core_split
 from backend.planner.profile import EngineProfile
+from backend.planner.stats import median
 from perf.lib import loadgen, results, servers
-from perf.lib.stats import median
 
 BATCHES = (1, 2, 4, 8)
 BATCH_PROMPT = 128

@@ -23,8 +23,8 @@ from collections import Counter
 import psutil
 
 from backend.client import stream_generate
+from backend.cluster.prometheus_text import metric_values, read_metrics
 from perf.lib import servers
-from perf.lib.metrics import metric_values, read_metrics
 from perf.lib.results import results_dir
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from perf.lib.metrics import metric_values, read_metrics  # noqa: F401  (tests import them from here)
+from backend.cluster.prometheus_text import metric_values, read_metrics  # noqa: F401  (tests import them from here)
 from tests.checkpoint import real_model_dir
 from tests.skips import SkipRecord, require_module
 
@@ -259,7 +259,7 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     step), EOS not special. Kept for the session per model and prompt: the first n tokens of a
     longer greedy run from the same start are those of the shorter one (the same steps), so a
     prompt that several tests check is computed once, at the longest length asked so far."""
-    from perf.gpu_check import hf_greedy as greedy_on
+    from backend.engine.reference import hf_greedy as greedy_on
 
     memo = _greedy_memo.setdefault(model, {})
     known = memo.get(tuple(ids))

@@ -28,12 +28,15 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 from backend.autoscale.actuator import Actuator, ActuatorError, Managed
 from backend.autoscale.model import PerformanceModel
 from backend.autoscale.policy import ROLES, Decision, Policy
 from backend.autoscale.predictor import Load, LoadPredictor
 from backend.autoscale.signals import Observation, Scrape, observe, scrape
 from backend.cluster.membership import Membership
+from backend.cluster.prometheus_text import CONTENT_TYPE, exposition
 from backend.cluster.records import InstanceRecord
 
 log = logging.getLogger("triton_disagg.autoscale")
@@ -268,61 +271,70 @@ class Autoscaler:
     # metrics
 
     def exposition(self) -> str:
-        lines = []
+        """``triton_disagg_autoscaler_*`` in Prometheus text (``backend/cluster/prometheus_text.py``)."""
 
-        def family(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-            lines.append(f"# HELP triton_disagg_autoscaler_{name} {help_}")
-            lines.append(f"# TYPE triton_disagg_autoscaler_{name} {kind}")
-            for labels, value in samples:
-                v = "NaN" if math.isnan(value) else repr(float(value))
-                lines.append(f"triton_disagg_autoscaler_{name}{labels} {v}")
+        def family(name: str, kind: type, help_: str, labels: list[str], samples) -> GaugeMetricFamily:
+            f = kind(f"triton_disagg_autoscaler_{name}", help_, labels=labels)
+            for values, value in samples:
+                f.add_metric(values, float(value))
+            return f
 
         rec = self.last
-        family(
-            "desired_instances",
-            "gauge",
-            "instances per role the last decision wants",
-            [(f'{{role="{r}"}}', float(self.desired.get(r, 0))) for r in ROLES],
-        )
-        family(
-            "actual_instances",
-            "gauge",
-            "instances per role serving or starting",
-            [(f'{{role="{r}"}}', float(rec.current[r]) if rec else 0.0) for r in ROLES],
-        )
-        family(
-            "starting_instances",
-            "gauge",
-            "instances per role started and not yet in the membership",
-            [(f'{{role="{r}"}}', float(rec.starting[r]) if rec else 0.0) for r in ROLES],
-        )
-        family(
-            "decisions_total",
-            "counter",
-            "decisions per role and direction (up, down, hold)",
-            [(f'{{role="{r}",direction="{k}"}}', float(n)) for (r, k), n in sorted(self.decisions_total.items())],
-        )
+        families = [
+            family(
+                "desired_instances",
+                GaugeMetricFamily,
+                "instances per role the last decision wants",
+                ["role"],
+                [([r], self.desired.get(r, 0)) for r in ROLES],
+            ),
+            family(
+                "actual_instances",
+                GaugeMetricFamily,
+                "instances per role serving or starting",
+                ["role"],
+                [([r], rec.current[r] if rec else 0) for r in ROLES],
+            ),
+            family(
+                "starting_instances",
+                GaugeMetricFamily,
+                "instances per role started and not yet in the membership",
+                ["role"],
+                [([r], rec.starting[r] if rec else 0) for r in ROLES],
+            ),
+            family(
+                "decisions_total",
+                CounterMetricFamily,
+                "decisions per role and direction (up, down, hold)",
+                ["role", "direction"],
+                [([r, k], n) for (r, k), n in sorted(self.decisions_total.items())],
+            ),
+        ]
         if rec is not None:
             o = rec.observed.get("decode", {})
-            family(
-                "observed",
-                "gauge",
-                "the last interval's measured figures (decode instances)",
-                [
-                    (f'{{figure="{k}"}}', float(o[k]) if o.get(k) is not None else math.nan)
-                    for k in ("arrivals_per_s", "ttft_p90_s", "itl_p90_s", "prefill_queue_p90_s")
-                ],
+            figures = ("arrivals_per_s", "ttft_p90_s", "itl_p90_s", "prefill_queue_p90_s")
+            families.append(
+                family(
+                    "observed",
+                    GaugeMetricFamily,
+                    "the last interval's measured figures (decode instances)",
+                    ["figure"],
+                    [([k], o[k] if o.get(k) is not None else math.nan) for k in figures],
+                )
             )
-            family(
-                "predicted",
-                "gauge",
-                "the next interval's predicted load and, with a profile, latencies",
-                [
-                    (f'{{figure="{k}"}}', float(v) if v is not None else math.nan)
-                    for k, v in {**rec.predicted_load, **rec.model_prediction}.items()
-                ],
+            families.append(
+                family(
+                    "predicted",
+                    GaugeMetricFamily,
+                    "the next interval's predicted load and, with a profile, latencies",
+                    ["figure"],
+                    [
+                        ([k], v if v is not None else math.nan)
+                        for k, v in {**rec.predicted_load, **rec.model_prediction}.items()
+                    ],
+                )
             )
-        return "\n".join(lines) + "\n"
+        return exposition(families)
 
 
 def serve_metrics(autoscaler: Autoscaler, host: str, port: int) -> threading.Thread:
@@ -335,7 +347,7 @@ def serve_metrics(autoscaler: Autoscaler, host: str, port: int) -> threading.Thr
 
     @api.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(autoscaler.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(autoscaler.exposition(), media_type=CONTENT_TYPE)
 
     @api.get("/status")
     async def status() -> JSONResponse:

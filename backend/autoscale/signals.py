@@ -12,15 +12,14 @@ restarted during the interval (a counter went down) counts from zero.
 from __future__ import annotations
 
 import math
-import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import requests
 
+from backend.cluster.prometheus_text import samples
+
 PREFIX = "triton_disagg_"
-_LINE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\d+)?$")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 @dataclass
@@ -36,16 +35,13 @@ def parse(text: str, model: str) -> Scrape:
     """The series of ``model`` (label ``model``) in Prometheus text, summed over other labels."""
     values: dict[str, float] = defaultdict(float)
     buckets: dict[str, dict[float, float]] = defaultdict(lambda: defaultdict(float))
-    for line in text.splitlines():
-        if not line.startswith(PREFIX):
+    for (full, label_set), value in samples(text).items():
+        if not full.startswith(PREFIX):
             continue
-        m = _LINE.match(line)
-        if not m:
-            continue
-        labels = dict(_LABEL.findall(m.group(2) or ""))
+        labels = dict(label_set)
         if labels.get("model") != model:
             continue
-        name, value = m.group(1)[len(PREFIX) :], float(m.group(3))
+        name = full[len(PREFIX) :]
         if name.endswith("_bucket") and "le" in labels:
             buckets[name[: -len("_bucket")]][float(labels["le"])] += value
         else:

@@ -7,7 +7,7 @@ machine with TCP, keeps values of any size in memory with a size bound and least
 eviction of its own (``--maxmemory``, ``--maxmemory-policy allkeys-lru``), and a pipeline asks
 for the existence of a prompt's blocks in one round trip. Mooncake Store (what SGLang's HiCache
 and vLLM use for this tier) moves blocks over RDMA with its own master and metadata services;
-over TCP on a CPU machine it was measured beside Redis (``perf/bench_kv_store.py``: puts slower,
+over TCP on a CPU machine it was measured beside Redis (``perf/history/experiments.md``: puts slower,
 gets about even, two processes and 115 MB before any block, libibverbs needed even for TCP).
 """
 

@@ -1,6 +1,8 @@
-"""SLO attainment and goodput: the share of requests that complete with TTFT <= T and the p90
-of their inter-token gaps <= I, and the highest request rate at which that share is at least
-the goal (90% by default)."""
+"""SLO attainment and goodput, for the planner's simulated requests and the benchmarks' measured
+ones: the share of requests that complete with TTFT <= T and the p90 of their inter-token gaps
+<= I, and the highest request rate at which that share is at least the goal (90% by default),
+searched (``goodput``) or read off measured rates (``measured_goodput``). Percentiles of no
+values are NaN (``backend/planner/stats.py``)."""
 
 from __future__ import annotations
 
@@ -9,19 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from backend.planner.simulator import RequestResult
+from backend.planner.stats import percentile
 
 ATTAINMENT_GOAL = 0.9
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default); 0 for no values."""
-    if not values:
-        return 0.0
-    v = sorted(values)
-    pos = (len(v) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
 @dataclass(frozen=True)
@@ -29,8 +21,13 @@ class SLO:
     ttft_s: float
     itl_p90_s: float
 
+    def attained(self, completed: bool, ttft: float, gaps: list[float]) -> bool:
+        """Complete, TTFT within its bound and the p90 of the gaps within theirs (a one-token
+        answer has no gaps, and so meets the second)."""
+        return completed and ttft <= self.ttft_s and (not gaps or percentile(gaps, 90) <= self.itl_p90_s)
+
     def met(self, res: RequestResult) -> bool:
-        return res.completed and res.ttft <= self.ttft_s and percentile(res.gaps, 90) <= self.itl_p90_s
+        return self.attained(res.completed, res.ttft, res.gaps)
 
 
 def attainment(results: list[RequestResult], slo: SLO) -> float:
@@ -49,6 +46,17 @@ def summary(results: list[RequestResult]) -> dict:
         "completed": sum(r.completed for r in results),
         "requests": len(results),
     }
+
+
+def measured_goodput(points: dict[float, float], goal: float = ATTAINMENT_GOAL) -> float:
+    """Highest measured rate such that every rate up to it attains ``goal`` (``points``: rate ->
+    attainment); 0 if the lowest does not."""
+    best = 0.0
+    for rate in sorted(points):
+        if points[rate] < goal:
+            break
+        best = rate
+    return best
 
 
 def goodput(

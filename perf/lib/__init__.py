@@ -2,10 +2,8 @@
 
 - ``servers``: our deployments (aggregated, or disaggregated with the cores split between the
   roles) and llama.cpp's server as a baseline;
-- ``loadgen``: arrival processes (Poisson, phased Poisson), prompts and held-out text, open-loop
-  replay against a server;
-- ``stats``: one percentile definition, a summary, a stream's decode rate;
-- ``metrics``: reading a server's Prometheus metrics;
+- ``loadgen``: prompts and held-out text, open-loop replay against a server (the arrival
+  processes and statistics it uses are ``backend/planner/workload.py``'s and ``stats.py``'s);
 - ``results``: where results live and the one envelope a run is recorded in (``report``: the
   report written from the envelopes);
 - ``tools``: external tools' venvs (genai-perf, AIPerf, lm-eval, llama.cpp), perf_analyzer, and

@@ -1,10 +1,7 @@
 """Load generation: arrival processes, the prompts and texts requests are made of, and an
 open-loop replay over gRPC streaming.
 
-- Arrival processes (each a generator of arrival offsets in seconds, drawing from the caller's
-  ``random.Random``, so that lengths drawn between arrivals come from the same seeded stream):
-  ``poisson_arrivals`` at a fixed rate; ``phased_arrivals``, Poisson at a rate that changes by
-  ``Phase`` (``ramp_trace``: a whole trace of them with uniformly drawn lengths).
+- Arrivals: ``backend/planner/workload.py``'s ``poisson_arrivals`` (the planner's too).
 - Datasets: ``make_prompt`` (distinct prompts of a given token length), ``HELDOUT`` (held-out
   English prose, ``perf/data/heldout_en.txt``), ``load_tokenizer``.
 - ``replay``: send each request in a thread of its own at its arrival time, then wait for all
@@ -18,70 +15,16 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
 
-from perf.lib import stats
+from backend.planner import stats, workload
+from backend.planner.workload import poisson_arrivals
 from perf.lib.machine import ROOT
 from perf.lib.progress import Progress
 
-if TYPE_CHECKING:
-    from backend.planner.workload import TraceRequest
-
 HELDOUT = ROOT / "perf" / "data" / "heldout_en.txt"
-
-
-# --- arrival processes ---
-
-
-def poisson_arrivals(rate: float, rng: random.Random, start: float = 0.0) -> Iterator[float]:
-    """Poisson arrivals at ``rate`` per second after ``start``, without end."""
-    t = start
-    while True:
-        t += rng.expovariate(rate)
-        yield t
-
-
-@dataclass(frozen=True)
-class Phase:
-    duration_s: float
-    rate: float  # requests per second
-
-
-def parse_phases(text: str) -> list[Phase]:
-    """``seconds:rate,seconds:rate,...`` -> phases."""
-    out = []
-    for item in text.split(","):
-        d, _, r = item.partition(":")
-        out.append(Phase(float(d), float(r)))
-    return out
-
-
-def phased_arrivals(phases: Sequence[Phase], rng: random.Random) -> Iterator[float]:
-    """Poisson arrivals at each phase's rate (none in a phase of rate 0), phase after phase."""
-    start = 0.0
-    for ph in phases:
-        if ph.rate > 0:
-            for t in poisson_arrivals(ph.rate, rng, start):
-                if t >= start + ph.duration_s:
-                    break
-                yield t
-        start += ph.duration_s
-
-
-def ramp_trace(
-    phases: Sequence[Phase], prompt_tokens: tuple[int, int], output_tokens: tuple[int, int], seed: int = 0
-) -> list[TraceRequest]:
-    """Phased Poisson arrivals, each with a prompt and an output length drawn uniformly."""
-    from backend.planner.workload import TraceRequest
-
-    rng = random.Random(seed)
-    return [
-        TraceRequest(t, rng.randint(*prompt_tokens), rng.randint(*output_tokens)) for t in phased_arrivals(phases, rng)
-    ]
 
 
 def add_workload_args(p: argparse.ArgumentParser, prompt_tokens: tuple[int, int], output_tokens: tuple[int, int]):
@@ -125,31 +68,10 @@ def replay(
     desc: str | None = "requests",
     clock: Callable[[], float] = time.perf_counter,
 ) -> float:
-    """Call ``send(i, t_submit)`` in a thread of its own ``offsets[i]`` seconds after the start
-    (``t_submit``: ``clock()`` as it is sent), then wait for every request, up to
-    ``drain_timeout_s`` after the last arrival. A progress line (``desc``; None: none) counts
-    the requests finished. Returns the start, by ``clock``."""
-    threads = []
-    t0 = clock()
+    """``backend/planner/workload.py``'s ``replay`` with a progress line (``desc``; None: none)
+    counting the requests finished. Returns the start, by ``clock``."""
     with Progress(len(offsets), desc or "", unit="req", show=desc is not None) as progress:
-
-        def one(i: int, t_submit: float) -> None:
-            try:
-                send(i, t_submit)
-            finally:
-                progress.update()
-
-        for i, offset in enumerate(offsets):
-            delay = t0 + offset - clock()
-            if delay > 0:
-                time.sleep(delay)
-            th = threading.Thread(target=one, args=(i, clock()), daemon=True)
-            th.start()
-            threads.append(th)
-        deadline = clock() + drain_timeout_s
-        for th in threads:
-            th.join(max(0.0, deadline - clock()))
-    return t0
+        return workload.replay(offsets, send, drain_timeout_s=drain_timeout_s, on_done=progress.update, clock=clock)
 
 
 @dataclass

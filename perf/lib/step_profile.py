@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from perf.lib.stats import median
+from backend.planner.stats import median
 
 CLASSES: list[tuple[str, Callable[[str], bool]]] = [
     # our kernel library's calls (int4w's group products, the float32 and float16 products of few

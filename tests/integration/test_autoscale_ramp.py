@@ -22,8 +22,8 @@ import time
 import pytest
 import requests
 
-from perf.autoscale_ramp import RampDeployment, Setup, complete, replay
-from perf.lib.loadgen import Phase, ramp_trace
+from backend.autoscale.local_deployment import AutoscaledDeployment, Setup, complete, stream_trace
+from backend.planner.workload import Phase, ramp_trace
 from tests.conftest import read_metrics
 
 pytestmark = pytest.mark.usefixtures("nixl")
@@ -55,10 +55,10 @@ def test_the_deployment_grows_under_load_and_shrinks_after_without_losing_a_requ
         broken_agent=True,
     )
     trace = ramp_trace(PHASES, (32, 384), (16, 48), seed=1)
-    with RampDeployment(tmp_path / "ramp", model_dir, setup) as d:
+    with AutoscaledDeployment(tmp_path / "ramp", model_dir, setup) as d:
         assert d.frontend is not None
         t_start = time.time()
-        results = replay(d.frontend.url, trace, seed=1)
+        results = stream_trace(d.frontend.url, trace, seed=1)
         # the load has fallen: give the scale-in its intervals, cooldown and drain
         deadline = time.monotonic() + 150
         while d.serving() != {"prefill": 1, "decode": 1} and time.monotonic() < deadline:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from backend.engine import fp16_linear
 from backend.engine.cpu_kernels import kernel_path
-from perf.bench_formats import heldout_figures, heldout_windows
+from backend.engine.heldout import heldout_figures, heldout_windows
 from tests.engine_helpers import real_model_dir
 from tests.integration.test_int8_quality import TEXT, float32_reference, nll_and_argmax_windows
 

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 
 from backend.engine.config import EngineConfig
 from backend.engine.cpu_kernels import kernel_path
+from backend.engine.heldout import heldout_figures, heldout_windows
 from backend.engine.model_runner import ModelRunner
 from backend.engine.paged_attention import BatchEntry
-from perf.bench_formats import heldout_figures, heldout_windows
 from tests.engine_helpers import real_model_dir
 
 TEXT = Path(__file__).resolve().parents[2] / "perf" / "data" / "heldout_en.txt"

@@ -2,17 +2,22 @@
 aggregated and disaggregated (1 prefill + 1 decode, every prefill over the KV fabric): this
 repository's task group ``td_smoke`` (``tests/data/lm_eval/``: multiple choice by
 loglikelihood, word perplexity by loglikelihood_rolling, short greedy answers by
-generate_until). The scores agree across the modes and are sane. lm-eval installs on first use
-into ``.venv/tools/lm-eval`` (``perf/lm_eval_run.py``)."""
+generate_until). The scores agree across the modes and are sane. lm-eval runs as a user runs
+it, ``triton-disagg bench lm-eval --url FRONTEND`` (a process of its own; it installs lm-eval on
+first use into ``.venv/tools/lm-eval``), and its output files are read here."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from backend.launch.openai_frontend import OpenAIFrontend
-from perf import lm_eval_run
 from tests.conftest import deployment_server
 
 # the first run installs lm-eval (minutes) inside the first test's setup
@@ -40,21 +45,32 @@ def _evaluate(server, model_dir, tmp_path_factory, name: str) -> dict:
     tmp = tmp_path_factory.mktemp(f"lm-eval-{name}")
     frontend = OpenAIFrontend(server.grpc_url, model_dir, log_file=tmp / "openai.log")
     frontend.start()
+    out = tmp / "out"
     try:
-        return lm_eval_run.run(frontend.url, tmp / "out", model=frontend.served_model_name, tokenizer=model_dir)
+        cmd = [sys.executable, "-m", "backend.cli", "bench", "lm-eval", "--url", frontend.url, "--out", str(out)]
+        cmd += ["--model", frontend.served_model_name, "--tokenizer", str(model_dir)]
+        env = {**os.environ, "TRITON_DISAGG_RESULTS": str(tmp / "results")}  # not the tracked perf/runs/
+        root = Path(__file__).resolve().parents[2]
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1400)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     finally:
         frontend.stop()
+    (results,) = out.rglob("results_*.json")
+    samples = {
+        f.name.removeprefix("samples_").rsplit("_", 1)[0]: [json.loads(line) for line in f.read_text().splitlines()]
+        for f in results.parent.glob("samples_*.jsonl")
+    }
+    return {"results": json.loads(results.read_text())["results"], "samples": samples}
 
 
 @pytest.fixture(scope="module")
 def scores(aggregated_server, small_disagg_server, model_dir, tmp_path_factory) -> dict:
-    lm_eval_run.lm_eval_exe()  # the install on first use, before any timing
     out = {
         "aggregated": _evaluate(aggregated_server, model_dir, tmp_path_factory, "agg"),
         "disagg": _evaluate(small_disagg_server, model_dir, tmp_path_factory, "disagg"),
     }
     for mode, res in out.items():
-        print(mode, {task: res["results"][task] for task in ("td_mc", "td_ppl", "td_gen")}, f"{res['wall_s']} s")
+        print(mode, {task: res["results"][task] for task in ("td_mc", "td_ppl", "td_gen")})
     return out
 
 

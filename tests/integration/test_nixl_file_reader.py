@@ -1,6 +1,6 @@
 """The disk KV tier reading through real NIXL's POSIX file backend (``fabric_bridge/file_reader.py``):
 blocks come back equal to what was written, in batches, with the backend's default I/O mode (POSIX
-AIO; the other modes are measured by ``bench disk-tier``, which records why a mode cannot start); a
+AIO; the other modes were measured side by side: ``perf/history/experiments.md``); a
 damaged or truncated file is refused (never loaded) as with plain file I/O; a
 read NIXL cannot do raises, and the tier then reads with plain file I/O. Through a real server:
 ``test_kv_tiers_e2e.py`` (a restarted server's disk-tier hits, read with NIXL's POSIX backend)."""

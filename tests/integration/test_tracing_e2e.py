@@ -26,7 +26,7 @@ import pytest
 import requests
 
 from backend.client import stream_generate
-from perf.lib.otlp_receiver import OTLPReceiver
+from backend.cluster.otlp_receiver import OTLPReceiver
 from tests.conftest import EXACT, deployment_server, hf_greedy, metric_values, wait_metric, wait_pool_free
 
 pytestmark = pytest.mark.usefixtures("nixl")

@@ -17,6 +17,7 @@ from backend.autoscale.actuator import ActuatorError, Managed
 from backend.autoscale.autoscaler import Autoscaler
 from backend.autoscale.policy import Policy, PolicyConfig
 from backend.autoscale.signals import Scrape
+from backend.cluster.prometheus_text import samples
 from backend.cluster.records import InstanceRecord
 from backend.planner.slo import SLO
 
@@ -260,6 +261,9 @@ def test_an_unreachable_metrics_endpoint_does_not_stop_the_interval(scrapes):
     assert rec.observed["decode"]["instances"] == 1  # only decode_0 was read
 
 
+DIRECTION_UP = {r: {"role": r, "direction": "up"}.items() for r in ("prefill", "decode")}
+
+
 def test_exposition_has_desired_and_actual_per_role(scrapes):
     a = Autoscaler(FakeMembership([]), FakeActuator(), Policy(config()))
     before = a.exposition()
@@ -270,14 +274,15 @@ def test_exposition_has_desired_and_actual_per_role(scrapes):
         assert f'triton_disagg_autoscaler_desired_instances{{role="{role}"}} 1.0' in text
         assert f'triton_disagg_autoscaler_actual_instances{{role="{role}"}} 0.0' in text
         assert f'triton_disagg_autoscaler_starting_instances{{role="{role}"}} 0.0' in text
-        assert f'triton_disagg_autoscaler_decisions_total{{role="{role}",direction="up"}} 1.0' in text
+        # (label order is not part of a series: prometheus_client writes them sorted)
+        assert samples(text)[("triton_disagg_autoscaler_decisions_total", frozenset(DIRECTION_UP[role]))] == 1.0
     assert "# TYPE triton_disagg_autoscaler_desired_instances gauge" in text
     assert 'triton_disagg_autoscaler_observed{figure="ttft_p90_s"} NaN' in text
     assert 'triton_disagg_autoscaler_predicted{figure="arrivals_per_s"} 0.0' in text
     # every sample line is name{labels} value
-    samples = [line for line in text.splitlines() if not line.startswith("#")]
-    assert samples and all(line.startswith("triton_disagg_autoscaler_") for line in samples)
-    assert all(not math.isinf(float(line.rsplit(" ", 1)[1])) for line in samples)
+    lines = [line for line in text.splitlines() if not line.startswith("#")]
+    assert lines and all(line.startswith("triton_disagg_autoscaler_") for line in lines)
+    assert all(not math.isinf(float(line.rsplit(" ", 1)[1])) for line in lines)
 
 
 def test_an_actuator_that_cannot_list_its_instances_changes_nothing(scrapes):

@@ -4,13 +4,15 @@ the goodput search, and ``triton-disagg plan`` end to end on a tiny profile."""
 from __future__ import annotations
 
 import json
+import math
 import shlex
 
 import pytest
 
 from backend.planner.profile import EngineProfile, StepCost, StepSample, ThreadProfile, features
 from backend.planner.simulator import Deployment, InstanceSpec, simulate
-from backend.planner.slo import SLO, attainment, goodput, percentile
+from backend.planner.slo import SLO, attainment, goodput, measured_goodput
+from backend.planner.stats import percentile
 from backend.planner.workload import TraceRequest, load_trace, poisson, save_trace, scaled
 
 # a step costs 10 ms + 2 ms per sequence + 1 ms per new token (no attention or batched term)
@@ -162,7 +164,18 @@ def test_goodput_search_and_percentile():
     assert goodput(lambda r: 1.0 if r <= 3.3 else 0.0, 0.1) <= 3.3
     assert goodput(lambda r: 1.0 if r <= 0.02 else 0.0, 1.0) == pytest.approx(0.02, rel=0.03)
     assert goodput(lambda r: 0.0, 1.0) == 0.0
-    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([], 90) == 0.0
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and math.isnan(percentile([], 90))
+    # measured points: every rate up to the answer attains the goal
+    assert measured_goodput({0.5: 1.0, 1.0: 0.95, 2.0: 0.5, 4.0: 0.95}) == 1.0
+    assert measured_goodput({0.5: 0.2, 1.0: 1.0}) == 0.0
+
+
+def test_a_one_token_answer_has_no_gaps_and_meets_the_itl_bound():
+    """The percentile of no gaps is NaN (no figure), and the SLO does not ask it of such an answer."""
+    slo = SLO(ttft_s=1.0, itl_p90_s=0.1)
+    (one,) = simulate(agg(), tiny_profile(), [TraceRequest(0.0, 20, 1)])
+    assert one.completed and one.gaps == [] and slo.met(one)
+    assert slo.attained(True, 0.5, []) and not slo.attained(True, 0.5, [0.2, 0.3]) and not slo.attained(False, 0.5, [])
 
 
 def test_goodput_of_a_simulated_deployment_falls_between_service_bounds():

@@ -11,8 +11,8 @@ import socket
 import time
 
 from backend.cluster import otlp_tracing
+from backend.cluster.otlp_receiver import OTLPReceiver
 from backend.cluster.tracing import NO_SPAN, start_tracing
-from perf.lib.otlp_receiver import OTLPReceiver
 
 CLIENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 

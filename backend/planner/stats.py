@@ -1,6 +1,7 @@
-"""The statistics the benchmarks report, defined once: a percentile (numpy's default, linear
-interpolation between the closest ranks; NaN when there are no values), a median (its 50th
-percentile), a compact summary of a sample, and one stream's decode rate."""
+"""The statistics the planner, the autoscaler and the benchmarks report, defined once: a
+percentile (numpy's default, linear interpolation between the closest ranks; NaN when there are
+no values: a figure of nothing is not 0), a median (its 50th percentile), a compact summary of a
+sample, and one stream's decode rate."""
 
 from __future__ import annotations
 
