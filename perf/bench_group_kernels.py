@@ -1,7 +1,5 @@
 """Benchmark: int4w's group kernel (``backend/engine/kernels/group_matmul.c``), each version this
-CPU runs (AVX2 always, AVX-512 VNNI where the CPU has it), each with 16-bit and 8-bit activations
-(``a8``: the 4-bit groups' products; the LM head's 8-bit groups keep 16-bit ones) side by side, on
-the products of one
+CPU runs (AVX2 always, AVX-512 VNNI where the CPU has it) side by side, on the products of one
 SmolLM2-135M decode step (per layer q/k/v, o, gate/up and down as int4w fuses them, 30 layers,
 and the LM head's 8-bit groups; random weights of those shapes, read from memory as in serving:
 80 MB of 4-bit tiles and 32 MB of LM head), for a few rows (decode steps of that many sequences)
@@ -36,10 +34,9 @@ HEAD_SHAPE = (49152, 576)
 
 
 def versions() -> list[str]:
-    """The kernel versions this CPU runs (``group_matmul.KERNELS``' names), each also with 8-bit
-    activations (`` a8``)."""
+    """The kernel versions this CPU runs (``group_matmul.KERNELS``' names)."""
     vnni = not cpu_kernels.missing_flags(cpu_kernels.GROUP_VNNI_FLAGS) and group_matmul.library().tiles_supported()
-    return [f"{k}{a}" for k in (["avx2", "avx512_vnni"] if vnni else ["avx2"]) for a in ("", " a8")]
+    return ["avx2", "avx512_vnni"] if vnni else ["avx2"]
 
 
 def step_macs(layers: int) -> tuple[int, int]:
@@ -53,9 +50,7 @@ def step_products(layers: int) -> list[group_matmul.Groups]:
     return weights + [group_matmul.quantize_int8(torch.randn(*HEAD_SHAPE) * 0.05)]
 
 
-def time_step(
-    products: list[group_matmul.Groups], inputs: dict[int, torch.Tensor], rows: int, threads: int, code: int, acts: int
-):
+def time_step(products: list[group_matmul.Groups], inputs: dict[int, torch.Tensor], rows: int, threads: int, code: int):
     lib = group_matmul.library()
     out = torch.empty(rows, HEAD_SHAPE[0])
     start = time.perf_counter()
@@ -63,9 +58,8 @@ def time_step(
         x = inputs[g.k][:rows]
         ptrs = (g.q.data_ptr(), g.d.data_ptr())
         if g.m is not None:
-            rc = lib.int4_matmul(
-                *ptrs, g.m.data_ptr(), x.data_ptr(), out.data_ptr(), rows, g.padded, g.k, threads, code, acts
-            )
+            m = g.m.data_ptr()
+            rc = lib.int4_matmul(*ptrs, m, x.data_ptr(), out.data_ptr(), rows, g.padded, g.k, threads, code)
         else:
             rc = lib.int8_matmul(*ptrs, x.data_ptr(), out.data_ptr(), rows, g.padded, g.k, threads, code)
         if rc != 0:
@@ -103,9 +97,7 @@ def main(argv=None) -> int:
             best = {n: float("inf") for n in names}
             for _ in range(args.repeats + 1):  # the first round warms up (page faults, helper threads)
                 for n in names:
-                    kernel, _, a8 = n.partition(" ")
-                    acts = 8 if a8 else 16
-                    best[n] = min(best[n], time_step(products, inputs, r, t, group_matmul.KERNELS[kernel], acts))
+                    best[n] = min(best[n], time_step(products, inputs, r, t, group_matmul.KERNELS[n]))
             for n in names:
                 ms[n][str(t)][str(r)] = 1e3 * best[n]
     path = cpu_kernels.kernel_path()

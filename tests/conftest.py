@@ -280,14 +280,14 @@ def generate_concurrently(url: str, prompts: list[str], model: str, n_tokens: in
 
 
 def pytest_report_header(config):
-    """The CPU and its kernel path, first in every run: a bound that depends on the path (the
-    int8 kernels') is asserted for the path named here."""
+    """The CPU and its kernel path, first in every run: a result that depends on the path is
+    asserted for the path named here."""
     from backend.engine.cpu_kernels import kernel_path
 
     path = kernel_path()
     return [
         f"cpu: {path.cpu} ({path.cpu_id}); isa: {' '.join(path.isa) or '(no AVX2)'}",
-        f"kernel path: torch {path.torch_capability}; {path.int8_path}",
+        f"kernel path: torch {path.torch_capability}",
         f"int4w kernel path: {path.int4w_path}",
     ]
 

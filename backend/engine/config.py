@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from backend.engine.checkpoint_source import layers_in_int4w_groups
-from backend.engine.cpu_kernels import FORMAT_FLAGS, INT8_ACTIVATIONS, missing_flags, requirement
+from backend.engine.cpu_kernels import FORMAT_FLAGS, missing_flags, requirement
 
 if TYPE_CHECKING:
     import torch
@@ -35,8 +35,7 @@ def _torch():
     return torch
 
 
-# int8: int8 linear layers (weights per output channel, activations per row, fbgemm, CPU) over a
-# rotated residual stream (backend/engine/int8_linear.py), everything else in float32; fp16w: the
+# fp16w: the
 # linear layers' weights in float16 through fbgemm's fp16-weight GEMM, float32 activations and sums
 # (CPU with AVX2 and F16C; backend/engine/fp16_linear.py), everything else in float32;
 # fp16w-bf16: fp16w for few-row products, bfloat16 weights and activations (oneDNN, AMX-BF16 or
@@ -48,14 +47,10 @@ def _torch():
 # integer sums per group, float32 beyond) for few-row products, float32 for many; the LM head the
 # same way in 8-bit groups (GGUF Q8_0's layout) (backend/engine/int4_linear.py, group_matmul.py)
 # int4w-bf16: int4w with fp16w-bf16's bfloat16 products (AMX tiles or AVX512-BF16) for many rows
-# int4w-a8, int4w-a8-bf16: int4w and int4w-bf16 whose few-row 4-bit products take the activations as
-# int8 per group of 32 (scale max|x| / 127; vpdpbusd or vpmaddubsw: twice int16's products per
-# instruction), the LM head's 8-bit groups as before (cpu_kernels.INT8_ACTIVATIONS)
-INT4W_FORMATS = ("int4w", "int4w-bf16", *INT8_ACTIVATIONS)
-WEIGHT_FORMATS = ("auto", *DTYPES, "int8", "fp16w", "fp16w-bf16", *INT4W_FORMATS)
+INT4W_FORMATS = ("int4w", "int4w-bf16")
+WEIGHT_FORMATS = ("auto", *DTYPES, "fp16w", "fp16w-bf16", *INT4W_FORMATS)
 # the formats that run on the CPU only, in one process, and their kernels (named in refusals)
 CPU_FORMATS = {
-    "int8": "fbgemm's int8 kernels",
     "fp16w": "fbgemm's fp16-weight GEMM",
     "fp16w-bf16": "fbgemm's fp16-weight GEMM, oneDNN's bfloat16 (AMX-BF16 or AVX512-BF16)",
     "int4w": "our group kernel (AVX2 and FMA; AVX-512 VNNI where the CPU has it), fbgemm's fp16-weight GEMM",
@@ -64,7 +59,6 @@ CPU_FORMATS = {
         "oneDNN's bfloat16 (AMX-BF16 or AVX512-BF16)"
     ),
 }
-CPU_FORMATS |= {a8: CPU_FORMATS[base] for a8, base in INT8_ACTIVATIONS.items()}
 # auto: the lean layer loop (backend/engine/lean_decoder.py) where the checkpoint's layers fit it
 # and the model runs in one process, and with int4w weights its decode steps of up to 16 sequences
 # as one kernel call (backend/engine/fused_decode.py) where that applies; lean: the lean layer loop
@@ -85,9 +79,7 @@ class EngineConfig:
     (:meth:`resolve_max_model_len`).
 
     Formats: ``dtype`` is the default of both ``weights_dtype`` (the weights and the activations
-    computed with them; ``int8``: the linear layers' weights in int8 with activations quantized
-    per row (per token), fbgemm on the CPU, over a rotated residual stream, the rest in float32:
-    ``int8_linear.py``; ``fp16w``: the linear layers' weights in float16, float32 activations and
+    computed with them; ``fp16w``: the linear layers' weights in float16, float32 activations and
     sums, fbgemm on a CPU with AVX2 and F16C, the rest in float32: ``fp16_linear.py``;
     ``fp16w-bf16``: fp16w's few-row products, bfloat16 ones on AMX tiles for more rows:
     ``bf16_linear.py``) and
@@ -95,7 +87,7 @@ class EngineConfig:
     float16-weight formats (:data:`KV16_FORMATS`: the fused decode step reads it widened, and the
     held-out quality is float32 KV's: :data:`KV_AUTO_WHY`), else as ``dtype``, so float32 weights
     stay exact; ``kv_choice`` says why). They are independent: a float32 model may keep a
-    bfloat16 KV cache. int8, fp16w and fp16w-bf16 run on the CPU in one process only.
+    bfloat16 KV cache. fp16w, fp16w-bf16 and the int4w formats run on the CPU in one process only.
     ``weights_dtype=auto`` (the default) is resolved here, once, into a format
     (:func:`choose_weights_format`); ``weights_choice`` says why.
 
@@ -233,7 +225,7 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """The activations' dtype (and the float weights'): float32 under int8 and fp16w weights."""
+        """The activations' dtype (and the float weights'): float32 under fp16w and int4w weights."""
         return getattr(_torch(), self.weights_format if self.weights_format in DTYPES else "float32")
 
     @property
@@ -260,24 +252,17 @@ class EngineConfig:
 
 
 # Quality against float32 on held-out text, teacher forced through the engine
-# (tests/integration/test_fp16w_quality.py, test_int4w_quality.py, test_int8_quality.py,
-# perf/REPORT.md): per format faster than float32 on the CPU, fastest first, the worst held-out
-# perplexity ratio measured on any kernel path (the worse of the prompt positions and the decode
-# steps) and the lowest next-token argmax agreement on the decode steps (the tokens a request
-# returns). int8: 1.027x on the 8-bit path, 1.084x on the 7-bit path through the server, 96.9%
-# agreement on the 8-bit path; fp16w-bf16: 1.0007x / 0.9995x, 99.55% (seven windows, 2 threads);
+# (tests/integration/test_fp16w_quality.py, test_int4w_quality.py, perf/REPORT.md): per format
+# faster than float32 on the CPU, fastest first, the worst held-out perplexity ratio measured on
+# any kernel path (the worse of the prompt positions and the decode steps) and the lowest
+# next-token argmax agreement on the decode steps (the tokens a request returns). The formats that
+# failed these bars on every CPU measured were removed (perf/history/removed-formats.md).
+# fp16w-bf16: 1.0007x / 0.9995x, 99.55% (seven windows, 2 threads);
 # fp16w: 1.0003x, 100%. int4w and int4w-bf16 on a checkpoint whose decoder layers were Q4_1
 # blocks (the project's SmolLM2; as served, seven windows, 2 threads): int4w 1.0000x / 0.9998x,
 # 100%; int4w-bf16 1.0007x / 0.9994x, 99.55% (its prompt chunks are fp16w-bf16's). On other
 # checkpoints int4w rounds the weights to 4 bits: not measured, and auto never takes it there.
-# int4w-a8 and int4w-a8-bf16 (their decode steps' activations int8 per group): on seven windows
-# 0.9956x / 98.2% and 0.9987x / 99.55%, but on 3,731 decode steps (13 windows of 256 prompt tokens
-# and 287 teacher-forced decode steps; int4w-bf16 99.76% there) 1.0015x / 97.7% and 1.0002x /
-# 97.4% (prompt 1.0015x, bfloat16): within the perplexity, below the agreement.
 FAST_FORMAT_QUALITY = {
-    "int8": (1.084, 0.969),
-    "int4w-a8-bf16": (1.0015, 0.9736),
-    "int4w-a8": (1.0015, 0.9768),
     "int4w-bf16": (1.001, 0.9955),
     "int4w": (1.0, 1.0),
     "fp16w-bf16": (1.001, 0.9955),
@@ -315,7 +300,7 @@ def choose_weights_format(
     AVX512-BF16 (its prefill chunks in bfloat16) or with AVX2, FMA and F16C; otherwise fp16w-bf16
     (fp16w's decode products, prefill chunks in bfloat16) on a CPU with AMX-BF16 or AVX512-BF16,
     else fp16w (float16 weights, float32 sums) on one with AVX2 and F16C; one process, ``dtype``
-    float32. int8 is faster but not within. Otherwise ``dtype`` itself."""
+    float32. Otherwise ``dtype`` itself."""
     if dtype != "float32":
         return dtype, f"dtype {dtype}"
     if device_type != "cpu":
@@ -344,7 +329,8 @@ def choose_weights_format(
     return runnable[0], (
         f"the fastest format within {QUALITY_LIMIT}x float32's held-out perplexity and "
         f"{100 * AGREEMENT_LIMIT:.0f}% next-token agreement that this CPU runs "
-        f"({runnable[0]} {ppl:.3f}x, {100 * agree:.1f}%; not within: {rest}"
+        f"({runnable[0]} {ppl:.3f}x, {100 * agree:.1f}%"
+        + (f"; not within: {rest}" if rest else "")
         + "".join(f"; {s}" for s in skipped)
         + where
         + ")"

@@ -1,7 +1,6 @@
 """The CPU kernel path this process runs: the CPU's model and identity, the instruction-set
-extensions that choose a kernel (AVX2, F16C, AVX-512, VNNI, AMX), torch's CPU capability,
-fbgemm's int8 path (8-bit activations where its kernel computes them exactly, with VNNI; 7-bit
-where int16 pair sums could saturate), its fp16-weight path (AVX2 and F16C required) and oneDNN's
+extensions that choose a kernel (AVX2, F16C, AVX-512, VNNI, AMX), torch's CPU capability, our
+group kernel's version, fbgemm's fp16-weight path (AVX2 and F16C required) and oneDNN's
 bfloat16 path for ``fp16w-bf16``'s many-row products (AMX-BF16 or AVX512-BF16 required). Figures
 and tests name it beside what they measured, since a result or a bound can depend on it
 (``perf/lib/machine.py``, the test run's header)."""
@@ -50,10 +49,6 @@ FORMAT_FLAGS = {
     "int4w": INT4W_FLAGS,
     "int4w-bf16": (*INT4W_FLAGS, BF16_PRODUCTS),
 }
-# The int4w formats whose few-row 4-bit products take int8 activations, and the format each is
-# otherwise (its CPU features, kernels for many rows): the one place that says so.
-INT8_ACTIVATIONS = {"int4w-a8": "int4w", "int4w-a8-bf16": "int4w-bf16"}
-FORMAT_FLAGS |= {a8: FORMAT_FLAGS[base] for a8, base in INT8_ACTIVATIONS.items()}
 
 
 @functools.cache
@@ -124,16 +119,7 @@ class KernelPath:
     cpu_id: str  # cpu_id()
     isa: tuple[str, ...]  # the ISA_FLAGS this CPU has
     torch_capability: str  # ATen's vectorized-kernel level: "AVX2", "AVX512", ...
-    int8_full_range: bool  # fbgemm's int8 product is exact with 8-bit activations
     group_kernel: str = "avx2"  # group_kernel(): int4w's kernel version
-
-    @property
-    def int8_path(self) -> str:
-        return (
-            "fbgemm int8, 8-bit activations (exact: VNNI)"
-            if self.int8_full_range
-            else "fbgemm int8, 7-bit activations (no VNNI: 8-bit pair sums would saturate int16)"
-        )
 
     @property
     def fp16w_path(self) -> str:
@@ -142,13 +128,8 @@ class KernelPath:
 
     @property
     def int4w_path(self) -> str:
-        return self._int4w_path(16)
-
-    def _int4w_path(self, acts: int) -> str:
         kernel = "AVX-512 VNNI" if self.group_kernel == "avx512_vnni" else "AVX2+FMA"
-        if acts == 8:
-            kernel += " vpdpbusd" if self.group_kernel == "avx512_vnni" else " vpmaddubsw"
-        return f"int4 groups of 32 (the LM head int8 groups), int{acts} activations per group (our {kernel} kernel)"
+        return f"int4 groups of 32 (the LM head int8 groups), int16 activations per group (our {kernel} kernel)"
 
     @property
     def float32_path(self) -> str:
@@ -161,19 +142,19 @@ class KernelPath:
         tiles = units[0] if units else "neither AMX-BF16 nor AVX512-BF16: not fp16w-bf16's path"
         return f"oneDNN bfloat16 weights and activations, float32 sums ({tiles})"
 
-    def short(self, weights: str = "int8") -> str:
+    def short(self, weights: str = "float32") -> str:
         """One line for a table's caption or a log line, with the kernel path of the weights
-        format ``weights`` (``int8``, ``float32``, ``fp16w``, ``fp16w-bf16`` or an int4w format)."""
+        format ``weights`` (``float32``, ``fp16w``, ``fp16w-bf16`` or an int4w format)."""
         path = {
             "float32": self.float32_path,
             "fp16w": self.fp16w_path,
             "fp16w-bf16": f"{self.fp16w_path} for few rows; {self.bf16_path} for many",
         }
-        for fmt in ("int4w", "int4w-bf16", *INT8_ACTIVATIONS):
+        for fmt in ("int4w", "int4w-bf16"):
             bf16 = fmt.endswith("-bf16")
             many = f"fp16w-bf16's (float16, {self.bf16_path})" if bf16 else "fp16w's products (float16, float32)"
-            path[fmt] = f"{self._int4w_path(8 if fmt in INT8_ACTIVATIONS else 16)} for up to 16 rows; {many} for more"
-        return f"{self.cpu} ({self.cpu_id}); torch {self.torch_capability}; {path.get(weights, self.int8_path)}"
+            path[fmt] = f"{self.int4w_path} for up to 16 rows; {many} for more"
+        return f"{self.cpu} ({self.cpu_id}); torch {self.torch_capability}; {path.get(weights, self.float32_path)}"
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -181,7 +162,6 @@ class KernelPath:
             "cpu_id": self.cpu_id,
             "isa": list(self.isa),
             "torch_capability": self.torch_capability,
-            "int8_path": self.int8_path,
             "fp16w_path": self.fp16w_path,
             "bf16_path": self.bf16_path,
             "int4w_path": self.int4w_path,
@@ -191,10 +171,8 @@ class KernelPath:
 
 @functools.cache
 def kernel_path() -> KernelPath:
-    """This process's kernel path (read once: the int8 check runs one small product)."""
+    """This process's kernel path (read once)."""
     import torch
-
-    from backend.engine.int8_linear import full_range_is_exact
 
     flags = cpu_flags()
     return KernelPath(
@@ -202,6 +180,5 @@ def kernel_path() -> KernelPath:
         cpu_id=cpu_id(),
         isa=tuple(f for f in ISA_FLAGS if f in flags),
         torch_capability=str(torch.backends.cpu.get_cpu_capability()),
-        int8_full_range=full_range_is_exact(),
         group_kernel=group_kernel(),
     )

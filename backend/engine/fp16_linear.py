@@ -15,7 +15,7 @@ of more rows up to :func:`fp16_max_rows` (only on one thread, where that limit i
 whose inputs are not a multiple of 16 (our kernel's unit). Needs AVX2 and F16C (``EngineConfig``
 refuses the format on a CPU without them, naming the feature); every kernel (AVX2, AVX-512)
 computes the same thing, float16 weights and float32 sums, so the quality does not depend on the
-CPU (unlike int8's activation range; the last bits may, as float32's do).
+CPU (the last bits may, as float32's do).
 
 fbgemm's fp16 GEMM computes rather than waits for memory once a product has more than a few rows:
 measured on an Intel Xeon (AVX-512) with SmolLM2-135M's shapes, it is faster than float32 up to
@@ -46,7 +46,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from backend.engine.bf16_linear import bf16_product, pack_bf16
-from backend.engine.cpu_kernels import INT8_ACTIVATIONS
 from backend.engine.group_matmul import FLOAT_ROWS, f32_product, f32_unsupported
 
 
@@ -59,7 +58,6 @@ def fp16_max_rows(threads: int) -> int:
 
 # the dtype of the products of more rows than the limit, per format
 MANY_ROWS = {"fp16w": torch.float32, "fp16w-bf16": torch.bfloat16, "int4w": torch.float32, "int4w-bf16": torch.bfloat16}
-MANY_ROWS |= {a8: MANY_ROWS[base] for a8, base in INT8_ACTIVATIONS.items()}
 
 
 class Fp16Linear(nn.Module):

@@ -51,7 +51,7 @@ _DIMS: list[_Field] = [
     *((name, ctypes.c_long) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter")),
     ("eps", ctypes.c_float),
     ("scaling", ctypes.c_float),
-    *((name, ctypes.c_long) for name in ("num_pages", "page_size", "max_pages", "kernel", "weights", "acts")),
+    *((name, ctypes.c_long) for name in ("num_pages", "page_size", "max_pages", "kernel", "weights")),
     ("kv_bits", ctypes.c_long),
 ]
 KV_BITS = {torch.float32: 32, torch.float16: 16}  # the pools it reads (float16: widened as read)
@@ -83,17 +83,9 @@ def unsupported_reason(model: nn.Module, pool: KVPool) -> str | None:
                 return "a product with a bias"
             if weights == 4 and part.out_features % TILE:
                 return f"a product of {part.out_features} outputs (whole tiles of {TILE} only)"
-            if weights == 4 and part.acts != attn_acts(layers[0]):
-                return "products with activations of other widths"
     if weights != 4 and f32_unsupported() is not None:
         return f"float products: {f32_unsupported()}"
     return None
-
-
-def attn_acts(layer: nn.Module) -> int:
-    """The activations' bits of ``layer``'s first product (4-bit groups)."""
-    attn: Any = layer.self_attn
-    return attn.qkv_proj.acts
 
 
 def _weights(part: nn.Module) -> int | None:
@@ -173,7 +165,6 @@ class FusedDecode:
             page_size=pool.page_size,
             kernel=kernel(),
             weights=self._weights,
-            acts=attn_acts(inner.layers[0]) if self._weights == 4 else 16,
             kv_bits=KV_BITS[pool.dtype],
         )
 

@@ -6,9 +6,7 @@ next one, then sleep; each thread takes its own share, then what the others have
 
 The kernel quantizes the activations per row and group of 32 to int16 (scale: the group's largest
 magnitude over 32767; the error of each value at most 1.5e-5 of that magnitude, finer than float16's
-rounding) and sums each group's integer products exactly in int32, scaled once in float32; with
-``acts=8`` (the int4w-a8 formats' 4-bit groups) to int8 (scale: over 127), whose products it sums
-four at a time (``vpdpbusd``; AVX2: ``vpmaddubsw``), twice int16's per instruction. The
+rounding) and sums each group's integer products exactly in int32, scaled once in float32. The
 weights are held in tiles of 16 rows (:class:`Groups`; N padded to a multiple of 16), which two
 kernels read: AVX-512 VNNI (16 outputs per 512-bit register, 16 ``vpdpwssd`` per group) and AVX2
 (two halves of 8 rows, ``vpmaddwd``), chosen once per process (:func:`kernel`). Measured on
@@ -127,7 +125,7 @@ def _load_cached(path: Path) -> ctypes.CDLL | None:
 
 def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     """``lib`` with its functions' argument and result types set."""
-    lib.int4_matmul.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 6
+    lib.int4_matmul.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 5
     lib.int4_matmul.restype = ctypes.c_int
     lib.int8_matmul.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5
     lib.int8_matmul.restype = ctypes.c_int
@@ -179,9 +177,8 @@ def _checked(rc: int) -> None:
         raise MemoryError("group kernels: no memory for the activations' int16 copy")
 
 
-def product(groups: Groups, rows: torch.Tensor, threads: int = 1, acts: int = 16) -> torch.Tensor:
-    """``rows`` [M, k] float32 (contiguous) times the weight in ``groups``: [M, n]. ``acts``: the
-    activations' bits per group, 16 or (4-bit groups only) 8 (:data:`ACTIVATION_BITS`)."""
+def product(groups: Groups, rows: torch.Tensor, threads: int = 1) -> torch.Tensor:
+    """``rows`` [M, k] float32 (contiguous) times the weight in ``groups``: [M, n]."""
     if rows.shape[1] != groups.k:
         raise ValueError(f"group product: rows of {rows.shape[1]} values against groups of {groups.k}")
     lib, count, padded = library(), rows.shape[0], groups.padded
@@ -190,12 +187,8 @@ def product(groups: Groups, rows: torch.Tensor, threads: int = 1, acts: int = 16
     with profiled(f"group_kernel::int{groups.bits}_matmul"):
         if groups.bits == 4:
             assert groups.m is not None
-            rc = lib.int4_matmul(
-                *ptrs[:2], groups.m.data_ptr(), *ptrs[2:], count, padded, groups.k, threads, kernel(), acts
-            )
+            rc = lib.int4_matmul(*ptrs[:2], groups.m.data_ptr(), *ptrs[2:], count, padded, groups.k, threads, kernel())
         else:
-            if acts != 16:
-                raise ValueError("group product: 8-bit groups take 16-bit activations only")
             rc = lib.int8_matmul(*ptrs, count, padded, groups.k, threads, kernel())
     _checked(rc)
     return out if padded == groups.n else out[:, : groups.n]

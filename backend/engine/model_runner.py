@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from backend.engine.config import INT4W_FORMATS, EngineConfig
-from backend.engine.cpu_kernels import INT8_ACTIVATIONS, kernel_path
+from backend.engine.cpu_kernels import kernel_path
 from backend.engine.device_progress import DeviceProgress, make_progress
 from backend.engine.fp16_linear import MANY_ROWS, fp16_max_rows, quantize_linear_fp16
 from backend.engine.fused_decode import FusedDecode
@@ -20,7 +20,6 @@ from backend.engine.fused_decode import unsupported_reason as fused_unsupported
 from backend.engine.group_matmul import f32_unsupported
 from backend.engine.int4_linear import quantize_linear_int4
 from backend.engine.int8_group_linear import quantize_lm_head_int8
-from backend.engine.int8_linear import quantize_linear_int8, rotate_residual_stream, rotation_unsupported
 from backend.engine.kv_pool import KVPool
 from backend.engine.lean_decoder import LeanDecoder, fuse_projections, unsupported_reason
 from backend.engine.paged_attention import ATTN_IMPLEMENTATION, BatchEntry, build_paged_batch
@@ -29,7 +28,7 @@ from backend.engine.small_batch_linear import use_small_batch_linears
 
 log = logging.getLogger("triton_disagg.engine")
 
-__all__ = ["ModelRunner", "StepResult", "quantize_linear_int8"]
+__all__ = ["ModelRunner", "StepResult"]
 
 # torch's thread count when this module was imported: what a runner without num_threads uses (a
 # runner built after another one's few-row step must not read that step's single thread)
@@ -67,15 +66,8 @@ class ModelRunner:
         # transformers wraps PreTrainedModel.to with functools.wraps, whose typeshed type does not bind self
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         self.decoder = self._choose_decoder(config)
-        int8 = config.weights_format == "int8"
-        if int8 and rotation_unsupported(self.model) is None:
-            # before fusing, so that both decoders get the same rotated weights, bit for bit
-            rotate_residual_stream(self.model)
         if self.decoder == "lean":
             fuse_projections(self.model)  # before quantization, which then covers the fused layers
-        if int8:
-            self.model = quantize_linear_int8(self.model)
-            log.info("int8 weights on %s", kernel_path().short())
         # fp16w, fp16w-bf16: a step whose products all take the float16 weights (fbgemm's GEMM, one
         # thread) runs on one torch thread; a second one only spins beside it and slows the step
         # (one stream through the server, 2 cores: 31.8 tok/s on 1 thread, 27.3 on 2). Steps with
@@ -86,8 +78,7 @@ class ModelRunner:
             self._few_rows = fp16_max_rows(self._threads)
             if fmt.startswith("int4w"):  # the decoder layers in 4-bit groups, the LM head in 8-bit ones
                 # our kernel splits a product between the instance's threads (fbgemm's GEMM cannot)
-                acts = 8 if fmt in INT8_ACTIVATIONS else 16
-                self.model = quantize_linear_int4(self.model, self._few_rows, MANY_ROWS[fmt], self._threads, acts)
+                self.model = quantize_linear_int4(self.model, self._few_rows, MANY_ROWS[fmt], self._threads)
                 self.model = quantize_lm_head_int8(self.model, self._few_rows, MANY_ROWS[fmt], self._threads)
             self.model = quantize_linear_fp16(self.model, self._few_rows, fmt, self._threads)
             log.info(

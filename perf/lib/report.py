@@ -29,7 +29,9 @@ _IMAGE = re.compile(r"!\[([^\]]*)\]\(([^)\s]+)\)")
 def machine_line(m: dict) -> str:
     gpu = f", GPU {m['gpu']}" if m.get("gpu") else ", no GPU"
     path = m.get("kernel_path")  # runs before 2026-12-03 did not record it
-    kernels = f"; kernels: torch {path['torch_capability']}, {path['int8_path']}" if path else ""
+    kernels = f"; kernels: torch {path['torch_capability']}" if path else ""
+    if path and path.get("int8_path"):  # recorded until the int8 format was removed
+        kernels += f", {path['int8_path']}"
     if path and path.get("int4w_path"):  # recorded since 2026-12-05
         kernels += f"; {path['int4w_path']}"
     if path and path.get("float32_path"):  # recorded since 2026-12-05 afternoon

@@ -32,16 +32,11 @@ static double now(void) {
         return took;                                                       \
     }
 
-/* AVX-512 VNNI: 16 lanes x 2 int16 products (vpdpwssd), 16 lanes x 4 uint8 x int8 products (vpdpbusd) */
+/* AVX-512 VNNI: 16 lanes x 2 int16 products (vpdpwssd) */
 PEAK(vpdpwssd_zmm, "avx512f,avx512bw,avx512vnni", __m512i, _mm512_set1_epi16(3), _mm512_dpwssd_epi32(a[i], w, x),
      _mm_cvtsi128_si32(_mm512_castsi512_si128(a[i])))
-PEAK(vpdpbusd_zmm, "avx512f,avx512bw,avx512vnni", __m512i, _mm512_set1_epi8(3), _mm512_dpbusd_epi32(a[i], w, x),
-     _mm_cvtsi128_si32(_mm512_castsi512_si128(a[i])))
-/* AVX2: 8 lanes x 2 int16 products (vpmaddwd) summed into int32 (vpaddd); 16 lanes x 2 uint8 x int8 products
- * (vpmaddubsw) summed into int16 (vpaddw) */
+/* AVX2: 8 lanes x 2 int16 products (vpmaddwd) summed into int32 (vpaddd) */
 PEAK(vpmaddwd_ymm, "avx2", __m256i, _mm256_set1_epi16(3), _mm256_add_epi32(a[i], _mm256_madd_epi16(w, x)),
-     _mm_cvtsi128_si32(_mm256_castsi256_si128(a[i])))
-PEAK(vpmaddubsw_ymm, "avx2", __m256i, _mm256_set1_epi8(3), _mm256_add_epi16(a[i], _mm256_maddubs_epi16(w, x)),
      _mm_cvtsi128_si32(_mm256_castsi256_si128(a[i])))
 
 /* the seconds one read of `bytes` (a multiple of 256) from p takes: 256 bytes a round in four 64-byte

@@ -18,22 +18,12 @@ from pathlib import Path
 from backend.engine.cpu_kernels import GROUP_VNNI_FLAGS
 
 # instruction -> (multiply-adds per instruction, CPU flags it needs: the kernel version's that uses it)
-INSTRUCTIONS = {
-    "vpdpwssd_zmm": (32, GROUP_VNNI_FLAGS),
-    "vpdpbusd_zmm": (64, GROUP_VNNI_FLAGS),
-    "vpmaddwd_ymm": (16, ("avx2",)),
-    "vpmaddubsw_ymm": (32, ("avx2",)),
-}
+INSTRUCTIONS = {"vpdpwssd_zmm": (32, GROUP_VNNI_FLAGS), "vpmaddwd_ymm": (16, ("avx2",))}
 ROUND = 12  # instructions a round of vector_peak.c's loops (its 12 independent sums)
 
 # a kernel version (bench group-kernels' names) -> the instruction of its 4-bit products and of its
 # 8-bit ones (the LM head: 16-bit activations in every version)
-VERSION_INSTRUCTIONS = {
-    "avx512_vnni": ("vpdpwssd_zmm", "vpdpwssd_zmm"),
-    "avx512_vnni a8": ("vpdpbusd_zmm", "vpdpwssd_zmm"),
-    "avx2": ("vpmaddwd_ymm", "vpmaddwd_ymm"),
-    "avx2 a8": ("vpmaddubsw_ymm", "vpmaddwd_ymm"),
-}
+VERSION_INSTRUCTIONS = {"avx512_vnni": ("vpdpwssd_zmm", "vpdpwssd_zmm"), "avx2": ("vpmaddwd_ymm", "vpmaddwd_ymm")}
 
 
 def _library(folder: Path) -> ctypes.CDLL:

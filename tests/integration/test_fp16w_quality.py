@@ -1,5 +1,5 @@
 """``weights_dtype=fp16w`` keeps float32's quality (and ``fp16w-bf16`` stays within what auto
-asks) on the real checkpoint: the same measurement as ``test_int8_quality.py`` (held-out English
+asks) on the real checkpoint: the measurement of ``format_quality.py`` (held-out English
 teacher forced through the engine's runner, a 512-token prompt prefilled in chunks of 256, then 32
 decode steps; figures as ``perf/bench_formats.py`` computes them), with tighter bounds, since only
 the weights are rounded (to float16) and the products sum in float32. Measured with every product
@@ -13,7 +13,7 @@ from backend.engine import fp16_linear
 from backend.engine.cpu_kernels import kernel_path
 from perf.bench_formats import heldout_figures, heldout_windows
 from tests.engine_helpers import real_model_dir
-from tests.integration.test_int8_quality import TEXT, float32_reference, nll_and_argmax_windows
+from tests.integration.format_quality import TEXT, float32_reference, nll_and_argmax_windows
 
 
 def test_fp16w_perplexity_and_argmax_stay_with_float32(monkeypatch):

@@ -11,7 +11,7 @@ from backend.engine import fp16_linear, group_linear, model_runner
 from backend.engine.cpu_kernels import kernel_path
 from perf.bench_formats import heldout_figures, heldout_windows
 from tests.engine_helpers import real_model_dir
-from tests.integration.test_int8_quality import TEXT, float32_reference, nll_and_argmax_windows
+from tests.integration.format_quality import TEXT, float32_reference, nll_and_argmax_windows
 
 
 def test_int4w_perplexity_and_argmax_stay_with_float32(monkeypatch):

@@ -213,7 +213,7 @@ def test_fp16w_is_checked_by_name(tiny):
 def test_auto_picks_fp16w_where_it_runs_and_says_why(tiny, monkeypatch):
     """``weights_dtype=auto`` (the default): the fastest format within float32's quality (1.01x
     held-out perplexity, 99% decode-step argmax agreement) that the CPU runs: fp16w-bf16 on a CPU
-    with AMX-BF16 or AVX512-BF16 (int8 is faster, not within), fp16w on one with AVX2 and F16C only
+    with AMX-BF16 or AVX512-BF16, fp16w on one with AVX2 and F16C only
     (the reason names what fp16w-bf16 lacks); float32 where fbgemm's kernel cannot run
     (the reason names the missing feature) or with tensor parallelism; a float ``dtype`` other
     than float32 keeps its own weights. A format set by name is taken as it is. Both kernel paths
@@ -221,7 +221,7 @@ def test_auto_picks_fp16w_where_it_runs_and_says_why(tiny, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "f16c", "fma", "amx_bf16"}))
     config = EngineConfig(model_path=str(tiny))
     assert config.weights_format == "fp16w-bf16" and config.torch_dtype == torch.float32
-    assert "fastest format within 1.01x" in config.weights_choice and "int8 1.084x" in config.weights_choice
+    assert "fastest format within 1.01x" in config.weights_choice and "(fp16w-bf16 1.001x, " in config.weights_choice
     assert "99% next-token agreement" in config.weights_choice, config.weights_choice
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "f16c", "fma"}))
     config = EngineConfig(model_path=str(tiny))

@@ -5,10 +5,7 @@
  * The activations are quantized per row and group of 32 to int16 with the scale max|x| / 32767
  * (their relative error about 1.5e-5 of the group's largest value, below float16's rounding),
  * so each group's sum of products is an exact int32 sum of integer products (pairs of int16
- * products summed into int32: vpdpwssd or vpmaddwd), scaled once in float32. With acts 8 (4-bit
- * groups only) to int8 with the scale max|x| / 127: quads of products of an unsigned 4-bit weight
- * and a signed 8-bit activation summed into int32 (vpdpbusd, or vpmaddubsw and vpmaddwd), twice
- * the products per instruction.
+ * products summed into int32: vpdpwssd or vpmaddwd), scaled once in float32.
  *
  * int4_matmul: 4-bit groups, each value d * q + m (q in 0..15; d, m float16: a GGUF Q4_1 block).
  *   y[r][n] = sum_g d[n][g] * s[r][g] * (sum_j q[n][g][j] * xq[r][g][j]) + m[n][g] * xs[r][g]
@@ -83,56 +80,28 @@ static void quantize_row(const float *x, int16_t *xq, float *s, float *xs, long 
     }
 }
 
-/* one row of x -> x8 (int8, per group of 32, scale max|x| / 127), s (the group scales), xs (the rounded group sums) */
-static void quantize_row8(const float *x, int8_t *x8, float *s, float *xs, long G) {
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (long g = 0; g < G; g++) {
-        __m256i i[4];
-        __m256 exact;
-        const float scale = round_group(x + 32 * g, 127.f, i, &exact);
-        s[g] = scale;
-        /* the group's sum as the int8 values sum (scale times their integer sum): the product is then
-         * exactly the weights' times the rounded activations, whose rounding errors the weights'
-         * signs cancel; the exact sum beside the rounded products would add them up under the
-         * groups' minimum m, which every weight of a group shares */
-        const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
-        xs[g] = scale * hsum(_mm256_cvtepi32_ps(sum));
-        /* the packs work within 128-bit lanes: 4-byte runs i0[0-3] i1[0-3] i2[0-3] i3[0-3] | i0[4-7] ...; the
-         * permute puts them in order */
-        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-        _mm256_storeu_si256((__m256i *)(x8 + 32 * g), _mm256_permutevar8x32_epi32(p, order));
-    }
-}
-
 typedef struct {
-    int16_t *xq; /* int16 activations, or NULL */
-    int8_t *x8;  /* int8 activations, or NULL */
+    int16_t *xq; /* int16 activations */
     float *s, *xs;
 } Quantized;
 
-/* x as int16 (acts 16) or int8 (acts 8) per row and group of 32 */
-static int quantize(const float *x, long M, long K, int acts, Quantized *out) {
+/* x as int16 per row and group of 32 */
+static int quantize(const float *x, long M, long K, Quantized *out) {
     const long G = K / 32;
-    void *buffer = aligned_alloc(32, (size_t)(M * K * (acts == 8 ? 1 : 2) + 31) & ~(size_t)31);
-    out->xq = acts == 8 ? NULL : buffer;
-    out->x8 = acts == 8 ? buffer : NULL;
+    out->xq = aligned_alloc(32, (size_t)(M * K * 2 + 31) & ~(size_t)31);
     out->s = malloc((size_t)(2 * M * G) * sizeof(float));
-    if (buffer == NULL || out->s == NULL) {
-        free(buffer);
+    if (out->xq == NULL || out->s == NULL) {
+        free(out->xq);
         free(out->s);
         return -1;
     }
     out->xs = out->s + M * G;
-    for (long r = 0; r < M; r++)
-        if (acts == 8)
-            quantize_row8(x + r * K, out->x8 + r * K, out->s + r * G, out->xs + r * G, G);
-        else
-            quantize_row(x + r * K, out->xq + r * K, out->s + r * G, out->xs + r * G, G);
+    for (long r = 0; r < M; r++) quantize_row(x + r * K, out->xq + r * K, out->s + r * G, out->xs + r * G, G);
     return 0;
 }
 
 static void release(Quantized *qx) {
-    free(qx->xq != NULL ? (void *)qx->xq : (void *)qx->x8);
+    free(qx->xq);
     free(qx->s);
 }
 
@@ -162,41 +131,20 @@ VNNI_INLINE void widen4_tile(const uint8_t *chunk, __m512i w[4]) {
     w[3] = _mm512_unpackhi_epi8(hi, zero);
 }
 
-/* int8 activations (acts 8): a 4-bit tile's 64-byte chunk c as two registers of unsigned byte quads,
- * lane i (row i of the tile) holding weights 8c .. 8c + 3 and 8c + 4 .. 8c + 7 of the group: the
- * nibbles' bytes reordered within each 128-bit lane (the pair steps 4c and 4c + 1 of the low
- * nibbles, 4c + 2 and 4c + 3 of the high ones, interleaved by row); each quad step is one
- * vpdpbusd (4 products of an unsigned weight and a signed activation summed into int32) */
-#define QUAD_ORDER 0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15
-
-/* rows r .. r + R - 1 of x times the 16 rows of tile t: y[r + i][16 t .. 16 t + 15]; x as int16
- * (acts 16) or int8 (acts 8, 4-bit tiles) */
-VNNI_INLINE void tile_block(int R, int bits, int acts, const uint8_t *qt, const uint16_t *dt, const uint16_t *mt,
+/* rows r .. r + R - 1 of x times the 16 rows of tile t: y[r + i][16 t .. 16 t + 15]; x as int16 */
+VNNI_INLINE void tile_block(int R, int bits, const uint8_t *qt, const uint16_t *dt, const uint16_t *mt,
                             const Quantized *qx, float *y, long N, long K, long G, long r, long t) {
-    const __m512i low = _mm512_set1_epi8(0x0F), order = _mm512_broadcast_i32x4(_mm_setr_epi8(QUAD_ORDER));
     __m512 f[TILE_ROWS];
     for (int i = 0; i < R; i++) f[i] = _mm512_setzero_ps();
     for (long g = 0; g < G; g++) {
         prefetch_group(qt + (bits == 4 ? 256 : 512) * g, bits == 4 ? 256 : 512);
         __m512i a[TILE_ROWS];
-        const int32_t *xp[TILE_ROWS]; /* the rows' int16 pairs (int8 quads) of group g */
+        const int32_t *xp[TILE_ROWS]; /* the rows' int16 pairs of group g */
         for (int i = 0; i < R; i++) {
             a[i] = _mm512_setzero_si512();
-            xp[i] = acts == 8 ? (const int32_t *)(qx->x8 + (r + i) * K + 32 * g)
-                              : (const int32_t *)(qx->xq + (r + i) * K + 32 * g);
+            xp[i] = (const int32_t *)(qx->xq + (r + i) * K + 32 * g);
         }
-        if (acts == 8) {
-            const uint8_t *tg = qt + 256 * g;
-            for (int c = 0; c < 4; c++) {
-                const __m512i b = _mm512_loadu_si512((const void *)(tg + 64 * c));
-                const __m512i w0 = _mm512_shuffle_epi8(_mm512_and_si512(b, low), order);
-                const __m512i w1 = _mm512_shuffle_epi8(_mm512_and_si512(_mm512_srli_epi16(b, 4), low), order);
-                for (int i = 0; i < R; i++) {
-                    a[i] = _mm512_dpbusd_epi32(a[i], w0, _mm512_set1_epi32(xp[i][2 * c]));
-                    a[i] = _mm512_dpbusd_epi32(a[i], w1, _mm512_set1_epi32(xp[i][2 * c + 1]));
-                }
-            }
-        } else if (bits == 4) {
+        if (bits == 4) {
             const uint8_t *tg = qt + 256 * g;
             for (int c = 0; c < 4; c++) {
                 __m512i w[4];
@@ -223,7 +171,7 @@ VNNI_INLINE void tile_block(int R, int bits, int acts, const uint8_t *qt, const 
 }
 
 /* tiles t0 .. t1 - 1 against every row of x, in passes of up to TILE_ROWS rows */
-__attribute__((target(VNNI_TARGET))) static void tiles_part(int bits, int acts, const void *q, const uint16_t *d,
+__attribute__((target(VNNI_TARGET))) static void tiles_part(int bits, const void *q, const uint16_t *d,
                                                           const uint16_t *m, const Quantized *qx, float *y, long M,
                                                           long N, long K, long t0, long t1) {
     const long G = K / 32, tile_bytes = (bits == 4 ? 256 : 512) * G;
@@ -232,23 +180,21 @@ __attribute__((target(VNNI_TARGET))) static void tiles_part(int bits, int acts, 
         for (long t = t0; t < t1; t++) {
             const uint8_t *qt = (const uint8_t *)q + t * tile_bytes;
             const uint16_t *dt = d + t * TILE * G, *mt = m == NULL ? NULL : m + t * TILE * G;
-#define TILE_BLOCKS(BITS, ACTS)                                                                     \
+#define TILE_BLOCKS(BITS)                                                                           \
             switch (R) { /* a constant R per call: the row loop unrolled, the sums in registers */  \
-            case 8: tile_block(8, BITS, ACTS, qt, dt, mt, qx, y, N, K, G, r, t); break;             \
-            case 7: tile_block(7, BITS, ACTS, qt, dt, mt, qx, y, N, K, G, r, t); break;             \
-            case 6: tile_block(6, BITS, ACTS, qt, dt, mt, qx, y, N, K, G, r, t); break;             \
-            case 5: tile_block(5, BITS, ACTS, qt, dt, mt, qx, y, N, K, G, r, t); break;             \
-            case 4: tile_block(4, BITS, ACTS, qt, dt, mt, qx, y, N, K, G, r, t); break;             \
-            case 3: tile_block(3, BITS, ACTS, qt, dt, mt, qx, y, N, K, G, r, t); break;             \
-            case 2: tile_block(2, BITS, ACTS, qt, dt, mt, qx, y, N, K, G, r, t); break;             \
-            default: tile_block(1, BITS, ACTS, qt, dt, mt, qx, y, N, K, G, r, t); break;            \
+            case 8: tile_block(8, BITS, qt, dt, mt, qx, y, N, K, G, r, t); break;                   \
+            case 7: tile_block(7, BITS, qt, dt, mt, qx, y, N, K, G, r, t); break;                   \
+            case 6: tile_block(6, BITS, qt, dt, mt, qx, y, N, K, G, r, t); break;                   \
+            case 5: tile_block(5, BITS, qt, dt, mt, qx, y, N, K, G, r, t); break;                   \
+            case 4: tile_block(4, BITS, qt, dt, mt, qx, y, N, K, G, r, t); break;                   \
+            case 3: tile_block(3, BITS, qt, dt, mt, qx, y, N, K, G, r, t); break;                   \
+            case 2: tile_block(2, BITS, qt, dt, mt, qx, y, N, K, G, r, t); break;                   \
+            default: tile_block(1, BITS, qt, dt, mt, qx, y, N, K, G, r, t); break;                  \
             }
-            if (acts == 8) {
-                TILE_BLOCKS(4, 8)
-            } else if (bits == 4) {
-                TILE_BLOCKS(4, 16)
+            if (bits == 4) {
+                TILE_BLOCKS(4)
             } else {
-                TILE_BLOCKS(8, 16)
+                TILE_BLOCKS(8)
             }
 #undef TILE_BLOCKS
         }
@@ -261,14 +207,10 @@ __attribute__((target(VNNI_TARGET))) static void tiles_part(int bits, int acts, 
  * (8 bits); each pair step is a vpmaddwd into 8 lanes and a vpaddd. */
 #define HALF_ROWS 4 /* rows of x per pass (16 ymm registers: the sums of 4 rows, their scaled sums, 4 steps) */
 
-/* rows r .. r + R - 1 of x times rows 8 h .. 8 h + 7 of tile t; x as int16 (acts 16) or int8 (acts 8,
- * 4-bit tiles: kernel 2's byte quads a 128-bit lane at a time; vpmaddubsw sums each pair of a quad
- * into int16, at most 2 * 15 * 127 = 3810, so a group's 8 of them add up in int16 without overflow:
- * 30480; vpmaddwd by ones then sums the pairs into int32) */
-ALWAYS_INLINE void half_block(int R, int bits, int acts, const uint8_t *qt, const uint16_t *dt, const uint16_t *mt,
+/* rows r .. r + R - 1 of x times rows 8 h .. 8 h + 7 of tile t; x as int16 */
+ALWAYS_INLINE void half_block(int R, int bits, const uint8_t *qt, const uint16_t *dt, const uint16_t *mt,
                               const Quantized *qx, float *y, long N, long K, long G, long r, long t, int h) {
-    const __m256i low = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256(), ones = _mm256_set1_epi16(1);
-    const __m256i order = _mm256_broadcastsi128_si256(_mm_setr_epi8(QUAD_ORDER));
+    const __m256i low = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
     __m256 f[HALF_ROWS];
     for (int i = 0; i < R; i++) f[i] = _mm256_setzero_ps();
     for (long g = 0; g < G; g++) {
@@ -277,21 +219,9 @@ ALWAYS_INLINE void half_block(int R, int bits, int acts, const uint8_t *qt, cons
         const int32_t *xp[HALF_ROWS];
         for (int i = 0; i < R; i++) {
             a[i] = _mm256_setzero_si256();
-            xp[i] = acts == 8 ? (const int32_t *)(qx->x8 + (r + i) * K + 32 * g)
-                              : (const int32_t *)(qx->xq + (r + i) * K + 32 * g);
+            xp[i] = (const int32_t *)(qx->xq + (r + i) * K + 32 * g);
         }
-        if (acts == 8) {
-            const uint8_t *tg = qt + 256 * g + 32 * h;
-            for (int c = 0; c < 4; c++) {
-                const __m256i b = _mm256_loadu_si256((const __m256i *)(tg + 64 * c));
-                const __m256i w0 = _mm256_shuffle_epi8(_mm256_and_si256(b, low), order);
-                const __m256i w1 = _mm256_shuffle_epi8(_mm256_and_si256(_mm256_srli_epi16(b, 4), low), order);
-                for (int i = 0; i < R; i++)
-                    a[i] = _mm256_add_epi16(a[i], _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(xp[i][2 * c])),
-                                                                   _mm256_maddubs_epi16(w1, _mm256_set1_epi32(xp[i][2 * c + 1]))));
-            }
-            for (int i = 0; i < R; i++) a[i] = _mm256_madd_epi16(a[i], ones);
-        } else if (bits == 4) {
+        if (bits == 4) {
             const uint8_t *tg = qt + 256 * g + 32 * h;
             for (int c = 0; c < 4; c++) {
                 const __m256i b = _mm256_loadu_si256((const __m256i *)(tg + 64 * c));
@@ -320,7 +250,7 @@ ALWAYS_INLINE void half_block(int R, int bits, int acts, const uint8_t *qt, cons
     for (int i = 0; i < R; i++) _mm256_storeu_ps(y + (r + i) * N + TILE * t + 8 * h, f[i]);
 }
 
-static void tiles_part_avx2(int bits, int acts, const void *q, const uint16_t *d, const uint16_t *m, const Quantized *qx,
+static void tiles_part_avx2(int bits, const void *q, const uint16_t *d, const uint16_t *m, const Quantized *qx,
                             float *y, long M, long N, long K, long t0, long t1) {
     const long G = K / 32, tile_bytes = (bits == 4 ? 256 : 512) * G;
     for (long r = 0; r < M; r += HALF_ROWS) {
@@ -329,19 +259,17 @@ static void tiles_part_avx2(int bits, int acts, const void *q, const uint16_t *d
             const uint8_t *qt = (const uint8_t *)q + t * tile_bytes;
             const uint16_t *dt = d + t * TILE * G, *mt = m == NULL ? NULL : m + t * TILE * G;
             for (int h = 0; h < 2; h++) {
-#define HALF_BLOCKS(BITS, ACTS)                                                                      \
+#define HALF_BLOCKS(BITS)                                                                            \
                 switch (R) {                                                                         \
-                case 4: half_block(4, BITS, ACTS, qt, dt, mt, qx, y, N, K, G, r, t, h); break;        \
-                case 3: half_block(3, BITS, ACTS, qt, dt, mt, qx, y, N, K, G, r, t, h); break;        \
-                case 2: half_block(2, BITS, ACTS, qt, dt, mt, qx, y, N, K, G, r, t, h); break;        \
-                default: half_block(1, BITS, ACTS, qt, dt, mt, qx, y, N, K, G, r, t, h); break;       \
+                case 4: half_block(4, BITS, qt, dt, mt, qx, y, N, K, G, r, t, h); break;              \
+                case 3: half_block(3, BITS, qt, dt, mt, qx, y, N, K, G, r, t, h); break;              \
+                case 2: half_block(2, BITS, qt, dt, mt, qx, y, N, K, G, r, t, h); break;              \
+                default: half_block(1, BITS, qt, dt, mt, qx, y, N, K, G, r, t, h); break;             \
                 }
-                if (acts == 8) {
-                    HALF_BLOCKS(4, 8)
-                } else if (bits == 4) {
-                    HALF_BLOCKS(4, 16)
+                if (bits == 4) {
+                    HALF_BLOCKS(4)
                 } else {
-                    HALF_BLOCKS(8, 16)
+                    HALF_BLOCKS(8)
                 }
 #undef HALF_BLOCKS
             }
@@ -373,7 +301,7 @@ int tiles_supported(void) {
 #define SPIN_NS 200000L
 
 typedef struct { /* one product: what each part needs */
-    int bits, kernel, acts;
+    int bits, kernel;
     const void *q;
     const uint16_t *d, *m;
     const Quantized *qx;
@@ -420,9 +348,9 @@ static void product_part(const void *ctx, long u0, long u1, long thread) {
     (void)thread;
     const Product *jb = ctx;
     if (jb->kernel == 2)
-        tiles_part(jb->bits, jb->acts, jb->q, jb->d, jb->m, jb->qx, jb->y, jb->M, jb->N, jb->K, u0, u1);
+        tiles_part(jb->bits, jb->q, jb->d, jb->m, jb->qx, jb->y, jb->M, jb->N, jb->K, u0, u1);
     else
-        tiles_part_avx2(jb->bits, jb->acts, jb->q, jb->d, jb->m, jb->qx, jb->y, jb->M, jb->N, jb->K, u0, u1);
+        tiles_part_avx2(jb->bits, jb->q, jb->d, jb->m, jb->qx, jb->y, jb->M, jb->N, jb->K, u0, u1);
 }
 
 /* takes units of part p of job `tag`: 1 and [*u0, *u1), or 0 when none is left */
@@ -535,29 +463,28 @@ static void run_job(void (*fn)(const void *, long, long, long), const void *ctx,
     pthread_mutex_unlock(&post_lock);
 }
 
-ALWAYS_INLINE int matmul(int bits, int acts, int kernel, const void *q, const uint16_t *d, const uint16_t *m,
-                         const float *x, float *y, long M, long N, long K, long threads) {
+ALWAYS_INLINE int matmul(int bits, int kernel, const void *q, const uint16_t *d, const uint16_t *m, const float *x,
+                         float *y, long M, long N, long K, long threads) {
     Quantized qx;
-    if (N % TILE || (kernel != 1 && kernel != 2) || (kernel == 2 && !tiles_supported()) || (acts == 8 && bits != 4))
-        return -2;
-    if (quantize(x, M, K, acts, &qx)) return -1;
-    const Product product = {bits, kernel, acts, q, d, m, &qx, y, M, N, K};
+    if (N % TILE || (kernel != 1 && kernel != 2) || (kernel == 2 && !tiles_supported())) return -2;
+    if (quantize(x, M, K, &qx)) return -1;
+    const Product product = {bits, kernel, q, d, m, &qx, y, M, N, K};
     run_job(product_part, &product, N >= 64 * threads ? threads : 1, N / TILE);
     release(&qx);
     return 0;
 }
 
-/* kernel: 1 (AVX2) or 2 (AVX-512 VNNI); acts: the activations' bits, 16 or 8.
+/* kernel: 1 (AVX2) or 2 (AVX-512 VNNI).
  * 0: done; -1: out of memory; -2: N not a multiple of 16, or a kernel this CPU does not run
  * (y untouched on an error) */
 int int4_matmul(const uint8_t *q, const uint16_t *d, const uint16_t *m, const float *x, float *y, long M, long N, long K,
-                long threads, long kernel, long acts) {
-    return matmul(4, acts == 8 ? 8 : 16, (int)kernel, q, d, m, x, y, M, N, K, threads);
+                long threads, long kernel) {
+    return matmul(4, (int)kernel, q, d, m, x, y, M, N, K, threads);
 }
 
 int int8_matmul(const int8_t *q, const uint16_t *d, const float *x, float *y, long M, long N, long K, long threads,
                 long kernel) {
-    return matmul(8, 16, (int)kernel, q, d, NULL, x, y, M, N, K, threads);
+    return matmul(8, (int)kernel, q, d, NULL, x, y, M, N, K, threads);
 }
 
 /* ---------------------------------------------------------------- float32 and float16 weights
@@ -736,7 +663,6 @@ typedef struct {
     long num_pages, page_size, max_pages;
     long kernel;  /* the products' kernel (int4_matmul's and f32_matmul's numbering) */
     long weights; /* 4: the products' weights in 4-bit groups; 32: float32; 16: float16 */
-    long acts;    /* 4-bit groups' activations: 16 or 8 bits (int4_matmul's acts) */
     long kv_bits; /* the KV pool's elements: 32 (float32) or 16 (float16, converted as they are read) */
 } Dims;
 
@@ -745,7 +671,7 @@ static int layer_product(const Dims *dm, const uint8_t *q, const uint16_t *d, co
                          float *y, long M, long N, long K, long threads) {
     if (dm->weights == 32) return f32_matmul((const float *)q, x, y, M, N, K, threads, dm->kernel);
     if (dm->weights == 16) return f16_matmul((const uint16_t *)q, x, y, M, N, K, threads, dm->kernel);
-    return int4_matmul(q, d, m, x, y, M, N, K, threads, dm->kernel, dm->acts);
+    return int4_matmul(q, d, m, x, y, M, N, K, threads, dm->kernel);
 }
 
 static void rms_norm(const float *x, const float *w, float *out, long n, float eps) {
