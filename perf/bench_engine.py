@@ -253,10 +253,10 @@ def print_table(report: dict) -> None:
     b16 = report["results"]["decode_b16"]
     print(f"\n(transformers generate at batch 16, context 256: {b16['hf_batch16_tok_s']:.1f} tok/s)")
     if report["step_profile"]:
-        from backend.engine.cpu_kernels import kernel_path
+        from backend.engine.formats import kernel_path_line
 
         print(
-            f"\nWhere the engine's step goes, {report['threads']} threads, {kernel_path().short()} "
+            f"\nWhere the engine's step goes, {report['threads']} threads; {kernel_path_line()} "
             "(ms per step by op class, each op's own time; outside ops: the step's unprofiled wall time "
             "minus the ops' own time)\n"
         )

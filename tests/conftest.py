@@ -283,13 +283,10 @@ def pytest_report_header(config):
     """The CPU and its kernel path, first in every run: a result that depends on the path is
     asserted for the path named here."""
     from backend.engine.cpu_kernels import kernel_path
+    from backend.engine.formats import kernel_path_line
 
     path = kernel_path()
-    return [
-        f"cpu: {path.cpu} ({path.cpu_id}); isa: {' '.join(path.isa) or '(no AVX2)'}",
-        f"kernel path: torch {path.torch_capability}",
-        f"int4w kernel path: {path.int4w_path}",
-    ]
+    return [f"cpu isa: {' '.join(path.isa) or '(no AVX2)'}", kernel_path_line()]
 
 
 STUB = "triton_python_backend_stub"

@@ -2,8 +2,8 @@
 extensions that choose a kernel (AVX2, F16C, AVX-512, VNNI, AMX), torch's CPU capability, our
 group kernel's version, fbgemm's fp16-weight path (AVX2 and F16C required) and oneDNN's
 bfloat16 path for ``fp16w-bf16``'s many-row products (AMX-BF16 or AVX512-BF16 required). Figures
-and tests name it beside what they measured, since a result or a bound can depend on it
-(``perf/lib/machine.py``, the test run's header)."""
+and tests name it beside what they measured, since a result or a bound can depend on it, as
+``formats.kernel_path_line`` writes it (the server's log, the test run's header, the reports)."""
 
 from __future__ import annotations
 
@@ -29,26 +29,14 @@ ISA_FLAGS = (
     "amx_bf16",
     "amx_int8",
 )
-# What fbgemm's fp16-weight GEMM (``weights_dtype=fp16w``) needs: it refuses to run without them.
-FP16W_FLAGS = ("avx2", "f16c")
-# ``fp16w-bf16`` adds oneDNN's bfloat16 products for many rows (float32 sums), on AMX tiles or
-# with AVX512-BF16's pair dot products: a 512-token prefill of SmolLM2-135M, 2 threads, 1.6x
-# float32's on an AMD EPYC (family 25, model 17: AVX512-BF16, no AMX) and faster than float32 on
-# an Intel Xeon's AMX tiles (perf/REPORT.md). An entry "a|b" of a requirement: either will do.
+# oneDNN's bfloat16 products (``fp16w-bf16``'s and ``int4w-bf16``'s many-row ones) run on AMX
+# tiles or with AVX512-BF16's pair dot products: a 512-token prefill of SmolLM2-135M, 2 threads,
+# 1.6x float32's on an AMD EPYC (family 25, model 17: AVX512-BF16, no AMX) and faster than float32
+# on an Intel Xeon's AMX tiles (perf/REPORT.md). An entry "a|b" of a requirement: either will do.
 BF16_PRODUCTS = "amx_bf16|avx512_bf16"
-FP16W_BF16_FLAGS = (*FP16W_FLAGS, BF16_PRODUCTS)
-# The CPU features each CPU-only format needs (EngineConfig refuses the format without them).
-# ``int4w``: our group kernel (AVX2, FMA) for the decoder layers' 4-bit groups and the LM head's 8-bit ones.
-INT4W_FLAGS = (*FP16W_FLAGS, "fma")
 # The group kernel's AVX-512 VNNI version (``group_matmul.c``: vpdpwssd on 512-bit registers);
 # without them it takes its AVX2 version.
 GROUP_VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-FORMAT_FLAGS = {
-    "fp16w": FP16W_FLAGS,
-    "fp16w-bf16": FP16W_BF16_FLAGS,
-    "int4w": INT4W_FLAGS,
-    "int4w-bf16": (*INT4W_FLAGS, BF16_PRODUCTS),
-}
 
 
 @functools.cache
@@ -119,7 +107,7 @@ class KernelPath:
     cpu_id: str  # cpu_id()
     isa: tuple[str, ...]  # the ISA_FLAGS this CPU has
     torch_capability: str  # ATen's vectorized-kernel level: "AVX2", "AVX512", ...
-    group_kernel: str = "avx2"  # group_kernel(): int4w's kernel version
+    group_kernel: str = "avx2"  # group_kernel(): our kernels' version ("": a recorded path from before them)
 
     @property
     def fp16w_path(self) -> str:
@@ -142,20 +130,6 @@ class KernelPath:
         tiles = units[0] if units else "neither AMX-BF16 nor AVX512-BF16: not fp16w-bf16's path"
         return f"oneDNN bfloat16 weights and activations, float32 sums ({tiles})"
 
-    def short(self, weights: str = "float32") -> str:
-        """One line for a table's caption or a log line, with the kernel path of the weights
-        format ``weights`` (``float32``, ``fp16w``, ``fp16w-bf16`` or an int4w format)."""
-        path = {
-            "float32": self.float32_path,
-            "fp16w": self.fp16w_path,
-            "fp16w-bf16": f"{self.fp16w_path} for few rows; {self.bf16_path} for many",
-        }
-        for fmt in ("int4w", "int4w-bf16"):
-            bf16 = fmt.endswith("-bf16")
-            many = f"fp16w-bf16's (float16, {self.bf16_path})" if bf16 else "fp16w's products (float16, float32)"
-            path[fmt] = f"{self.int4w_path} for up to 16 rows; {many} for more"
-        return f"{self.cpu} ({self.cpu_id}); torch {self.torch_capability}; {path.get(weights, self.float32_path)}"
-
     def as_dict(self) -> dict[str, object]:
         return {
             "cpu": self.cpu,
@@ -166,7 +140,22 @@ class KernelPath:
             "bf16_path": self.bf16_path,
             "int4w_path": self.int4w_path,
             "float32_path": self.float32_path,
+            "group_kernel": self.group_kernel,
         }
+
+    @classmethod
+    def from_dict(cls, recorded: dict) -> KernelPath:
+        """A path :meth:`as_dict` recorded (a result envelope's); ``group_kernel``, recorded since
+        issue 57, read before that from its int4w path ("" where there was none: no kernel of ours)."""
+        int4w = str(recorded.get("int4w_path", ""))
+        kernel = recorded.get("group_kernel") or ("avx512_vnni" if "VNNI" in int4w else "avx2" if int4w else "")
+        return cls(
+            cpu=recorded.get("cpu", "?"),
+            cpu_id=recorded.get("cpu_id", "?"),
+            isa=tuple(recorded.get("isa", ())),
+            torch_capability=recorded.get("torch_capability", "?"),
+            group_kernel=kernel,
+        )
 
 
 @functools.cache

@@ -61,8 +61,9 @@ class _Dims(ctypes.Structure):
     _fields_ = _DIMS
 
 
-def unsupported_reason(model: nn.Module, pool: KVPool) -> str | None:
-    """None when :class:`FusedDecode` can run ``model``'s decode steps over ``pool``; else why not."""
+def unsupported_reason(model: nn.Module, pool: KVPool, weights: int) -> str | None:
+    """None when :class:`FusedDecode` can run ``model``'s decode steps over ``pool`` with the
+    weights its format's entry names (``formats.WeightFormat.fused``: 4, 16 or 32); else why not."""
     inner: Any = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:
@@ -71,9 +72,9 @@ def unsupported_reason(model: nn.Module, pool: KVPool) -> str | None:
         return f"the KV pool is {pool.dtype} on {pool.device} (float32 or float16 on the CPU only)"
     if pool.head_dim % 8 or pool.head_dim > 512:
         return f"head size {pool.head_dim} (a multiple of 8, at most 512)"
-    weights = _weights(layers[0].self_attn.qkv_proj) if len(layers) else None
-    if weights is None:
-        return "the first product: neither 4-bit groups nor float32 nor float16 weights our kernels take"
+    first = _weights(layers[0].self_attn.qkv_proj) if len(layers) else None
+    if first != weights:
+        return f"the first product: not the {weights}-bit weights of the format that our kernels take"
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         for part in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
@@ -123,7 +124,7 @@ class FusedDecode:
     """``forward(batch) -> [B, hidden]`` (after the final norm), or None when the step is not one
     it takes (see the module docstring). ``threads``: how many threads split each product."""
 
-    def __init__(self, model: nn.Module, pool: KVPool, threads: int = 1):
+    def __init__(self, model: nn.Module, pool: KVPool, weights: int, threads: int = 1):
         config: Any = model.config
         inner: Any = model.model
         self.inner, self.pool = inner, pool
@@ -135,7 +136,7 @@ class FusedDecode:
         self._kernel.argtypes = argtypes + [_P] * 8 + [ctypes.c_long]
         self.threads = threads
         self._kernel.restype = ctypes.c_int
-        self._weights = _weights(inner.layers[0].self_attn.qkv_proj)
+        self._weights = weights  # 4, 16 or 32: the format's (unsupported_reason checked every product)
         layers = []
         for layer in inner.layers:
             parts = {"norm1": layer.input_layernorm.weight, "norm2": layer.post_attention_layernorm.weight}

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from backend.engine.formats import FEW_ROWS
 from backend.engine.fp16_linear import Fp16Linear
 from backend.engine.group_matmul import GROUP, Groups, product
 
@@ -27,9 +28,9 @@ from backend.engine.group_matmul import GROUP, Groups, product
 # Up to 16 rows either kernel is faster than fbgemm's float16 products (which read 212 MB, on one
 # thread) and, without AMX, than float32's; bfloat16 on AMX tiles overtakes the VNNI kernel from
 # about 12 rows but rounds the activations (held-out argmax agreement 97.4%, the groups' 99.9%).
-# So a decode step of up to 16 sequences takes the groups; more rows take fp16w's products. Read
-# when a layer's product function is made and at each fused decode step.
-MAX_ROWS = 16
+# So a decode step of up to 16 sequences (the registry's few-row limit) takes the groups; more rows
+# take fp16w's products. Read when a layer's product function is made and at each fused decode step.
+MAX_ROWS = FEW_ROWS
 
 
 class GroupLinear(nn.Module):

@@ -39,14 +39,16 @@ import torch
 
 from backend.engine.config import cache_root
 from backend.engine.cpu_kernels import group_kernel
+from backend.engine.formats import FEW_ROWS
 
 log = logging.getLogger("triton_disagg.engine")
 
 GROUP = 32
 TILE = 16  # rows of W per tile
-# the most rows a product takes through the float32 / float16 products (f32_product): measured
-# faster than MKL's float32 products up to here on 2 threads (small_batch_linear.py's docstring)
-FLOAT_ROWS = 16
+# the most rows a product takes through the float32 / float16 products (f32_product), the
+# registry's few-row limit: measured faster than MKL's float32 products up to here on 2 threads
+# (small_batch_linear.py's docstring)
+FLOAT_ROWS = FEW_ROWS
 KERNELS = {"avx2": 1, "avx512_vnni": 2}  # the library's kernel numbers
 SOURCE = Path(__file__).with_name("kernels") / "group_matmul.c"
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-shared", "-fPIC")

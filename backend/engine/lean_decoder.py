@@ -25,8 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.engine.fp16_linear import Fp16Linear
-from backend.engine.group_linear import GroupLinear
 from backend.engine.paged_attention import PagedBatch, attend, store_kv
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -106,13 +104,12 @@ def rotary(inner: Any, h: torch.Tensor, position_ids: torch.Tensor) -> tuple[tor
 
 
 def _product(linear: nn.Module) -> _Product:
-    """A linear layer's product as a plain function of its input: for the group and fp16w layers
-    their product function itself (their module call adds as much Python as the op's own dispatch,
-    121 times a step), for the others the module's ``forward`` without ``__call__``'s hook
-    handling."""
-    if isinstance(linear, (Fp16Linear, GroupLinear)):
-        return linear.product()
-    return linear.forward
+    """A linear layer's product as a plain function of its input: for the layers that make one
+    (``product()``: the group and fp16w layers) that function itself (their module call adds as
+    much Python as the op's own dispatch, 121 times a step), for the others the module's
+    ``forward`` without ``__call__``'s hook handling."""
+    product = getattr(linear, "product", None)
+    return product() if callable(product) else linear.forward
 
 
 class LeanDecoder:

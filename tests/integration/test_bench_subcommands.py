@@ -298,7 +298,7 @@ def _formats(run: Run) -> None:
     for row in (f32, fp16w):
         positive(row["prefill_tok_s"], row["decode_b1_tok_s"], row["decode_b16_tok_s"], row["heldout_ppl_prefill"])
     assert f32["identical_greedy_share"] == 1.0 and f32["heldout_ppl_ratio_prefill"] == 1.0  # the reference
-    assert 0.99 < fp16w["heldout_ppl_ratio_prefill"] < 1.01, fp16w  # config.FAST_FORMAT_QUALITY: 1.001x
+    assert 0.99 < fp16w["heldout_ppl_ratio_prefill"] < 1.01, fp16w  # formats.FORMATS["fp16w"].quality: 1.001x
     assert fp16w["heldout_argmax_agree_prefill"] > 0.9, fp16w
     assert "formats.md" in " ".join(run.envelope["markdown"])
 

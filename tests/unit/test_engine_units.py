@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from backend.engine.config import KV_AUTO_WHY, EngineConfig, choose_kv_format
+from backend.engine.config import EngineConfig
+from backend.engine.formats import KV_AUTO_WHY, choose_kv_format
 from backend.engine.kv_pool import KVPool
 from backend.engine.page_allocator import PageAllocator, PoolFullError
 from backend.engine.sampling.sampler import ARGMAX_CHUNK, ARGMAX_TWO_PASS_ROWS, argmax_rows, make_generator, sample

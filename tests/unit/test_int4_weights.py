@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 from backend.engine import cpu_kernels, fp16_linear, group_linear, group_matmul, model_runner
 from backend.engine.config import EngineConfig
-from backend.engine.cpu_kernels import kernel_path
+from backend.engine.formats import kernel_path_line
 from backend.engine.group_matmul import dequantize, product, quantize_int4, quantize_int8
 from backend.engine.int4_linear import Int4Linear
 from backend.engine.int8_group_linear import Int8GroupLinear
@@ -67,7 +67,7 @@ def int16_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 16])
 def test_exact_groups_multiply_within_the_int16_activations_bound(rows, kernels):
-    print(f"kernel path: {kernel_path().short('int4w')}")
+    print(kernel_path_line("int4w"))
     int4, weight = layer()
     assert int4.group_error == 0.0  # every group exact: a Q4_1 checkpoint's weights
     assert torch.equal(dequantize(int4.groups), weight)

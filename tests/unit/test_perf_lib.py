@@ -211,3 +211,20 @@ def test_a_step_profile_sums_each_ops_own_time_by_class():
     for cls, _ in step_profile.CLASSES:
         assert f"| {cls} | " in table
     assert "| op calls per step |" in table and step_profile.OUTSIDE in table
+
+
+def test_a_reports_kernel_line_is_the_same_function_on_the_recorded_path():
+    """A run records the line (``perf/lib/machine.describe``); one recorded before that gets the
+    line written from the path it recorded, and one from before our kernels names none of them."""
+    from backend.engine.cpu_kernels import KernelPath, kernel_path
+    from backend.engine.formats import kernel_path_line
+    from perf.lib.report import kernel_line
+
+    path = kernel_path()
+    assert KernelPath.from_dict(path.as_dict()) == path
+    assert kernel_line({"kernel_path": path.as_dict()}) == kernel_path_line()
+    assert kernel_line({"kernel_path_line": "kernel path: recorded"}) == "kernel path: recorded"
+    old = {k: v for k, v in path.as_dict().items() if k not in ("group_kernel", "int4w_path")}
+    want = f"kernel path: {path.cpu} ({path.cpu_id}); torch {path.torch_capability}"
+    assert kernel_line({"kernel_path": old}) == want
+    assert kernel_line({}) is None
