@@ -1,4 +1,4 @@
-"""Benchmark: int4w's group kernel (``backend/engine/kernels/group_matmul.c``), each version this
+"""Benchmark: int4w's group kernel (``backend/engine/kernels/``, one file per version), each version this
 CPU runs (AVX2 always, AVX-512 VNNI where the CPU has it) side by side, on the products of one
 SmolLM2-135M decode step (per layer q/k/v, o, gate/up and down as int4w fuses them, 30 layers,
 and the LM head's 8-bit groups; random weights of those shapes, read from memory as in serving:

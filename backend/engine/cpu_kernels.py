@@ -34,7 +34,7 @@ ISA_FLAGS = (
 # 1.6x float32's on an AMD EPYC (family 25, model 17: AVX512-BF16, no AMX) and faster than float32
 # on an Intel Xeon's AMX tiles (perf/REPORT.md). An entry "a|b" of a requirement: either will do.
 BF16_PRODUCTS = "amx_bf16|avx512_bf16"
-# The group kernel's AVX-512 VNNI version (``group_matmul.c``: vpdpwssd on 512-bit registers);
+# The group kernel's AVX-512 VNNI version (``kernels/group_avx512_vnni.c``: vpdpwssd on 512-bit registers);
 # without them it takes its AVX2 version.
 GROUP_VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 

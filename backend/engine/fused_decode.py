@@ -1,4 +1,4 @@
-"""A decode step's decoder layers as one call into our kernel library (``kernels/group_matmul.c``,
+"""A decode step's decoder layers as one call into our kernel library (``kernels/decode_step.c``,
 ``decode_layers``): every decoder layer for up to ``group_linear.MAX_ROWS`` sequences of one token
 each (RMS norms, the products, the rotary embedding, the K/V write into the paged HND pool,
 attention over each sequence's pages (the (sequence, head) pairs split between the threads), SiLU,
@@ -212,7 +212,7 @@ class FusedDecode:
                 self.threads,
             )
         if rc == -2:
-            raise ValueError("fused decode: the kernel library refused the products (see group_matmul.c)")
+            raise ValueError("fused decode: the kernel library refused the products (see kernels/decode_step.c)")
         if rc != 0:
             raise MemoryError("fused decode: no memory for the step's activations")
         return h  # the final norm applied by the kernel
