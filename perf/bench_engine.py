@@ -11,7 +11,7 @@ class, op calls per step, and the time outside ops: Python and dispatch).
 Prints markdown tables; writes JSON to the results folder (``perf/results/``).
 
     python -m perf.bench_engine [--model DIR] [--threads 2] [--repeats 3]
-                                [--profile-formats float32,fp16w,int8,int4w] [--profile-steps 16]
+                                [--profile-formats float32,fp16w,int4w] [--profile-steps 16]
 """
 
 from __future__ import annotations
@@ -148,9 +148,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument(
-        "--profile-formats", default="float32,fp16w,int8,int4w", help="weights formats to profile ('' none)"
-    )
+    parser.add_argument("--profile-formats", default="float32,fp16w,int4w", help="weights formats to profile ('' none)")
     parser.add_argument("--profile-steps", type=int, default=16, help="decode steps per profile (prefill: a quarter)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -255,10 +253,10 @@ def print_table(report: dict) -> None:
     b16 = report["results"]["decode_b16"]
     print(f"\n(transformers generate at batch 16, context 256: {b16['hf_batch16_tok_s']:.1f} tok/s)")
     if report["step_profile"]:
-        from backend.engine.cpu_kernels import kernel_path
+        from backend.engine.formats import kernel_path_line
 
         print(
-            f"\nWhere the engine's step goes, {report['threads']} threads, {kernel_path().short()} "
+            f"\nWhere the engine's step goes, {report['threads']} threads; {kernel_path_line()} "
             "(ms per step by op class, each op's own time; outside ops: the step's unprofiled wall time "
             "minus the ops' own time)\n"
         )

@@ -1,4 +1,4 @@
-"""Benchmark: the engine's weight formats (``weights_dtype`` float32 / bfloat16 / int8 / fp16w:
+"""Benchmark: the engine's weight formats (``weights_dtype`` float32 / bfloat16 / fp16w / int4w:
 ``--formats`` takes any of ``WEIGHT_FORMATS``; the KV cache float32 for all) side by side in one
 run, on the real model.
 
@@ -18,7 +18,7 @@ the first token. Each format runs with each ``--decoders`` setting (``EngineConf
 against the first variant (float32 through transformers' modules by default). Prints a markdown
 table; writes ``formats.{json,md}`` to the results folder (``perf/results/``).
 
-    python -m perf.bench_formats [--formats float32,bfloat16,int8] [--decoders transformers,auto]
+    python -m perf.bench_formats [--formats float32,bfloat16,fp16w,int4w] [--decoders transformers,auto]
                                  [--threads 2] [--server] [--heldout FILE] [--windows N]
 """
 
@@ -240,7 +240,7 @@ def _heldout_cells(r: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--formats", default="float32,bfloat16,int8")
+    p.add_argument("--formats", default="float32,bfloat16,fp16w,int4w")
     p.add_argument("--decoders", default="transformers,auto", help="EngineConfig.decoder settings to compare")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--model", default=None)

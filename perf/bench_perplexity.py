@@ -1,7 +1,7 @@
 """Benchmark: perplexity through the server per weights format, and against llama.cpp.
 
 Per mode (``aggregated``; ``disagg``: 1 prefill + 1 decode instance, cores split, every prefill
-over the KV fabric) and per weights format (``weights_dtype`` float32 / bfloat16 / int8, the KV
+over the KV fabric) and per weights format (``weights_dtype`` float32 / bfloat16 / int4w, the KV
 cache as the engine's default), one real ``tritonserver`` with the OpenAI frontend in front:
 
 - perplexity on ``perf/data/heldout_en.txt`` (held-out prose written for this repository, CC0)
@@ -28,7 +28,7 @@ adds none. Our float32 (first mode) is scored once more with the same BOS first:
 perplexity and top-1 agreement are against that. Also its one-stream tokens/s.
 Prints a markdown table; writes JSON to the results folder (``perf/results/``).
 
-    python -m perf.bench_perplexity [--formats float32,bfloat16,int8] [--modes aggregated,disagg]
+    python -m perf.bench_perplexity [--formats float32,bfloat16,int4w] [--modes aggregated,disagg]
                                     [--window 512] [--tokens 128] [--streams 3] [--no-llama-cpp]
                                     [--engine-threads N]
 """
@@ -225,7 +225,7 @@ def _compare(row: dict, ref: dict | None, name: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--formats", default="float32,bfloat16,int8")
+    p.add_argument("--formats", default="float32,bfloat16,int4w")
     p.add_argument("--modes", default="aggregated,disagg")
     p.add_argument("--text", default=str(loadgen.HELDOUT))
     p.add_argument("--window", type=int, default=512, help="tokens per window (non-overlapping)")

@@ -22,8 +22,7 @@ import time
 # name -> (module, what it measures); the order is the help's
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("perf.bench_engine", "the engine against transformers: prefill, decode at batch 1 and 16"),
-    "formats": ("perf.bench_formats", "weight formats (float32, bfloat16, int8): speed and quality"),
-    "int8-kernels": ("perf.bench_int8_kernels", "int8 matrix-product kernels side by side"),
+    "formats": ("perf.bench_formats", "weight formats (float32, bfloat16, fp16w, int4w): speed and quality"),
     "spec": ("perf.bench_spec", "speculative decoding: accepted tokens per step, decode tokens/s"),
     "transfer": ("perf.bench_transfer", "page-level NIXL KV transfer against raw bulk NIXL and memcpy"),
     "ttft": ("perf.bench_ttft", "TTFT of a long prompt, layer-by-layer against after-prefill KV streaming"),

@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--weights-dtype",
         default="auto",
-        help="weights_dtype of every instance (auto: serve's default; float32, fp16w, int8)",
+        help="weights_dtype of every instance (auto: serve's default; float32, fp16w, int4w)",
     )
     args = p.parse_args(argv)
     tok = loadgen.load_tokenizer()

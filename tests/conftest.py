@@ -286,17 +286,13 @@ def generate_concurrently(url: str, prompts: list[str], model: str, n_tokens: in
 
 
 def kernel_path_header() -> list[str]:
-    """The CPU, what ``TRITON_DISAGG_CPU`` masks and the kernel path: a bound that depends on the
-    path is asserted for the path named here."""
+    """The CPU, what ``TRITON_DISAGG_CPU`` masks and the kernel path, first in every run: a result
+    that depends on the path is asserted for the path named here."""
     from backend.engine.cpu_kernels import kernel_path
+    from backend.engine.formats import kernel_path_line
 
     path = kernel_path()
-    return [
-        f"cpu: {path.cpu} ({path.cpu_id}); isa: {' '.join(path.isa) or '(no AVX2)'}",
-        path.mask_line,
-        f"kernel path: torch {path.torch_capability}; {path.int8_path}",
-        f"int4w kernel path: {path.int4w_path}",
-    ]
+    return [f"cpu isa: {' '.join(path.isa) or '(no AVX2)'}", path.mask_line, kernel_path_line()]
 
 
 def pytest_configure(config):

@@ -12,15 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from backend.engine.checkpoint_source import layers_in_int4w_groups
-from backend.engine.cpu_kernels import FORMAT_FLAGS, INT8_ACTIVATIONS, missing_flags, requirement
+from backend.engine.cpu_kernels import missing_flags, requirement
+from backend.engine.formats import DTYPES, WEIGHT_FORMATS, choose_kv_format, choose_weights_format, weight_format
 
 if TYPE_CHECKING:
     import torch
-
-# torch's float dtypes by name (torch is imported where a dtype is needed: a front or router that
-# only parses settings never loads it)
-DTYPES = ("float32", "float16", "bfloat16")
 
 
 def cache_root() -> Path:
@@ -35,36 +31,6 @@ def _torch():
     return torch
 
 
-# int8: int8 linear layers (weights per output channel, activations per row, fbgemm, CPU) over a
-# rotated residual stream (backend/engine/int8_linear.py), everything else in float32; fp16w: the
-# linear layers' weights in float16 through fbgemm's fp16-weight GEMM, float32 activations and sums
-# (CPU with AVX2 and F16C; backend/engine/fp16_linear.py), everything else in float32;
-# fp16w-bf16: fp16w for few-row products, bfloat16 weights and activations (oneDNN, AMX-BF16 or
-# AVX512-BF16) for
-# products of more rows (prefill chunks) instead of float32 ones (backend/engine/bf16_linear.py)
-# auto (the default): the measured best, see choose_weights_format
-# int4w: the decoder layers' weights in 4-bit groups of 32 (GGUF Q4_1's layout, exact for a
-# checkpoint converted from one) through our own AVX2 kernel (activations as int16 per group, exact
-# integer sums per group, float32 beyond) for few-row products, float32 for many; the LM head the
-# same way in 8-bit groups (GGUF Q8_0's layout) (backend/engine/int4_linear.py, group_matmul.py)
-# int4w-bf16: int4w with fp16w-bf16's bfloat16 products (AMX tiles or AVX512-BF16) for many rows
-# int4w-a8, int4w-a8-bf16: int4w and int4w-bf16 whose few-row 4-bit products take the activations as
-# int8 per group of 32 (scale max|x| / 127; vpdpbusd or vpmaddubsw: twice int16's products per
-# instruction), the LM head's 8-bit groups as before (cpu_kernels.INT8_ACTIVATIONS)
-INT4W_FORMATS = ("int4w", "int4w-bf16", *INT8_ACTIVATIONS)
-WEIGHT_FORMATS = ("auto", *DTYPES, "int8", "fp16w", "fp16w-bf16", *INT4W_FORMATS)
-# the formats that run on the CPU only, in one process, and their kernels (named in refusals)
-CPU_FORMATS = {
-    "int8": "fbgemm's int8 kernels",
-    "fp16w": "fbgemm's fp16-weight GEMM",
-    "fp16w-bf16": "fbgemm's fp16-weight GEMM, oneDNN's bfloat16 (AMX-BF16 or AVX512-BF16)",
-    "int4w": "our group kernel (AVX2 and FMA; AVX-512 VNNI where the CPU has it), fbgemm's fp16-weight GEMM",
-    "int4w-bf16": (
-        "our group kernel (AVX2 and FMA; AVX-512 VNNI where the CPU has it), "
-        "oneDNN's bfloat16 (AMX-BF16 or AVX512-BF16)"
-    ),
-}
-CPU_FORMATS |= {a8: CPU_FORMATS[base] for a8, base in INT8_ACTIVATIONS.items()}
 # auto: the lean layer loop (backend/engine/lean_decoder.py) where the checkpoint's layers fit it
 # and the model runs in one process, and with int4w weights its decode steps of up to 16 sequences
 # as one kernel call (backend/engine/fused_decode.py) where that applies; lean: the lean layer loop
@@ -85,19 +51,14 @@ class EngineConfig:
     (:meth:`resolve_max_model_len`).
 
     Formats: ``dtype`` is the default of both ``weights_dtype`` (the weights and the activations
-    computed with them; ``int8``: the linear layers' weights in int8 with activations quantized
-    per row (per token), fbgemm on the CPU, over a rotated residual stream, the rest in float32:
-    ``int8_linear.py``; ``fp16w``: the linear layers' weights in float16, float32 activations and
-    sums, fbgemm on a CPU with AVX2 and F16C, the rest in float32: ``fp16_linear.py``;
-    ``fp16w-bf16``: fp16w's few-row products, bfloat16 ones on AMX tiles for more rows:
-    ``bf16_linear.py``) and
-    ``kv_dtype`` (the KV pool; ``auto``, the default: float16 on the CPU under the 4-bit and
-    float16-weight formats (:data:`KV16_FORMATS`: the fused decode step reads it widened, and the
-    held-out quality is float32 KV's: :data:`KV_AUTO_WHY`), else as ``dtype``, so float32 weights
-    stay exact; ``kv_choice`` says why). They are independent: a float32 model may keep a
-    bfloat16 KV cache. int8, fp16w and fp16w-bf16 run on the CPU in one process only.
-    ``weights_dtype=auto`` (the default) is resolved here, once, into a format
-    (:func:`choose_weights_format`); ``weights_choice`` says why.
+    computed with them: a dtype, or one of the CPU formats of ``formats.py``, whose entries say
+    what each needs and runs) and ``kv_dtype`` (the KV pool; ``auto``, the default: float16 on the
+    CPU under the formats whose entry says so (``kv16``: the fused decode step reads it widened,
+    and the held-out quality is float32 KV's), else as ``dtype``, so float32 weights stay exact;
+    ``kv_choice`` says why). They are independent: a float32 model may keep a bfloat16 KV cache.
+    The CPU formats run on the CPU in one process only. ``weights_dtype=auto`` (the default) is
+    resolved here, once, into a format (``formats.choose_weights_format``); ``weights_choice``
+    says why.
 
     KV tiers below the pool (with prefix caching, one process; ``kv_tiers.py``): a host tier of
     ``kv_host_tokens`` tokens (default: as many as the pool; 0: none) and a disk tier of at most
@@ -157,7 +118,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_dtype must be auto or one of {sorted(DTYPES)}, got {self.kv_dtype!r}")
         if self.decoder not in DECODERS:
             raise ValueError(f"EngineConfig.decoder must be one of {list(DECODERS)}, got {self.decoder!r}")
-        if self.weights_format in CPU_FORMATS and self.tensor_parallel_size != 1:
+        fmt = weight_format(self.weights_format)
+        if fmt.cpu_only and self.tensor_parallel_size != 1:
             raise ValueError(
                 f"EngineConfig.weights_dtype {self.weights_format} is not supported with tensor_parallel_size > 1"
             )
@@ -195,17 +157,13 @@ class EngineConfig:
             )
         if self.device.startswith("cuda") and not _torch().cuda.is_available():
             raise ValueError("EngineConfig.device is 'cuda' but torch sees no GPU")
-        if self.weights_format in CPU_FORMATS and self.torch_device.type != "cpu":
-            raise ValueError(
-                f"EngineConfig.weights_dtype {self.weights_format} runs on the CPU only "
-                f"({CPU_FORMATS[self.weights_format]})"
-            )
-        needs = FORMAT_FLAGS.get(self.weights_format, ())
-        missing = missing_flags(needs)
+        if fmt.cpu_only and self.torch_device.type != "cpu":
+            raise ValueError(f"EngineConfig.weights_dtype {fmt.name} runs on the CPU only ({fmt.cpu_only})")
+        missing = missing_flags(fmt.needs)
         if missing:
             raise ValueError(
-                f"EngineConfig.weights_dtype {self.weights_format} needs the CPU features {requirement(needs)} "
-                f"({CPU_FORMATS[self.weights_format]}); this CPU lacks {', '.join(missing)}"
+                f"EngineConfig.weights_dtype {fmt.name} needs the CPU features {requirement(fmt.needs)} "
+                f"({fmt.cpu_only}); this CPU lacks {', '.join(missing)}"
             )
 
     def settings(self) -> dict:
@@ -233,8 +191,8 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """The activations' dtype (and the float weights'): float32 under int8 and fp16w weights."""
-        return getattr(_torch(), self.weights_format if self.weights_format in DTYPES else "float32")
+        """The activations' dtype (and the float weights'): float32 under fp16w and int4w weights."""
+        return getattr(_torch(), weight_format(self.weights_format).activations)
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:
@@ -257,98 +215,6 @@ class EngineConfig:
         if not str(values.get("model_path") or "").strip():
             raise ValueError("EngineConfig.model_path is required")
         return parse_section(cls, values, "engine")
-
-
-# Quality against float32 on held-out text, teacher forced through the engine
-# (tests/integration/test_fp16w_quality.py, test_int4w_quality.py, test_int8_quality.py,
-# perf/REPORT.md): per format faster than float32 on the CPU, fastest first, the worst held-out
-# perplexity ratio measured on any kernel path (the worse of the prompt positions and the decode
-# steps) and the lowest next-token argmax agreement on the decode steps (the tokens a request
-# returns). int8: 1.027x on the 8-bit path, 1.084x on the 7-bit path through the server, 96.9%
-# agreement on the 8-bit path; fp16w-bf16: 1.0007x / 0.9995x, 99.55% (seven windows, 2 threads);
-# fp16w: 1.0003x, 100%. int4w and int4w-bf16 on a checkpoint whose decoder layers were Q4_1
-# blocks (the project's SmolLM2; as served, seven windows, 2 threads): int4w 1.0000x / 0.9998x,
-# 100%; int4w-bf16 1.0007x / 0.9994x, 99.55% (its prompt chunks are fp16w-bf16's). On other
-# checkpoints int4w rounds the weights to 4 bits: not measured, and auto never takes it there.
-# int4w-a8 and int4w-a8-bf16 (their decode steps' activations int8 per group): on seven windows
-# 0.9956x / 98.2% and 0.9987x / 99.55%, but on 3,731 decode steps (13 windows of 256 prompt tokens
-# and 287 teacher-forced decode steps; int4w-bf16 99.76% there) 1.0015x / 97.7% and 1.0002x /
-# 97.4% (prompt 1.0015x, bfloat16): within the perplexity, below the agreement.
-FAST_FORMAT_QUALITY = {
-    "int8": (1.084, 0.969),
-    "int4w-a8-bf16": (1.0015, 0.9736),
-    "int4w-a8": (1.0015, 0.9768),
-    "int4w-bf16": (1.001, 0.9955),
-    "int4w": (1.0, 1.0),
-    "fp16w-bf16": (1.001, 0.9955),
-    "fp16w": (1.001, 1.0),
-}
-KV16_FORMATS = (*INT4W_FORMATS, "fp16w", "fp16w-bf16")  # kv_dtype=auto: float16 KV under these (CPU)
-KV_AUTO_WHY = (
-    "float16 KV: the fused decode step reads half the bytes (an 8-sequence step over 1,000-token contexts "
-    "26.7 ms against 36.6 on a Zen 4), held-out quality as float32 KV's (float32 weights: perplexity 1.0000x, "
-    "1,728 of 1,728 decode steps' tokens the same)"
-)
-
-
-def choose_kv_format(dtype: str, weights_format: str, device: str) -> tuple[str, str]:
-    """``kv_dtype=auto``: (the KV pool's dtype, why)."""
-    if device == "cpu" and dtype == "float32" and weights_format in KV16_FORMATS:
-        return "float16", KV_AUTO_WHY
-    if device != "cpu":
-        return dtype, f"as dtype on {device}"
-    return dtype, f"as dtype under {weights_format} weights" + (" (exact)" if weights_format == "float32" else "")
-
-
-QUALITY_LIMIT = 1.01  # perplexity at most 1.01x float32's
-AGREEMENT_LIMIT = 0.99  # and at most one decode-step next token in a hundred other than float32's
-
-
-def choose_weights_format(
-    dtype: str, device_type: str, tensor_parallel_size: int, model_path: str | None = None
-) -> tuple[str, str]:
-    """``weights_dtype=auto``: (format, why). The fastest format within float32's quality (held-out
-    perplexity at most 1.01x float32's and decode-step argmax agreement at least 99% on every
-    kernel path measured) whose kernels this CPU has: int4w-bf16 or int4w where the checkpoint at
-    ``model_path`` was converted from a GGUF whose decoder layers were Q4_1 blocks (its
-    ``gguf_source.json``: int4w's groups hold those weights exactly), on a CPU with AMX-BF16 or
-    AVX512-BF16 (its prefill chunks in bfloat16) or with AVX2, FMA and F16C; otherwise fp16w-bf16
-    (fp16w's decode products, prefill chunks in bfloat16) on a CPU with AMX-BF16 or AVX512-BF16,
-    else fp16w (float16 weights, float32 sums) on one with AVX2 and F16C; one process, ``dtype``
-    float32. int8 is faster but not within. Otherwise ``dtype`` itself."""
-    if dtype != "float32":
-        return dtype, f"dtype {dtype}"
-    if device_type != "cpu":
-        return dtype, f"on {device_type} the weights are dtype's ({dtype})"
-    if tensor_parallel_size != 1:
-        return dtype, "fp16w runs in one process and tensor_parallel_size > 1"
-    source = layers_in_int4w_groups(model_path) if model_path else None
-    excluded = [] if source else list(INT4W_FORMATS)  # they would round this checkpoint's weights
-    within = [
-        f
-        for f, (ppl, agree) in FAST_FORMAT_QUALITY.items()
-        if ppl <= QUALITY_LIMIT and agree >= AGREEMENT_LIMIT and f not in excluded
-    ]
-    runnable = [f for f in within if not missing_flags(FORMAT_FLAGS[f])]
-    if not runnable:
-        needs = FORMAT_FLAGS[within[-1]]
-        return dtype, f"fp16w needs {requirement(needs)}; this CPU lacks {', '.join(missing_flags(needs))}"
-    rest = ", ".join(
-        f"{f} {ppl:.3f}x, {100 * agree:.1f}%"
-        for f, (ppl, agree) in FAST_FORMAT_QUALITY.items()
-        if f not in within and f not in excluded
-    )
-    skipped = [f"{f} needs {', '.join(missing_flags(FORMAT_FLAGS[f]))}" for f in within[: within.index(runnable[0])]]
-    where = f"; the layers are {source}'s Q4_1 blocks" if source else "; int4w: not a Q4_1 checkpoint"
-    ppl, agree = FAST_FORMAT_QUALITY[runnable[0]]
-    return runnable[0], (
-        f"the fastest format within {QUALITY_LIMIT}x float32's held-out perplexity and "
-        f"{100 * AGREEMENT_LIMIT:.0f}% next-token agreement that this CPU runs "
-        f"({runnable[0]} {ppl:.3f}x, {100 * agree:.1f}%; not within: {rest}"
-        + "".join(f"; {s}" for s in skipped)
-        + where
-        + ")"
-    )
 
 
 _TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}

@@ -1,11 +1,11 @@
 """The CPU kernel path this process runs: the CPU's model and identity, the instruction-set
-extensions that choose a kernel (AVX2, F16C, AVX-512, VNNI, AMX), torch's CPU capability,
-fbgemm's int8 path (8-bit activations where its kernel computes them exactly, with VNNI; 7-bit
-where int16 pair sums could saturate), its fp16-weight path (AVX2 and F16C required) and oneDNN's
+extensions that choose a kernel (AVX2, F16C, AVX-512, VNNI, AMX), torch's CPU capability, our
+group kernel's version, fbgemm's fp16-weight path (AVX2 and F16C required) and oneDNN's
 bfloat16 path for ``fp16w-bf16``'s many-row products (AMX-BF16 or AVX512-BF16 required). Figures
-and tests name it beside what they measured, since a result or a bound can depend on it
-(``perf/lib/machine.py``, the test run's header). ``TRITON_DISAGG_CPU=avx2`` makes the process
-behave as an AVX2-only CPU on any x86-64 (:func:`cpu_flags`, :func:`apply_cpu_mask`)."""
+and tests name it beside what they measured, since a result or a bound can depend on it, as
+``formats.kernel_path_line`` writes it (the server's log, the test run's header, the reports).
+``TRITON_DISAGG_CPU=avx2`` makes the process behave as an AVX2-only CPU on any x86-64
+(:func:`cpu_flags`, :func:`apply_cpu_mask`)."""
 
 from __future__ import annotations
 
@@ -31,30 +31,14 @@ ISA_FLAGS = (
     "amx_bf16",
     "amx_int8",
 )
-# What fbgemm's fp16-weight GEMM (``weights_dtype=fp16w``) needs: it refuses to run without them.
-FP16W_FLAGS = ("avx2", "f16c")
-# ``fp16w-bf16`` adds oneDNN's bfloat16 products for many rows (float32 sums), on AMX tiles or
-# with AVX512-BF16's pair dot products: a 512-token prefill of SmolLM2-135M, 2 threads, 1.6x
-# float32's on an AMD EPYC (family 25, model 17: AVX512-BF16, no AMX) and faster than float32 on
-# an Intel Xeon's AMX tiles (perf/REPORT.md). An entry "a|b" of a requirement: either will do.
+# oneDNN's bfloat16 products (``fp16w-bf16``'s and ``int4w-bf16``'s many-row ones) run on AMX
+# tiles or with AVX512-BF16's pair dot products: a 512-token prefill of SmolLM2-135M, 2 threads,
+# 1.6x float32's on an AMD EPYC (family 25, model 17: AVX512-BF16, no AMX) and faster than float32
+# on an Intel Xeon's AMX tiles (perf/REPORT.md). An entry "a|b" of a requirement: either will do.
 BF16_PRODUCTS = "amx_bf16|avx512_bf16"
-FP16W_BF16_FLAGS = (*FP16W_FLAGS, BF16_PRODUCTS)
-# The CPU features each CPU-only format needs (EngineConfig refuses the format without them).
-# ``int4w``: our group kernel (AVX2, FMA) for the decoder layers' 4-bit groups and the LM head's 8-bit ones.
-INT4W_FLAGS = (*FP16W_FLAGS, "fma")
-# The group kernel's AVX-512 VNNI version (``group_matmul.c``: vpdpwssd on 512-bit registers);
+# The group kernel's AVX-512 VNNI version (``kernels/group_avx512_vnni.c``: vpdpwssd on 512-bit registers);
 # without them it takes its AVX2 version.
 GROUP_VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-FORMAT_FLAGS = {
-    "fp16w": FP16W_FLAGS,
-    "fp16w-bf16": FP16W_BF16_FLAGS,
-    "int4w": INT4W_FLAGS,
-    "int4w-bf16": (*INT4W_FLAGS, BF16_PRODUCTS),
-}
-# The int4w formats whose few-row 4-bit products take int8 activations, and the format each is
-# otherwise (its CPU features, kernels for many rows): the one place that says so.
-INT8_ACTIVATIONS = {"int4w-a8": "int4w", "int4w-a8-bf16": "int4w-bf16"}
-FORMAT_FLAGS |= {a8: FORMAT_FLAGS[base] for a8, base in INT8_ACTIVATIONS.items()}
 
 
 @functools.cache
@@ -170,8 +154,7 @@ class KernelPath:
     cpu_id: str  # cpu_id()
     isa: tuple[str, ...]  # the ISA_FLAGS this CPU has
     torch_capability: str  # ATen's vectorized-kernel level: "AVX2", "AVX512", ...
-    int8_full_range: bool  # fbgemm's int8 product is exact with 8-bit activations
-    group_kernel: str = "avx2"  # group_kernel(): int4w's kernel version
+    group_kernel: str = "avx2"  # group_kernel(): our kernels' version ("": a recorded path from before them)
     mask: str = "native"  # cpu_mask()
     masked: tuple[str, ...] = ()  # masked_flags()
 
@@ -185,27 +168,14 @@ class KernelPath:
         return f"cpu mask: {CPU_MASK_ENV}={self.mask}: as an AVX2-only CPU; hidden: {hidden}; {caps}"
 
     @property
-    def int8_path(self) -> str:
-        return (
-            "fbgemm int8, 8-bit activations (exact: VNNI)"
-            if self.int8_full_range
-            else "fbgemm int8, 7-bit activations (no VNNI: 8-bit pair sums would saturate int16)"
-        )
-
-    @property
     def fp16w_path(self) -> str:
         ours = "AVX-512" if self.group_kernel == "avx512_vnni" else "AVX2+FMA"
         return f"fp16 weights, float32 activations and sums (our {ours} kernel, F16C; fbgemm's on one thread beyond)"
 
     @property
     def int4w_path(self) -> str:
-        return self._int4w_path(16)
-
-    def _int4w_path(self, acts: int) -> str:
         kernel = "AVX-512 VNNI" if self.group_kernel == "avx512_vnni" else "AVX2+FMA"
-        if acts == 8:
-            kernel += " vpdpbusd" if self.group_kernel == "avx512_vnni" else " vpmaddubsw"
-        return f"int4 groups of 32 (the LM head int8 groups), int{acts} activations per group (our {kernel} kernel)"
+        return f"int4 groups of 32 (the LM head int8 groups), int16 activations per group (our {kernel} kernel)"
 
     @property
     def float32_path(self) -> str:
@@ -218,42 +188,42 @@ class KernelPath:
         tiles = units[0] if units else "neither AMX-BF16 nor AVX512-BF16: not fp16w-bf16's path"
         return f"oneDNN bfloat16 weights and activations, float32 sums ({tiles})"
 
-    def short(self, weights: str = "int8") -> str:
-        """One line for a table's caption or a log line, with the kernel path of the weights
-        format ``weights`` (``int8``, ``float32``, ``fp16w``, ``fp16w-bf16`` or an int4w format)."""
-        path = {
-            "float32": self.float32_path,
-            "fp16w": self.fp16w_path,
-            "fp16w-bf16": f"{self.fp16w_path} for few rows; {self.bf16_path} for many",
-        }
-        for fmt in ("int4w", "int4w-bf16", *INT8_ACTIVATIONS):
-            bf16 = fmt.endswith("-bf16")
-            many = f"fp16w-bf16's (float16, {self.bf16_path})" if bf16 else "fp16w's products (float16, float32)"
-            path[fmt] = f"{self._int4w_path(8 if fmt in INT8_ACTIVATIONS else 16)} for up to 16 rows; {many} for more"
-        return f"{self.cpu} ({self.cpu_id}); torch {self.torch_capability}; {path.get(weights, self.int8_path)}"
-
     def as_dict(self) -> dict[str, object]:
         return {
             "cpu": self.cpu,
             "cpu_id": self.cpu_id,
             "isa": list(self.isa),
             "torch_capability": self.torch_capability,
-            "int8_path": self.int8_path,
             "fp16w_path": self.fp16w_path,
             "bf16_path": self.bf16_path,
             "int4w_path": self.int4w_path,
             "float32_path": self.float32_path,
+            "group_kernel": self.group_kernel,
             "mask": self.mask,
             "masked": list(self.masked),
         }
 
+    @classmethod
+    def from_dict(cls, recorded: dict) -> KernelPath:
+        """A path :meth:`as_dict` recorded (a result envelope's); ``group_kernel``, recorded since
+        issue 57, read before that from its int4w path ("" where there was none: no kernel of ours)."""
+        int4w = str(recorded.get("int4w_path", ""))
+        kernel = recorded.get("group_kernel") or ("avx512_vnni" if "VNNI" in int4w else "avx2" if int4w else "")
+        return cls(
+            cpu=recorded.get("cpu", "?"),
+            cpu_id=recorded.get("cpu_id", "?"),
+            isa=tuple(recorded.get("isa", ())),
+            torch_capability=recorded.get("torch_capability", "?"),
+            group_kernel=kernel,
+            mask=recorded.get("mask", "native"),
+            masked=tuple(recorded.get("masked", ())),
+        )
+
 
 @functools.cache
 def kernel_path() -> KernelPath:
-    """This process's kernel path (read once: the int8 check runs one small product)."""
+    """This process's kernel path (read once)."""
     import torch
-
-    from backend.engine.int8_linear import full_range_is_exact
 
     flags = cpu_flags()
     return KernelPath(
@@ -261,7 +231,6 @@ def kernel_path() -> KernelPath:
         cpu_id=cpu_id(),
         isa=tuple(f for f in ISA_FLAGS if f in flags),
         torch_capability=str(torch.backends.cpu.get_cpu_capability()),
-        int8_full_range=full_range_is_exact(),
         group_kernel=group_kernel(),
         mask=cpu_mask(),
         masked=masked_flags(),

@@ -15,7 +15,7 @@ of more rows up to :func:`fp16_max_rows` (only on one thread, where that limit i
 whose inputs are not a multiple of 16 (our kernel's unit). Needs AVX2 and F16C (``EngineConfig``
 refuses the format on a CPU without them, naming the feature); every kernel (AVX2, AVX-512)
 computes the same thing, float16 weights and float32 sums, so the quality does not depend on the
-CPU (unlike int8's activation range; the last bits may, as float32's do).
+CPU (the last bits may, as float32's do).
 
 fbgemm's fp16 GEMM computes rather than waits for memory once a product has more than a few rows:
 measured on an Intel Xeon (AVX-512) with SmolLM2-135M's shapes, it is faster than float32 up to
@@ -46,7 +46,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from backend.engine.bf16_linear import bf16_product, pack_bf16
-from backend.engine.cpu_kernels import INT8_ACTIVATIONS
+from backend.engine.formats import weight_format
 from backend.engine.group_matmul import FLOAT_ROWS, f32_product, f32_unsupported
 
 
@@ -55,11 +55,6 @@ def fp16_max_rows(threads: int) -> int:
     64 on 1 thread and 16 on 2 (measured crossovers, module docstring), and 64 / threads^2 beyond,
     where float32's multi-threaded GEMM pulls further ahead of fbgemm's single thread."""
     return max(1, 64 // max(1, threads) ** 2)
-
-
-# the dtype of the products of more rows than the limit, per format
-MANY_ROWS = {"fp16w": torch.float32, "fp16w-bf16": torch.bfloat16, "int4w": torch.float32, "int4w-bf16": torch.bfloat16}
-MANY_ROWS |= {a8: MANY_ROWS[base] for a8, base in INT8_ACTIVATIONS.items()}
 
 
 class Fp16Linear(nn.Module):
@@ -149,9 +144,19 @@ def quantize_linear_fp16(
 ) -> nn.Module:
     """``weights_dtype=fp16w`` or ``fp16w-bf16`` (``weights``): every ``nn.Linear`` of ``model``
     (the LM head and fused projections included) replaced in place by :class:`Fp16Linear` (our
-    float16 product on ``threads`` threads); the residual stream is left as it is."""
+    float16 product on ``threads`` threads, the format's many-row products beyond its limit); the
+    residual stream is left as it is."""
+    many_rows = many_rows_dtype(weights)
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, Fp16Linear(child, max_rows, MANY_ROWS[weights], threads))
+                setattr(module, name, Fp16Linear(child, max_rows, many_rows, threads))
     return model
+
+
+def many_rows_dtype(weights: str) -> torch.dtype:
+    """The dtype of format ``weights``' products of more rows than the limit (its entry's ``many_dtype``)."""
+    name = weight_format(weights).many_dtype
+    if name is None:
+        raise ValueError(f"{weights}: not a format of float16-weight layers")
+    return getattr(torch, name)

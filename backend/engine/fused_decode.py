@@ -1,4 +1,4 @@
-"""A decode step's decoder layers as one call into our kernel library (``kernels/group_matmul.c``,
+"""A decode step's decoder layers as one call into our kernel library (``kernels/decode_step.c``,
 ``decode_layers``): every decoder layer for up to ``group_linear.MAX_ROWS`` sequences of one token
 each (RMS norms, the products, the rotary embedding, the K/V write into the paged HND pool,
 attention over each sequence's pages (the (sequence, head) pairs split between the threads), SiLU,
@@ -51,7 +51,7 @@ _DIMS: list[_Field] = [
     *((name, ctypes.c_long) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter")),
     ("eps", ctypes.c_float),
     ("scaling", ctypes.c_float),
-    *((name, ctypes.c_long) for name in ("num_pages", "page_size", "max_pages", "kernel", "weights", "acts")),
+    *((name, ctypes.c_long) for name in ("num_pages", "page_size", "max_pages", "kernel", "weights")),
     ("kv_bits", ctypes.c_long),
 ]
 KV_BITS = {torch.float32: 32, torch.float16: 16}  # the pools it reads (float16: widened as read)
@@ -61,8 +61,9 @@ class _Dims(ctypes.Structure):
     _fields_ = _DIMS
 
 
-def unsupported_reason(model: nn.Module, pool: KVPool) -> str | None:
-    """None when :class:`FusedDecode` can run ``model``'s decode steps over ``pool``; else why not."""
+def unsupported_reason(model: nn.Module, pool: KVPool, weights: int) -> str | None:
+    """None when :class:`FusedDecode` can run ``model``'s decode steps over ``pool`` with the
+    weights its format's entry names (``formats.WeightFormat.fused``: 4, 16 or 32); else why not."""
     inner: Any = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:
@@ -71,9 +72,9 @@ def unsupported_reason(model: nn.Module, pool: KVPool) -> str | None:
         return f"the KV pool is {pool.dtype} on {pool.device} (float32 or float16 on the CPU only)"
     if pool.head_dim % 8 or pool.head_dim > 512:
         return f"head size {pool.head_dim} (a multiple of 8, at most 512)"
-    weights = _weights(layers[0].self_attn.qkv_proj) if len(layers) else None
-    if weights is None:
-        return "the first product: neither 4-bit groups nor float32 nor float16 weights our kernels take"
+    first = _weights(layers[0].self_attn.qkv_proj) if len(layers) else None
+    if first != weights:
+        return f"the first product: not the {weights}-bit weights of the format that our kernels take"
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         for part in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
@@ -83,17 +84,9 @@ def unsupported_reason(model: nn.Module, pool: KVPool) -> str | None:
                 return "a product with a bias"
             if weights == 4 and part.out_features % TILE:
                 return f"a product of {part.out_features} outputs (whole tiles of {TILE} only)"
-            if weights == 4 and part.acts != attn_acts(layers[0]):
-                return "products with activations of other widths"
     if weights != 4 and f32_unsupported() is not None:
         return f"float products: {f32_unsupported()}"
     return None
-
-
-def attn_acts(layer: nn.Module) -> int:
-    """The activations' bits of ``layer``'s first product (4-bit groups)."""
-    attn: Any = layer.self_attn
-    return attn.qkv_proj.acts
 
 
 def _weights(part: nn.Module) -> int | None:
@@ -131,7 +124,7 @@ class FusedDecode:
     """``forward(batch) -> [B, hidden]`` (after the final norm), or None when the step is not one
     it takes (see the module docstring). ``threads``: how many threads split each product."""
 
-    def __init__(self, model: nn.Module, pool: KVPool, threads: int = 1):
+    def __init__(self, model: nn.Module, pool: KVPool, weights: int, threads: int = 1):
         config: Any = model.config
         inner: Any = model.model
         self.inner, self.pool = inner, pool
@@ -143,7 +136,7 @@ class FusedDecode:
         self._kernel.argtypes = argtypes + [_P] * 8 + [ctypes.c_long]
         self.threads = threads
         self._kernel.restype = ctypes.c_int
-        self._weights = _weights(inner.layers[0].self_attn.qkv_proj)
+        self._weights = weights  # 4, 16 or 32: the format's (unsupported_reason checked every product)
         layers = []
         for layer in inner.layers:
             parts = {"norm1": layer.input_layernorm.weight, "norm2": layer.post_attention_layernorm.weight}
@@ -173,7 +166,6 @@ class FusedDecode:
             page_size=pool.page_size,
             kernel=kernel(),
             weights=self._weights,
-            acts=attn_acts(inner.layers[0]) if self._weights == 4 else 16,
             kv_bits=KV_BITS[pool.dtype],
         )
 
@@ -220,7 +212,7 @@ class FusedDecode:
                 self.threads,
             )
         if rc == -2:
-            raise ValueError("fused decode: the kernel library refused the products (see group_matmul.c)")
+            raise ValueError("fused decode: the kernel library refused the products (see kernels/decode_step.c)")
         if rc != 0:
             raise MemoryError("fused decode: no memory for the step's activations")
         return h  # the final norm applied by the kernel

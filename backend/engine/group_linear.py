@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from backend.engine.formats import FEW_ROWS
 from backend.engine.fp16_linear import Fp16Linear
 from backend.engine.group_matmul import GROUP, Groups, product
 
@@ -27,39 +28,36 @@ from backend.engine.group_matmul import GROUP, Groups, product
 # Up to 16 rows either kernel is faster than fbgemm's float16 products (which read 212 MB, on one
 # thread) and, without AMX, than float32's; bfloat16 on AMX tiles overtakes the VNNI kernel from
 # about 12 rows but rounds the activations (held-out argmax agreement 97.4%, the groups' 99.9%).
-# So a decode step of up to 16 sequences takes the groups; more rows take fp16w's products. Read
-# when a layer's product function is made and at each fused decode step.
-MAX_ROWS = 16
+# So a decode step of up to 16 sequences (the registry's few-row limit) takes the groups; more rows
+# take fp16w's products. Read when a layer's product function is made and at each fused decode step.
+MAX_ROWS = FEW_ROWS
 
 
 class GroupLinear(nn.Module):
     """``groups``: its weights in groups of 32 (the subclass quantizes them: ``group_matmul``'s
     :class:`Groups`, not a buffer: ``.to()`` or a state dict must not move or copy them);
     ``group_error``: their largest rounding error (0.0: the groups hold them exactly); ``threads``:
-    how many threads the kernel splits a product between; ``acts``: the activations' bits per
-    group in those products (16; 8 for 4-bit groups: ``group_matmul.product``). ``product()`` is its forward as a plain
+    how many threads the kernel splits a product between. ``product()`` is its forward as a plain
     function (the lean layer loop calls it without the module call). ``max_rows``: fp16w's limit
     (:func:`~backend.engine.fp16_linear.fp16_max_rows`); where it is not above ``MAX_ROWS`` no
     float16 copy is made."""
 
-    def __init__(
-        self, linear: nn.Linear, max_rows: int, many_rows: torch.dtype, groups: Groups, threads: int, acts: int = 16
-    ):
+    def __init__(self, linear: nn.Linear, max_rows: int, many_rows: torch.dtype, groups: Groups, threads: int):
         super().__init__()
         self.in_features, self.out_features, self.max_rows = linear.in_features, linear.out_features, max_rows
-        self.groups, self.group_error, self.threads, self.acts = groups, groups.error, threads, acts
+        self.groups, self.group_error, self.threads = groups, groups.error, threads
         self.wider = Fp16Linear(linear, max_rows if max_rows > MAX_ROWS else 0, many_rows, ours=False)
         self._forward = self.product()
 
     def product(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        wider, bias, groups, threads, acts = self.wider.product(), self.wider.bias, self.groups, self.threads, self.acts
+        wider, bias, groups, threads = self.wider.product(), self.wider.bias, self.groups, self.threads
         n, k, limit = self.out_features, self.in_features, MAX_ROWS
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             count = x.numel() // k
             if count > limit:
                 return wider(x)
-            out = product(groups, x.reshape(count, k).float().contiguous(), threads, acts)
+            out = product(groups, x.reshape(count, k).float().contiguous(), threads)
             if bias is not None:
                 out += bias
             return out.reshape(*x.shape[:-1], n)
@@ -72,7 +70,7 @@ class GroupLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, weights={self.groups.bits}-bit groups "
-            f"of {GROUP} up to {MAX_ROWS} rows with {self.acts}-bit activations (largest group error "
+            f"of {GROUP} up to {MAX_ROWS} rows with 16-bit activations (largest group error "
             f"{self.group_error:.1e}), "
             + (f"float16 up to {self.wider.max_rows}, " if self.wider.max_rows else "")
             + f"{str(self.wider.many_rows).removeprefix('torch.')} beyond"

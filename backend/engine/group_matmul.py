@@ -1,14 +1,13 @@
 """Our products with weights held in groups of 32 along the input dimension (the int4w format's
 4-bit groups, GGUF Q4_1's block, and its LM head's 8-bit groups, GGUF Q8_0's block), through our
-own kernel (``kernels/group_matmul.c``; ``threads`` split each product's output rows: the calling
-thread and helper threads of the library's own, which spin for 0.2 ms after a product for the
-next one, then sleep; each thread takes its own share, then what the others have not taken yet).
+own kernel library (``kernels/``: one library of several files, ``kernels/group_matmul.h`` says
+which; ``threads`` split each product's output rows: the calling thread and helper threads of the
+library's own (``threads.c``), which spin for 0.2 ms after a product for the next one, then
+sleep; each thread takes its own share, then what the others have not taken yet).
 
 The kernel quantizes the activations per row and group of 32 to int16 (scale: the group's largest
 magnitude over 32767; the error of each value at most 1.5e-5 of that magnitude, finer than float16's
-rounding) and sums each group's integer products exactly in int32, scaled once in float32; with
-``acts=8`` (the int4w-a8 formats' 4-bit groups) to int8 (scale: over 127), whose products it sums
-four at a time (``vpdpbusd``; AVX2: ``vpmaddubsw``), twice int16's per instruction. The
+rounding) and sums each group's integer products exactly in int32, scaled once in float32. The
 weights are held in tiles of 16 rows (:class:`Groups`; N padded to a multiple of 16), which two
 kernels read: AVX-512 VNNI (16 outputs per 512-bit register, 16 ``vpdpwssd`` per group) and AVX2
 (two halves of 8 rows, ``vpmaddwd``), chosen once per process (:func:`kernel`). Measured on
@@ -17,7 +16,8 @@ model 167, 2 threads): 1 row 5.7 ms (VNNI) / 6.4 (AVX2), 8 rows 13.8 / 20.0, aga
 30.8 for the AVX2 kernel over rows in order that they replaced (``perf`` history, 2026-12-05).
 Held-out quality as float32's (``tests/integration/test_int4w_quality.py``).
 
-The kernel is compiled once per source and CPU (``cc -O3 -mavx2 -mfma``) into the user's cache
+The library is compiled once per source and CPU (``cc -O3 -mavx2 -mfma -mf16c``, every ``.c`` file
+of ``kernels/`` in one command: one library, one dispatch table) into the user's cache
 (``TRITON_DISAGG_CACHE``, default ``~/.cache/triton-disagg``) and loaded with ctypes (the GIL is
 released during the call); without a C compiler the formats that need it are refused at load with
 the reason.
@@ -41,16 +41,30 @@ import torch
 
 from backend.engine.config import cache_root
 from backend.engine.cpu_kernels import group_kernel
+from backend.engine.formats import FEW_ROWS
 
 log = logging.getLogger("triton_disagg.engine")
 
 GROUP = 32
 TILE = 16  # rows of W per tile
-# the most rows a product takes through the float32 / float16 products (f32_product): measured
-# faster than MKL's float32 products up to here on 2 threads (small_batch_linear.py's docstring)
-FLOAT_ROWS = 16
+# the most rows a product takes through the float32 / float16 products (f32_product), the
+# registry's few-row limit: measured faster than MKL's float32 products up to here on 2 threads
+# (small_batch_linear.py's docstring)
+FLOAT_ROWS = FEW_ROWS
 KERNELS = {"avx2": 1, "avx512_vnni": 2}  # the library's kernel numbers
-SOURCE = Path(__file__).with_name("kernels") / "group_matmul.c"
+KERNELS_DIR = Path(__file__).with_name("kernels")
+SOURCE = KERNELS_DIR / "group_matmul.c"  # the library's entry points and dispatch table
+
+
+def sources() -> list[Path]:
+    """The library's C files, compiled together (sorted: the build key and the command are stable)."""
+    return sorted(KERNELS_DIR.glob("*.c"))
+
+
+def headers() -> list[Path]:
+    return sorted(KERNELS_DIR.glob("*.h"))
+
+
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-shared", "-fPIC")
 LIBS = ("-lm", "-lpthread")
 
@@ -67,10 +81,10 @@ def library() -> ctypes.CDLL:
 
 def build(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     """The kernel library compiled with ``defines`` (``-DNAME=VALUE``: the source's test hooks;
-    none in serving), built on first use, then loaded from the cache. A cached build is named by
-    its source, compiler, flags, defines and architecture and by the SHA-256 of its own bytes: one
-    whose bytes do not hash to its name (truncated, altered) or that does not load is logged,
-    removed and built again, never loaded."""
+    none in serving: ``kernels/test_hooks.h``), built on first use, then loaded from the cache.
+    A cached build is named by its sources, compiler, flags, defines and architecture and by the
+    SHA-256 of its own bytes: one whose bytes do not hash to its name (truncated, altered) or that
+    does not load is logged, removed and built again, never loaded."""
     compiler = os.environ.get("CC", "cc")
     key = build_key(compiler, defines)
     folder = cache_dir()
@@ -83,7 +97,10 @@ def build(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *CFLAGS, *defines, "-o", tmp, str(SOURCE), *LIBS], capture_output=True, text=True, timeout=120
+            [compiler, *CFLAGS, *defines, "-o", tmp, *map(str, sources()), *LIBS],
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
     except (OSError, subprocess.TimeoutExpired) as e:
         os.unlink(tmp)
@@ -93,15 +110,18 @@ def build(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
         raise RuntimeError(f"group kernels: compiling {SOURCE.name} failed: {done.stderr.strip()[-500:]}")
     lib_path = folder / f"group_matmul-{key}-{_digest(Path(tmp))}.so"
     os.replace(tmp, lib_path)  # atomic: processes that build at once load a whole file
-    log.info("group kernels: compiled %s into %s", SOURCE.name, lib_path)
+    log.info("group kernels: compiled %s into %s", " ".join(p.name for p in sources()), lib_path)
     return _typed(ctypes.CDLL(str(lib_path)))
 
 
 def build_key(compiler: str, defines: tuple[str, ...] = ()) -> str:
-    """What a cached build is named by first: the source, the compiler, the flags and defines, the
-    architecture."""
-    text = " ".join((compiler, *CFLAGS, *defines, *LIBS, platform.machine())).encode()
-    return hashlib.sha256(SOURCE.read_bytes() + text).hexdigest()[:16]
+    """What a cached build is named by first: every source and header (name and bytes), the
+    compiler, the flags and defines, the architecture."""
+    digest = hashlib.sha256()
+    for path in (*sources(), *headers()):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(" ".join((compiler, *CFLAGS, *defines, *LIBS, platform.machine())).encode())
+    return digest.hexdigest()[:16]
 
 
 def _digest(path: Path) -> str:
@@ -127,7 +147,7 @@ def _load_cached(path: Path) -> ctypes.CDLL | None:
 
 def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     """``lib`` with its functions' argument and result types set."""
-    lib.int4_matmul.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 6
+    lib.int4_matmul.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 5
     lib.int4_matmul.restype = ctypes.c_int
     lib.int8_matmul.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5
     lib.int8_matmul.restype = ctypes.c_int
@@ -179,9 +199,8 @@ def _checked(rc: int) -> None:
         raise MemoryError("group kernels: no memory for the activations' int16 copy")
 
 
-def product(groups: Groups, rows: torch.Tensor, threads: int = 1, acts: int = 16) -> torch.Tensor:
-    """``rows`` [M, k] float32 (contiguous) times the weight in ``groups``: [M, n]. ``acts``: the
-    activations' bits per group, 16 or (4-bit groups only) 8 (:data:`ACTIVATION_BITS`)."""
+def product(groups: Groups, rows: torch.Tensor, threads: int = 1) -> torch.Tensor:
+    """``rows`` [M, k] float32 (contiguous) times the weight in ``groups``: [M, n]."""
     if rows.shape[1] != groups.k:
         raise ValueError(f"group product: rows of {rows.shape[1]} values against groups of {groups.k}")
     lib, count, padded = library(), rows.shape[0], groups.padded
@@ -190,12 +209,8 @@ def product(groups: Groups, rows: torch.Tensor, threads: int = 1, acts: int = 16
     with profiled(f"group_kernel::int{groups.bits}_matmul"):
         if groups.bits == 4:
             assert groups.m is not None
-            rc = lib.int4_matmul(
-                *ptrs[:2], groups.m.data_ptr(), *ptrs[2:], count, padded, groups.k, threads, kernel(), acts
-            )
+            rc = lib.int4_matmul(*ptrs[:2], groups.m.data_ptr(), *ptrs[2:], count, padded, groups.k, threads, kernel())
         else:
-            if acts != 16:
-                raise ValueError("group product: 8-bit groups take 16-bit activations only")
             rc = lib.int8_matmul(*ptrs, count, padded, groups.k, threads, kernel())
     _checked(rc)
     return out if padded == groups.n else out[:, : groups.n]

@@ -7,9 +7,6 @@ of 16 rows, AVX-512 VNNI or AVX2, on the instance's threads) for products of up 
 fp16w's (float16 weights through fbgemm where its limit is above the kernel's, float32 beyond:
 prefill chunks). The LM head takes 8-bit groups (``int8_group_linear.py``) the same way.
 ``int4w-bf16``: the same, with fp16w-bf16's bfloat16 products on AMX tiles for the many-row ones.
-``int4w-a8`` and ``int4w-a8-bf16``: int4w and int4w-bf16 whose few-row 4-bit products round the
-activations to int8 per group instead (``acts`` 8: twice the products per instruction, so a decode
-step of many sequences computes faster; one sequence's step reads the same bytes).
 
 What it reads per weight: half a byte plus an eighth of a byte of group constants (against
 float16's two).
@@ -21,12 +18,7 @@ checkpoints the rounding is Q4_1's; the load logs how many layers are exact and 
 torch's own int4 kernel (``_weight_int4pack_mm_for_cpu``) was measured and not used: it is
 vectorized only for bfloat16 activations, scales and outputs (decode-step argmax agreement with
 float32 98.2% on the held-out windows, below auto's 99%), and its float32 path is scalar (15x
-slower). int8 activations per group (as llama.cpp's Q4_1 x Q8_1 products take them) with every
-product through them, the prompt's included, agreed with float32's argmax 93.2% of the time on the
-held-out prompt positions (three windows); the -a8 formats take them for the few-row products
-only (decode steps), with the group sums of the rounded values (the exact sums beside the rounded
-products added the rounding errors up under each group's shared minimum: decode-step agreement
-96.0% against 98.2% on seven windows).
+slower).
 """
 
 from __future__ import annotations
@@ -44,16 +36,14 @@ log = logging.getLogger("triton_disagg.engine")
 
 class Int4Linear(GroupLinear):
     """A linear layer whose products of at most ``group_linear.MAX_ROWS`` rows read its 4-bit
-    groups (:class:`GroupLinear`) with 16-bit or (``acts`` 8) 8-bit activations."""
+    groups (:class:`GroupLinear`) with 16-bit activations."""
 
-    def __init__(
-        self, linear: nn.Linear, max_rows: int, many_rows: torch.dtype = torch.float32, threads: int = 1, acts: int = 16
-    ):
-        super().__init__(linear, max_rows, many_rows, quantize_int4(linear.weight), threads, acts)
+    def __init__(self, linear: nn.Linear, max_rows: int, many_rows: torch.dtype = torch.float32, threads: int = 1):
+        super().__init__(linear, max_rows, many_rows, quantize_int4(linear.weight), threads)
 
 
 def quantize_linear_int4(
-    model: nn.Module, max_rows: int, many_rows: torch.dtype = torch.float32, threads: int = 1, acts: int = 16
+    model: nn.Module, max_rows: int, many_rows: torch.dtype = torch.float32, threads: int = 1
 ) -> nn.Module:
     """``weights_dtype=int4w``: every ``nn.Linear`` of the decoder layers (``model.model.layers``)
     replaced in place by :class:`Int4Linear` (the LM head: ``int8_group_linear.py``). Logs how many
@@ -66,17 +56,16 @@ def quantize_linear_int4(
     for module in list(decoder_layers.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child.in_features % GROUP == 0:
-                layers.append(Int4Linear(child, max_rows, many_rows, threads, acts))
+                layers.append(Int4Linear(child, max_rows, many_rows, threads))
                 setattr(module, name, layers[-1])
     exact = sum(1 for layer in layers if layer.group_error == 0.0)
     worst = max((layer.group_error for layer in layers), default=0.0)
     log.info(
         "int4w: %d linear layers in 4-bit groups of %d, %d exactly (largest error %.1e of a group's range); "
-        "%d-bit activations per group",
+        "16-bit activations per group",
         len(layers),
         GROUP,
         exact,
         worst,
-        acts,
     )
     return model

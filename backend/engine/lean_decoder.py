@@ -6,15 +6,12 @@ q and k apart, module calls around each), each a Python call and a dispatch. Thi
 same computation in fewer: q/k/v as one product and gate/up as one (their weights
 concatenated), the rotary embedding of q and k in one pass over their joint slice, written back
 into the product's output so that its K/V part goes to the pool as it is (no stacking copy), the
-norms through ``F.rms_norm``, int8 and fp16w products as those layers' own functions, attention through the
-pieces of the paged attention (:func:`store_kv`, :func:`attend`); under int8 weights the
-residual stream is rotated (``int8_linear.py``) and turned back before the final norm.
+norms through ``F.rms_norm``, the group, fp16w and float32 products as those layers' own functions,
+attention through the pieces of the paged attention (:func:`store_kv`, :func:`attend`).
 
 Same weights, same operations on each element (the rotary embedding as a multiply and an add,
-not ``addcmul``, whose fused multiply-add rounds once: a one-ulp difference that 30 layers of
-int8 activation quantization amplified to logits 4.6 apart): with int8 weights the hidden states
-equal transformers' bit for bit (a fused product quantizes each row of its one input as the
-separate ones did); with float weights a fused product may sum in another order (last bits). The fused modules
+not ``addcmul``, whose fused multiply-add rounds once); a fused product may sum in another order
+than the separate ones (last bits). The fused modules
 replace the separate ones in the model (``qkv_proj``, ``gate_up_proj``), so the weights are held
 once; a model so changed runs through this loop only. Measured in ``perf/history/REPORT-2026-12-02.md``.
 """
@@ -28,9 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.engine.fp16_linear import Fp16Linear
-from backend.engine.group_linear import GroupLinear
-from backend.engine.int8_linear import Int8Linear
 from backend.engine.paged_attention import PagedBatch, attend, store_kv
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -110,13 +104,12 @@ def rotary(inner: Any, h: torch.Tensor, position_ids: torch.Tensor) -> tuple[tor
 
 
 def _product(linear: nn.Module) -> _Product:
-    """A linear layer's product as a plain function of its input: for the int8 and fp16w layers
-    their product function itself (their module call adds as much Python as the op's own dispatch,
-    121 times a step), for the others the module's ``forward`` without ``__call__``'s hook
-    handling."""
-    if isinstance(linear, (Int8Linear, Fp16Linear, GroupLinear)):
-        return linear.product()
-    return linear.forward
+    """A linear layer's product as a plain function of its input: for the layers that make one
+    (``product()``: the group and fp16w layers) that function itself (their module call adds as
+    much Python as the op's own dispatch, 121 times a step), for the others the module's
+    ``forward`` without ``__call__``'s hook handling."""
+    product = getattr(linear, "product", None)
+    return product() if callable(product) else linear.forward
 
 
 class LeanDecoder:
@@ -133,7 +126,6 @@ class LeanDecoder:
         self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.eps: float = config.rms_norm_eps
         self.scaling = self.head_dim**-0.5
-        self.final_rotation: torch.Tensor | None = getattr(inner.norm, "rotation", None)
         self.layers: list[tuple[int, torch.Tensor, _Product, _Product, torch.Tensor, _Product, _Product]] = [
             (
                 i,
@@ -171,6 +163,4 @@ class LeanDecoder:
             h = h + o_proj(attn.reshape(tokens, heads * dim))
             gate, up = gate_up_proj(F.rms_norm(h, hidden, norm2, self.eps)).chunk(2, dim=-1)
             h = h + down_proj(F.silu(gate) * up)
-        if self.final_rotation is not None:  # int8's rotated residual stream, turned back
-            h = h @ self.final_rotation.t()
         return F.rms_norm(h, hidden, self.inner.norm.weight, self.eps)

@@ -11,16 +11,15 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from backend.engine.config import INT4W_FORMATS, EngineConfig
-from backend.engine.cpu_kernels import INT8_ACTIVATIONS, kernel_path
+from backend.engine.config import EngineConfig
 from backend.engine.device_progress import DeviceProgress, make_progress
-from backend.engine.fp16_linear import MANY_ROWS, fp16_max_rows, quantize_linear_fp16
+from backend.engine.formats import kernel_path_line, weight_format
+from backend.engine.fp16_linear import fp16_max_rows, many_rows_dtype, quantize_linear_fp16
 from backend.engine.fused_decode import FusedDecode
 from backend.engine.fused_decode import unsupported_reason as fused_unsupported
 from backend.engine.group_matmul import f32_unsupported
 from backend.engine.int4_linear import quantize_linear_int4
 from backend.engine.int8_group_linear import quantize_lm_head_int8
-from backend.engine.int8_linear import quantize_linear_int8, rotate_residual_stream, rotation_unsupported
 from backend.engine.kv_pool import KVPool
 from backend.engine.lean_decoder import LeanDecoder, fuse_projections, unsupported_reason
 from backend.engine.paged_attention import ATTN_IMPLEMENTATION, BatchEntry, build_paged_batch
@@ -29,13 +28,11 @@ from backend.engine.small_batch_linear import use_small_batch_linears
 
 log = logging.getLogger("triton_disagg.engine")
 
-__all__ = ["ModelRunner", "StepResult", "quantize_linear_int8"]
+__all__ = ["ModelRunner", "StepResult"]
 
 # torch's thread count when this module was imported: what a runner without num_threads uses (a
 # runner built after another one's few-row step must not read that step's single thread)
 _PROCESS_THREADS = torch.get_num_threads()
-# the formats whose decode steps may run as one kernel call (``fused_decode.py``)
-FUSED_FORMATS = (*INT4W_FORMATS, "fp16w", "fp16w-bf16", "float32")
 
 
 @dataclass
@@ -67,44 +64,40 @@ class ModelRunner:
         # transformers wraps PreTrainedModel.to with functools.wraps, whose typeshed type does not bind self
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         self.decoder = self._choose_decoder(config)
-        int8 = config.weights_format == "int8"
-        if int8 and rotation_unsupported(self.model) is None:
-            # before fusing, so that both decoders get the same rotated weights, bit for bit
-            rotate_residual_stream(self.model)
         if self.decoder == "lean":
             fuse_projections(self.model)  # before quantization, which then covers the fused layers
-        if int8:
-            self.model = quantize_linear_int8(self.model)
-            log.info("int8 weights on %s", kernel_path().short())
         # fp16w, fp16w-bf16: a step whose products all take the float16 weights (fbgemm's GEMM, one
         # thread) runs on one torch thread; a second one only spins beside it and slows the step
         # (one stream through the server, 2 cores: 31.8 tok/s on 1 thread, 27.3 on 2). Steps with
         # more rows (prefill chunks) keep every thread for their float32 or bfloat16 products.
         self._few_rows = 0
-        fmt = config.weights_format
-        if fmt in MANY_ROWS:  # fbgemm's own products: no small-batch linears on top
+        fmt = weight_format(config.weights_format)  # its entry says which kernels take its products
+        if fmt.many_dtype is not None:  # fbgemm's own products: no small-batch linears on top
+            many_rows = many_rows_dtype(fmt.name)
             self._few_rows = fp16_max_rows(self._threads)
-            if fmt.startswith("int4w"):  # the decoder layers in 4-bit groups, the LM head in 8-bit ones
+            if fmt.groups:  # the decoder layers in 4-bit groups, the LM head in 8-bit ones
                 # our kernel splits a product between the instance's threads (fbgemm's GEMM cannot)
-                acts = 8 if fmt in INT8_ACTIVATIONS else 16
-                self.model = quantize_linear_int4(self.model, self._few_rows, MANY_ROWS[fmt], self._threads, acts)
-                self.model = quantize_lm_head_int8(self.model, self._few_rows, MANY_ROWS[fmt], self._threads)
-            self.model = quantize_linear_fp16(self.model, self._few_rows, fmt, self._threads)
+                self.model = quantize_linear_int4(self.model, self._few_rows, many_rows, self._threads)
+                self.model = quantize_lm_head_int8(self.model, self._few_rows, many_rows, self._threads)
+            self.model = quantize_linear_fp16(self.model, self._few_rows, fmt.name, self._threads)
             log.info(
-                "%s weights on %s: %s for products of up to %d rows (on one thread), %s beyond (on %d threads)",
-                fmt,
-                kernel_path().short(fmt),
-                "int4 groups (the LM head int8 groups)" if fmt.startswith("int4w") else "float16",
+                "%s weights: %s for products of up to %d rows (on one thread), %s beyond (on %d threads)",
+                fmt.name,
+                "int4 groups (the LM head int8 groups)" if fmt.groups else "float16",
                 self._few_rows,
-                str(MANY_ROWS[fmt]).removeprefix("torch."),
+                fmt.many_dtype,
                 self._threads,
             )
-        elif self.device.type == "cpu" and use_small_batch_linears(self.model):
-            log.info("%s", kernel_path().short("float32"))
-        if self.device.type == "cpu" and fmt in ("float32", "fp16w", "fp16w-bf16") and f32_unsupported() is not None:
-            log.warning(
-                "%s products through torch's kernels: our kernel library is unavailable (%s)", fmt, f32_unsupported()
-            )
+        elif self.device.type == "cpu":
+            use_small_batch_linears(self.model)
+        if self.device.type == "cpu":
+            log.info("%s", kernel_path_line(fmt.name))
+            if fmt.few_rows in ("f32", "f16") and f32_unsupported() is not None:
+                log.warning(
+                    "%s products through torch's kernels: our kernel library is unavailable (%s)",
+                    fmt.name,
+                    f32_unsupported(),
+                )
         hf_config = model.config
         self.hf_config = hf_config
         self.vocab_size = hf_config.vocab_size
@@ -114,10 +107,10 @@ class ModelRunner:
         self.progress = progress if progress is not None else make_progress(self.device)
         self._lean = LeanDecoder(self.model) if self.decoder == "lean" else None
         self._fused: FusedDecode | None = None
-        if self._lean is not None and config.decoder == "auto" and fmt in FUSED_FORMATS:
-            reason = fused_unsupported(self.model, self.pool)
+        if self._lean is not None and config.decoder == "auto" and fmt.fused is not None:
+            reason = fused_unsupported(self.model, self.pool, fmt.fused)
             if reason is None:
-                self._fused = FusedDecode(self.model, self.pool, self._threads)
+                self._fused = FusedDecode(self.model, self.pool, fmt.fused, self._threads)
                 self.decoder = "lean+fused"
             else:
                 log.info("decode steps through the lean layer loop (one kernel call does not apply: %s)", reason)

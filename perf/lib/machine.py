@@ -8,8 +8,8 @@ import platform
 import subprocess
 from pathlib import Path
 
-from backend.engine.config import choose_weights_format
 from backend.engine.cpu_kernels import cpu_id, cpu_model, kernel_path
+from backend.engine.formats import choose_weights_format, kernel_path_line
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,6 +48,7 @@ def describe() -> dict:
         "cpu": cpu_model(),
         "cpu_id": cpu_id(),
         "kernel_path": kernel_path().as_dict(),
+        "kernel_path_line": kernel_path_line(),  # as the server's log and the test run's header print it
         # what serve's default weights_dtype (auto) resolves to here, and why
         "weights_auto": dict(zip(("format", "why"), choose_weights_format("float32", "cpu", 1))),
         "cores": len(os.sched_getaffinity(0)),

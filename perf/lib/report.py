@@ -17,6 +17,8 @@ import re
 import shutil
 from pathlib import Path
 
+from backend.engine.cpu_kernels import KernelPath
+from backend.engine.formats import kernel_path_line
 from perf.lib.machine import ROOT
 from perf.lib.results import envelopes
 
@@ -28,16 +30,19 @@ _IMAGE = re.compile(r"!\[([^\]]*)\]\(([^)\s]+)\)")
 
 def machine_line(m: dict) -> str:
     gpu = f", GPU {m['gpu']}" if m.get("gpu") else ", no GPU"
-    path = m.get("kernel_path")  # runs before 2026-12-03 did not record it
-    kernels = f"; kernels: torch {path['torch_capability']}, {path['int8_path']}" if path else ""
-    if path and path.get("int4w_path"):  # recorded since 2026-12-05
-        kernels += f"; {path['int4w_path']}"
-    if path and path.get("float32_path"):  # recorded since 2026-12-05 afternoon
-        kernels += f"; {path['float32_path']}"
     return (
         f"{m.get('cpu', '?')} ({m.get('cpu_id', '?')}), {m.get('cores', '?')} cores, "
-        f"{m.get('memory_gib', '?')} GiB, torch {m.get('torch', '?')}{gpu}{kernels}"
+        f"{m.get('memory_gib', '?')} GiB, torch {m.get('torch', '?')}{gpu}"
     )
+
+
+def kernel_line(m: dict) -> str | None:
+    """The run's kernel path as ``formats.kernel_path_line`` writes it: recorded by the run, or
+    written from the path it recorded (runs before 2026-12-03 recorded none: None)."""
+    if m.get("kernel_path_line"):
+        return m["kernel_path_line"]
+    path = m.get("kernel_path")
+    return kernel_path_line(path=KernelPath.from_dict(path)) if path else None
 
 
 def flatten(value, prefix: str = "") -> list[tuple[str, object]]:
@@ -140,6 +145,9 @@ def section(name: str, what: str, run: dict, failed_after: list[dict], out: Path
         f"Ran {run.get('started', '?')} for {run.get('seconds', 0):.0f} s on {machine_line(run.get('machine', {}))}; "
         f"commit `{commit[:12]}{'+dirty' if commit.endswith('+dirty') else ''}`."
     )
+    kernels = kernel_line(run.get("machine", {}))
+    if kernels:
+        lines += ["", kernels]
     if failed_after:
         last = failed_after[-1]
         newest = f"exit {last.get('exit_code')}, {last.get('started')}"

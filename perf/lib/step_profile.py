@@ -4,9 +4,8 @@ nothing counts twice) summed by op class, the op calls per step, and the rest of
 wall time minus the ops' own time: Python, dispatch and the scheduler between the ops.
 
 The classes go by op name (first match): our group kernel (int4w's products and its fused decode
-steps, named by ``group_matmul.profiled``), linear products (MKL's, fbgemm's int8 and fp16-weight),
-attention (scaled dot product), KV pages (gathering and storing), sampling, int8 row scaling
-(the per-row activation scales: ``abs``, ``amax``, ``clamp``, ``div``), norms / rotary /
+steps, named by ``group_matmul.profiled``), linear products (MKL's, fbgemm's fp16-weight),
+attention (scaled dot product), KV pages (gathering and storing), sampling, norms / rotary /
 activations (the elementwise ops), views and other ops."""
 
 from __future__ import annotations
@@ -23,9 +22,8 @@ CLASSES: list[tuple[str, Callable[[str], bool]]] = [
     (
         "linear products",
         lambda n: (
-            n.startswith(("quantized::", "aten::fbgemm"))
-            or n
-            in {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::_weight_int8pack_mm"}
+            n.startswith("aten::fbgemm")
+            or n in {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"}
         ),
     ),
     ("attention", lambda n: "scaled_dot_product" in n or "flash_attention" in n),
@@ -41,10 +39,6 @@ CLASSES: list[tuple[str, Callable[[str], bool]]] = [
         lambda n: (
             n in {"aten::argmax", "aten::topk", "aten::sort", "aten::softmax", "aten::log_softmax", "aten::multinomial"}
         ),
-    ),
-    (
-        "int8 row scaling",
-        lambda n: n in {"aten::abs", "aten::amax", "aten::clamp_min_", "aten::clamp_min", "aten::div"},
     ),
     (
         "norms, rotary, activations",

@@ -1,5 +1,5 @@
 """``weights_dtype=fp16w`` keeps float32's quality (and ``fp16w-bf16`` stays within what auto
-asks) on the real checkpoint: the same measurement as ``test_int8_quality.py`` (held-out English
+asks) on the real checkpoint: the measurement of ``format_quality.py`` (held-out English
 teacher forced through the engine's runner, a 512-token prompt prefilled in chunks of 256, then 32
 decode steps; figures as ``perf/bench_formats.py`` computes them), with tighter bounds, since only
 the weights are rounded (to float16) and the products sum in float32. Measured with every product
@@ -10,16 +10,16 @@ can only be closer to float32."""
 from __future__ import annotations
 
 from backend.engine import fp16_linear
-from backend.engine.cpu_kernels import kernel_path
+from backend.engine.formats import kernel_path_line
 from backend.engine.heldout import heldout_figures, heldout_windows
 from tests.engine_helpers import real_model_dir
-from tests.integration.test_int8_quality import TEXT, float32_reference, nll_and_argmax_windows
+from tests.integration.format_quality import TEXT, float32_reference, nll_and_argmax_windows
 
 
 def test_fp16w_perplexity_and_argmax_stay_with_float32(monkeypatch):
     from transformers import AutoTokenizer
 
-    print(f"kernel path: {kernel_path().short('fp16w')}")
+    print(kernel_path_line("fp16w"))
     model = str(real_model_dir())
     (ids,) = heldout_windows(AutoTokenizer.from_pretrained(model), TEXT, 1)  # the first 512 + 32 tokens
     reference = float32_reference(model, 1)
@@ -46,8 +46,8 @@ def test_fp16w_bf16_perplexity_and_argmax_stay_with_float32():
     from backend.engine.cpu_kernels import BF16_PRODUCTS, missing_flags
 
     if missing_flags([BF16_PRODUCTS]):
-        pytest.skip(reason=f"fp16w-bf16 needs AMX-BF16 or AVX512-BF16, which this CPU lacks ({kernel_path().short()})")
-    print(f"kernel path: {kernel_path().short('fp16w-bf16')}")
+        pytest.skip(reason=f"fp16w-bf16 needs AMX-BF16 or AVX512-BF16, which this CPU lacks ({kernel_path_line()})")
+    print(kernel_path_line("fp16w-bf16"))
     model = str(real_model_dir())
     windows = heldout_windows(AutoTokenizer.from_pretrained(model), TEXT, 8)
     figures = heldout_figures(*nll_and_argmax_windows(model, "fp16w-bf16", windows, 2), float32_reference(model))

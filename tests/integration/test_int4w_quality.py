@@ -8,16 +8,16 @@ order of the sums differs from float32's; the bounds are fp16w's."""
 from __future__ import annotations
 
 from backend.engine import fp16_linear, group_linear, model_runner
-from backend.engine.cpu_kernels import kernel_path
+from backend.engine.formats import kernel_path_line
 from backend.engine.heldout import heldout_figures, heldout_windows
 from tests.engine_helpers import real_model_dir
-from tests.integration.test_int8_quality import TEXT, float32_reference, nll_and_argmax_windows
+from tests.integration.format_quality import TEXT, float32_reference, nll_and_argmax_windows
 
 
 def test_int4w_perplexity_and_argmax_stay_with_float32(monkeypatch):
     from transformers import AutoTokenizer
 
-    print(f"kernel path: {kernel_path().short('int4w')}")
+    print(kernel_path_line("int4w"))
     model = str(real_model_dir())
     windows = heldout_windows(AutoTokenizer.from_pretrained(model), TEXT, 8)
     reference = float32_reference(model)

@@ -13,6 +13,7 @@ import pytest
 
 from backend.engine import cpu_kernels
 from backend.engine.config import choose_weights_format
+from backend.engine.formats import kernel_path_line
 
 # a Zen 4's flags (AMD EPYC family 25 model 17), those that choose a kernel
 ZEN4 = "fpu sse2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni avx512_bf16 avx_vnni"
@@ -77,11 +78,11 @@ def test_the_kernel_path_says_what_is_masked(zen4, monkeypatch):
         cpu_id="family 25, model 17",
         isa=("avx2",),
         torch_capability="AVX2",
-        int8_full_range=False,
         mask="avx2",
         masked=cpu_kernels.masked_flags(),
     )
     assert "hidden: avx512_bf16 avx512_vnni" in path.mask_line and "ATEN_CPU_CAPABILITY=avx2" in path.mask_line
     assert cpu_kernels.mask_mismatch(path) is None
+    assert "masked as an AVX2-only CPU" in kernel_path_line(path=path)
     wide = cpu_kernels.KernelPath(**{**path.__dict__, "torch_capability": "AVX512"})
     assert "torch dispatches AVX512" in (cpu_kernels.mask_mismatch(wide) or "")

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from backend.engine.config import KV_AUTO_WHY, EngineConfig, choose_kv_format
+from backend.engine.config import EngineConfig
+from backend.engine.formats import KV_AUTO_WHY, choose_kv_format
 from backend.engine.kv_pool import KVPool
 from backend.engine.page_allocator import PageAllocator, PoolFullError
 from backend.engine.sampling.sampler import ARGMAX_CHUNK, ARGMAX_TWO_PASS_ROWS, argmax_rows, make_generator, sample
@@ -43,6 +44,9 @@ def test_config_from_string_dict():
         ({"model_path": "/m", "page_size": "0"}, "page_size must be a positive integer"),
         ({"model_path": "/m", "page_size": "abc"}, "'page_size' must be an integer"),
         ({"model_path": "/m", "dtype": "int8"}, "dtype must be one of"),
+        # a removed format (int8, int4w-a8, int4w-a8-bf16): refused, naming the formats there are
+        ({"model_path": "/m", "weights_dtype": "int8"}, r"weights_dtype must be one of \['auto', 'float32', .*'fp16w'"),
+        ({"model_path": "/m", "weights_dtype": "int4w-a8"}, r"one of \[.*'int4w', 'int4w-bf16'\], got 'int4w-a8'"),
         ({"model_path": "/m", "device": "tpu"}, "device must be"),
         ({"model_path": "/m", "bogus": "1"}, "unknown engine parameter"),
         ({"model_path": "/m", "kv_disk_reader": "fast"}, "kv_disk_reader must be one of auto, nixl, plain"),
@@ -55,10 +59,10 @@ def test_config_rejects_bad_values(values, message):
 
 
 def test_kv_dtype_auto_is_float16_under_the_fused_formats_and_exact_under_float32():
-    for fmt in ("int4w", "int4w-bf16", "int4w-a8", "fp16w", "fp16w-bf16"):
+    for fmt in ("int4w", "int4w-bf16", "fp16w", "fp16w-bf16"):
         assert choose_kv_format("float32", fmt, "cpu") == ("float16", KV_AUTO_WHY), fmt
     assert choose_kv_format("float32", "float32", "cpu") == ("float32", "as dtype under float32 weights (exact)")
-    assert choose_kv_format("float32", "int8", "cpu")[0] == "float32"  # the lean loop's format: no gain measured
+    assert choose_kv_format("float32", "bfloat16", "cpu")[0] == "float32"  # not a fused format: no gain measured
     assert choose_kv_format("float32", "int4w", "cuda") == ("float32", "as dtype on cuda")
     assert choose_kv_format("bfloat16", "bfloat16", "cpu")[0] == "bfloat16"
     config = EngineConfig(model_path="/m", weights_dtype="int4w")

@@ -14,7 +14,7 @@ import torch
 
 from backend.engine import cpu_kernels, fp16_linear
 from backend.engine.config import EngineConfig
-from backend.engine.cpu_kernels import kernel_path
+from backend.engine.formats import kernel_path_line
 from backend.engine.fp16_linear import Fp16Linear, fp16_max_rows, quantize_linear_fp16
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.small_batch_linear import SmallBatchLinear
@@ -50,7 +50,7 @@ def test_fp16w_tokens_equal_transformers_on_fp16_rounded_weights(tiny, decoder, 
     small-batch path), the rest float32."""
     from transformers import AutoModelForCausalLM
 
-    print(f"kernel path: {kernel_path().short('fp16w')}")
+    print(kernel_path_line("fp16w"))
     monkeypatch.setattr(fp16_linear, "fp16_max_rows", lambda threads: 10**9)
     # a float32 pool (kv_dtype=auto takes float16 under fp16w): the weights alone are compared here
     engine = make_engine(tiny, weights_dtype="fp16w", decoder=decoder, kv_dtype="float32")
@@ -136,7 +136,7 @@ def test_an_fp16w_bf16_product_of_more_rows_than_its_limit_is_a_bfloat16_product
     """Beyond ``max_rows``: the input and the weights rounded to bfloat16, float32 sums, the output
     rounded to bfloat16 (oneDNN's linear returns its input's dtype), then widened; the bias added
     in float32. Up to the limit: the float16 weights' product, as fp16w's."""
-    print(f"kernel path: {kernel_path().short('fp16w-bf16')}")
+    print(kernel_path_line("fp16w-bf16"))
     torch.manual_seed(rows)
     linear = torch.nn.Linear(576, 200)
     x = torch.randn(rows, 576)
@@ -213,7 +213,7 @@ def test_fp16w_is_checked_by_name(tiny):
 def test_auto_picks_fp16w_where_it_runs_and_says_why(tiny, monkeypatch):
     """``weights_dtype=auto`` (the default): the fastest format within float32's quality (1.01x
     held-out perplexity, 99% decode-step argmax agreement) that the CPU runs: fp16w-bf16 on a CPU
-    with AMX-BF16 or AVX512-BF16 (int8 is faster, not within), fp16w on one with AVX2 and F16C only
+    with AMX-BF16 or AVX512-BF16, fp16w on one with AVX2 and F16C only
     (the reason names what fp16w-bf16 lacks); float32 where fbgemm's kernel cannot run
     (the reason names the missing feature) or with tensor parallelism; a float ``dtype`` other
     than float32 keeps its own weights. A format set by name is taken as it is. Both kernel paths
@@ -221,7 +221,7 @@ def test_auto_picks_fp16w_where_it_runs_and_says_why(tiny, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "f16c", "fma", "amx_bf16"}))
     config = EngineConfig(model_path=str(tiny))
     assert config.weights_format == "fp16w-bf16" and config.torch_dtype == torch.float32
-    assert "fastest format within 1.01x" in config.weights_choice and "int8 1.084x" in config.weights_choice
+    assert "fastest format within 1.01x" in config.weights_choice and "(fp16w-bf16 1.001x, " in config.weights_choice
     assert "99% next-token agreement" in config.weights_choice, config.weights_choice
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "f16c", "fma"}))
     config = EngineConfig(model_path=str(tiny))

@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 from backend.engine import cpu_kernels, fp16_linear, group_linear, group_matmul, model_runner
 from backend.engine.config import EngineConfig
-from backend.engine.cpu_kernels import kernel_path
+from backend.engine.formats import kernel_path_line
 from backend.engine.group_matmul import dequantize, product, quantize_int4, quantize_int8
 from backend.engine.int4_linear import Int4Linear
 from backend.engine.int8_group_linear import Int8GroupLinear
@@ -67,7 +67,7 @@ def int16_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 16])
 def test_exact_groups_multiply_within_the_int16_activations_bound(rows, kernels):
-    print(f"kernel path: {kernel_path().short('int4w')}")
+    print(kernel_path_line("int4w"))
     int4, weight = layer()
     assert int4.group_error == 0.0  # every group exact: a Q4_1 checkpoint's weights
     assert torch.equal(dequantize(int4.groups), weight)
@@ -143,13 +143,13 @@ def test_both_kernels_compute_the_same_products():
     four, eight = quantize_int4(w), quantize_int8(w)
     lib = group_matmul.library()
     for rows in (1, 5, 12):
-        for groups, acts in ((four, 16), (four, 8), (eight, 16)):
+        for groups in (four, eight):
             outs = []
             for code in (1, 2):
                 out = torch.empty(rows, 160)
                 args = (groups.q.data_ptr(), groups.d.data_ptr(), x[:rows].data_ptr(), out.data_ptr())
                 if groups.m is not None:
-                    call = lib.int4_matmul(*args[:2], groups.m.data_ptr(), *args[2:], rows, 160, 320, 1, code, acts)
+                    call = lib.int4_matmul(*args[:2], groups.m.data_ptr(), *args[2:], rows, 160, 320, 1, code)
                 else:
                     call = lib.int8_matmul(*args, rows, 160, 320, 1, code)
                 assert call == 0
@@ -290,8 +290,7 @@ def test_auto_takes_int4w_only_for_a_checkpoint_of_q4_1_layers(tiny, tmp_path, m
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "f16c", "fma", "amx_bf16"}))
     chosen = EngineConfig(model_path=str(q4))
     assert chosen.weights_format == "int4w-bf16"
-    # the int8-activation formats are faster but below the agreement bar: named as not within
-    assert "int4w-a8-bf16 1.002x, 97.4%" in chosen.weights_choice and "int4w-a8 1.002x, 97.7%" in chosen.weights_choice
+    assert "(int4w-bf16 1.001x, " in chosen.weights_choice, chosen.weights_choice
     assert EngineConfig(model_path=str(tiny)).weights_format == "fp16w-bf16"
     write_source(q4, "tiny.Q4_0.gguf", {**types, "blk.0.attn_k.weight": "Q4_0"})
     assert layers_in_int4w_groups(q4) is None
@@ -308,52 +307,7 @@ def test_products_split_between_threads_equal_one_threads(rows, kernels):
     x = torch.randn(rows, 192)
     for threads in (2, 3):
         assert torch.equal(product(four, x, threads), product(four, x, 1))
-        assert torch.equal(product(four, x, threads, acts=8), product(four, x, 1, acts=8))
         assert torch.equal(product(eight, x, threads), product(eight, x, 1))
-
-
-def int8_activations_reference(groups: group_matmul.Groups, x: torch.Tensor) -> torch.Tensor:
-    """What ``acts=8`` computes, in float64: each row's groups of 32 rounded to int8 (scale max|x|
-    / 127), times the dequantized weight (the groups' minimum times the rounded values' sum)."""
-    rows, k = x.shape
-    g = x.view(rows, k // 32, 32)
-    scale = g.abs().amax(-1, keepdim=True) / 127
-    rounded = (torch.round(g * torch.where(scale > 0, 1 / scale, 0.0)) * scale).view(rows, k)
-    return rounded.double() @ dequantize(groups).double().t()
-
-
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16])
-def test_int8_activations_multiply_the_rounded_activations(rows, kernels):
-    """``int4w-a8``'s products: every row's groups rounded to int8, then exact integer sums; here
-    within 1e-6 of the float64 product of the rounded rows (an outlier column included, whose
-    group's other values round coarsely: the point of measuring the format's quality)."""
-    torch.manual_seed(rows)
-    groups = quantize_int4(torch.randn(96, 1536) * 0.05)
-    x = torch.randn(rows, 1536)
-    x[:, 5] *= 40
-    want = int8_activations_reference(groups, x)
-    got = product(groups, x, 2, acts=8).double()
-    assert (got - want).abs().max() <= 1e-6 * want.abs().max()
-    assert (got - x.double() @ dequantize(groups).double().t()).abs().max() > 1e-4  # not the int16 products
-
-
-def test_int8_activations_at_their_extremes_do_not_overflow(kernels):
-    """The AVX2 version sums a group's quad products in int16 lanes (vpmaddubsw): 16 products of
-    15 and +-127 each, 30480 at most; weights all at their largest value against activations all
-    at theirs (both signs) give the exact sums."""
-    weight = torch.ones(16, 64)
-    weight[:, ::32] = 0.0  # each group's minimum 0 and range 1: every other value 15 / 15
-    groups = quantize_int4(weight)
-    for sign in (1.0, -1.0):
-        x = torch.full((2, 64), sign)
-        want = int8_activations_reference(groups, x)  # 62 * 15 * d, d 1 / 15 in float16
-        assert (product(groups, x, 1, acts=8).double() - want).abs().max() <= 1e-6 * want.abs().max()
-        assert abs(want[0, 0] - sign * 62.0) < 0.05
-
-
-def test_8_bit_groups_take_16_bit_activations_only():
-    with pytest.raises(ValueError, match="16-bit activations only"):
-        product(quantize_int8(torch.randn(16, 64)), torch.randn(1, 64), 1, acts=8)
 
 
 @pytest.fixture(scope="module")
