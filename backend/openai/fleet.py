@@ -1,12 +1,11 @@
 """The decode instances of a deployment as the frontend reaches them over the network (with
-``--discovery``): their signed records from etcd (a ``Membership(role="decode")``,
-``backend/cluster/``: a record that fails verification is logged and never routed to; a record
-says whether its instance drains, why it cannot serve, and its cache summary), one gRPC client
-per Triton server, a readiness probe of each instance (Triton's own ``ModelReady``) every
-``health_probe_interval_s`` of the router's settings (every 0.1 s while one has never passed a
-probe), all feeding a :class:`Router`, which picks and migrates.
+``--discovery``): the shared membership watcher and readiness probes (``Router.watch``,
+``backend/serving/target_watch.py``: signed records from etcd, a readiness probe of each
+instance every ``health_probe_interval_s`` of the router's settings) feeding the :class:`Router`,
+which picks and migrates; one gRPC streaming client per Triton server; and this frontend's own
+membership record (role ``router``).
 
-The membership's threads hand their changes to the event loop, where the router lives.
+The watcher's threads hand what they learn to the event loop, where the router lives.
 """
 
 from __future__ import annotations
@@ -21,11 +20,11 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from backend.cluster.etcd import EtcdClient
-from backend.cluster.membership import Membership, Registration
-from backend.cluster.records import InstanceRecord, routable
+from backend.cluster.membership import Registration
+from backend.cluster.records import InstanceRecord
 from backend.cluster.tracing import NO_SPAN, Span
 from backend.openai.router import Router, Target
-from backend.openai.triton_stream import Delta, GenerationError, GenerationParams, StreamLost, TritonStream
+from backend.openai.triton_stream import Delta, GenerationParams, TritonStream
 
 log = logging.getLogger("triton_disagg.openai")
 
@@ -39,21 +38,17 @@ class DecodeFleet:
         self.router = router
         self._secret = secret
         self._clients: dict[str, TritonStream] = {}
-        self._probing: dict[str, asyncio.Task] = {}
-        self._membership: Membership | None = None
         self._registration: Registration | None = None
-        self._loop_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
 
-        def changed(joined: list[InstanceRecord], left: list[InstanceRecord]) -> None:  # membership threads
+        def on_loop(fn, *args) -> None:  # the watcher's threads
             with contextlib.suppress(RuntimeError):  # the loop closed: shutting down
-                loop.call_soon_threadsafe(self._changed, joined, left)
+                loop.call_soon_threadsafe(fn, *args)
 
-        self._membership = Membership(
-            EtcdClient(self.discovery), self.deployment, self._secret, role="decode", accept=routable, on_change=changed
-        )
+        self.router.watch.post = on_loop
+        self.router.watch.follow(self.discovery, self.deployment, self._secret)
         # routers are members too (role "router"): what an operator or an autoscaler can list
         record = InstanceRecord(
             deployment=self.deployment,
@@ -68,32 +63,8 @@ class DecodeFleet:
             started_at=time.time(),
         )
         self._registration = Registration(EtcdClient(self.discovery), record, self._secret).start()
-        self._loop_task = asyncio.create_task(self._probe_loop())
+        self.router.watch.start_probing()
         log.info("routing across the decode instances of deployment %r in %s", self.deployment, self.discovery)
-
-    def _changed(self, joined: list[InstanceRecord], left: list[InstanceRecord]) -> None:
-        self.router.update(joined, left)
-        self._probe_all()  # a member that joined is probed now, not a second later
-
-    async def _probe_loop(self) -> None:
-        while True:
-            self._probe_all()
-            await asyncio.sleep(self.router.table.probe_interval())
-
-    def _probe_all(self) -> None:
-        for target in self.router.targets():
-            if target.name not in self._probing:
-                self._probing[target.name] = asyncio.create_task(self._probe(target))
-
-    async def _probe(self, target: Target) -> None:
-        error, unanswered = None, False
-        try:
-            await self._client(target.grpc_url).model_ready(target.model, self.router.settings.health_probe_timeout_s)
-        except GenerationError as e:
-            error, unanswered = e.message, isinstance(e, StreamLost)
-        finally:
-            self._probing.pop(target.name, None)
-        self.router.probed(target.name, error, unanswered)
 
     def _client(self, url: str) -> TritonStream:
         if url not in self._clients:
@@ -122,14 +93,9 @@ class DecodeFleet:
         return self.router.generate(request_id, token_ids, params.max_tokens, open_stream, params.cache_salt, span)
 
     async def close(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-        for task in list(self._probing.values()):
-            task.cancel()
+        await asyncio.to_thread(self.router.watch.close)
         if self._registration is not None:
             await asyncio.to_thread(self._registration.close)
-        if self._membership is not None:
-            await asyncio.to_thread(self._membership.close)
         for client in self._clients.values():
             with contextlib.suppress(Exception):
                 await client.close()

@@ -3,9 +3,10 @@
 KV-aware pick, the excluded targets, the migration limit, the resume), for the decode instances
 of the deployment's membership.
 
-It maps membership records to targets (:meth:`Router.update`: a record that joins, changes or
-leaves; the requests in flight on one that leaves move at once, reason ``instance_down``) and
-hands each readiness probe's outcome to the core (:meth:`Router.probed`).
+Its membership watcher and readiness probes are the shared ones (``Router.watch``,
+``backend/serving/target_watch.py``): a record that joins, changes or leaves, and each probe's
+outcome, reach the core through it; the requests in flight on an instance that goes down or
+leaves move at once (reason ``instance_down``).
 
 :meth:`Router.generate` relays one request as one stream of deltas. When its stream fails with an
 error of kind None (Triton's own, e.g. a dead stub), ``out_of_service`` or ``draining``, breaks
@@ -28,7 +29,7 @@ With tracing, each attempt is a child span (``route <instance>``) of the request
 context sent with the call (``OpenStream``'s third argument), and each move an event of the
 request's span.
 
-Everything here runs on the frontend's event loop (membership changes are handed to it); opening
+Everything here runs on the frontend's event loop (the watcher hands what it learns to it); opening
 a stream is the caller's (``OpenStream``), so the logic runs in unit tests with fake targets.
 """
 
@@ -40,11 +41,12 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
-from backend.cluster.records import InstanceRecord
 from backend.cluster.tracing import NO_SPAN, Span
 from backend.engine.outputs import ErrorKind
 from backend.openai.triton_stream import Delta, GenerationError, StreamLost
 from backend.serving.config import RouterSettings
+from backend.serving.decode_stream import GrpcLink
+from backend.serving.migration import Migration, lost_why
 from backend.serving.routing import (
     FIRST_PICK_POLL_S,
     Journey,
@@ -54,6 +56,7 @@ from backend.serving.routing import (
     TargetStatus,
     move_reason,
 )
+from backend.serving.target_watch import TargetWatch
 
 __all__ = ["Router", "Target"]
 
@@ -65,9 +68,9 @@ OpenStream = Callable[[Target, list[int], str], AsyncIterator[Delta]]
 
 
 @dataclass(eq=False, kw_only=True)
-class _Journey(Journey):
-    """A request across its attempts; ``lost`` is set when the instance of its current attempt
-    went down or left under it (``why``)."""
+class _Journey(Migration):
+    """A request across its attempts (the shared move loop's state); ``lost`` is set when the
+    instance of its current attempt went down or left under it (``why``)."""
 
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     why: str = ""
@@ -82,29 +85,26 @@ class _Moved(Exception):
 
 
 class Router:
-    """``update(joined, left)`` with membership records (draining, health, cache summaries),
-    ``probed(name, error)`` with each readiness probe's outcome; ``generate(...)`` relays a
-    request; ``migrations`` counts moves by reason; ``status()`` lists the members.
+    """``watch``: the shared membership watcher and readiness probes (``TargetWatch``: membership
+    records, with draining, health and cache summaries, and each probe's outcome) over ``table``,
+    the routing core; ``generate(...)`` relays a request; ``migrations`` counts moves by reason;
+    ``status()`` lists the members.
     ``settings``: the router settings the Triton front model has too (``RouterSettings``:
     probes, KV-routing weight, migration limit)."""
 
     def __init__(self, settings: RouterSettings | None = None):
         self.settings = settings = settings or RouterSettings()
         self.table = RoutingTable(settings, log)
+        self.watch = TargetWatch(self.table, lambda t: GrpcLink(t, settings.health_probe_timeout_s), self._lost)
         self.migrations = self.table.migrations
         self.kv = self.table.kv
 
-    # ------------------------------------------------------------ membership and health
-    def update(self, joined: Iterable[InstanceRecord], left: Iterable[InstanceRecord]) -> None:
-        """Records that joined or changed (``draining``, ``health``, ``cache``), and records that
-        left (their requests in flight move)."""
-        for _, why, lost in self.table.update(joined, left):
-            _lose(lost, why)
-
-    def probed(self, name: str, error: str | None = None, unanswered: bool = False) -> None:
-        """The outcome of a readiness probe of ``name``: None, or why it failed (``unanswered``:
-        no answer came)."""
-        _lose(self.table.probed(name, error, unanswered=unanswered), f"its readiness probes failed ({error})")
+    def _lost(self, name: str, why: str, journeys: list[Journey]) -> None:
+        """``name`` went down or left under these requests' attempts: they move."""
+        for journey in journeys:
+            if isinstance(journey, _Journey):
+                journey.why = lost_why(why)
+                journey.lost.set()
 
     def targets(self) -> list[Target]:
         return [t for t in map(self.table.target, self.table.names()) if t is not None]
@@ -139,19 +139,11 @@ class Router:
         iterator early closes the open stream (which cancels the request there). ``cache_salt``:
         its prefix-cache tenant (routing matches only pages cached under it)."""
         journey = _Journey(
-            request_id, list(token_ids), self.table.pages(len(token_ids) + max_tokens), cache_salt=cache_salt
+            request_id, list(token_ids), self.table.pages(len(token_ids) + max_tokens), cache_salt=cache_salt, span=span
         )
         target = await self._first_pick(journey)
         while True:
-            attempt = span.child(
-                f"route {target.name}",
-                {
-                    "triton_disagg.attempt": journey.moves + 1,
-                    "triton_disagg.target": target.name,
-                    "triton_disagg.resumed_tokens": len(journey.sent),
-                },
-                kind="client",
-            )
+            attempt = journey.begin(target.name)
             try:
                 stream = open_stream(target, list(journey.sent), attempt.traceparent())
                 # closed explicitly (aclosing): a client that leaves must cancel the call at once
@@ -166,39 +158,31 @@ class Router:
                             return
                 raise _Moved("stream_error", "its stream ended before the request finished")
             except _Moved as moved:
-                attempt.end(error=moved.why)
                 if moved.reason == "stream_error":  # counts as a failed probe of that instance
-                    _lose(self.table.failed(target.name, moved.why), f"its streams failed ({moved.why})")
+                    self.watch.failed(target.name, moved.why)
                 try:
-                    retry = self.table.target(self.table.move(journey, target.name, moved.why, moved.reason))
+                    retry = self.table.target(journey.moved(self.table, target.name, moved.why, moved.reason))
                 except NotMoved as e:
                     raise GenerationError(e.kind, e.message) from None
                 if retry is None:  # it left in this very moment
                     raise GenerationError(
                         ErrorKind.OUT_OF_SERVICE, f"{target.name}: {moved.why}; its successor left"
                     ) from None
-                span.event(
-                    "triton_disagg.migration",
-                    {
-                        "triton_disagg.from": target.name,
-                        "triton_disagg.to": retry.name,
-                        "triton_disagg.reason": moved.reason,
-                        "triton_disagg.sent_tokens": len(journey.sent),
-                    },
-                )
                 target = retry
             finally:
                 attempt.end(error="the request ended during this attempt")  # (a no-op once ended)
 
     async def _first_pick(self, journey: _Journey) -> Target:
-        deadline = asyncio.get_running_loop().time() + self.settings.health_probe_timeout_s
-        while (target := self.pick(journey)) is None:
-            if not self.table.awaiting_first_probe() or asyncio.get_running_loop().time() > deadline:
-                raise GenerationError(
-                    ErrorKind.OUT_OF_SERVICE, f"no decode instance is serving ({self.table.down_reasons()})"
-                )
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        while True:
+            try:
+                name = journey.first(self.table, loop.time() - t0)
+            except NotMoved as e:
+                raise GenerationError(e.kind, e.message) from None
+            if name is not None and (target := self.table.target(name)) is not None:
+                return target
             await asyncio.sleep(FIRST_PICK_POLL_S)
-        return target
 
     async def _attempt(
         self, target: Target, journey: _Journey, stream: AsyncIterator[Delta]
@@ -240,11 +224,3 @@ class Router:
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 await aclose()
-
-
-def _lose(journeys: list[Journey], why: str) -> None:
-    """The instance under these requests' attempts went down or left: they move."""
-    for journey in journeys:
-        if isinstance(journey, _Journey):
-            journey.why = why
-            journey.lost.set()

@@ -1,31 +1,31 @@
-"""One generation against Triton over gRPC streaming (tritonclient's asyncio client): the
-request's tensors (the prompt as ``text_input`` or as token ids, ``input_ids``; with
-``resume_token_ids`` when a request continues on another decode instance), and the responses as
-:class:`Delta` values, with the log-probabilities the request asked for; and a decode model's
-readiness (:meth:`TritonStream.model_ready`, Triton's own ``ModelReady``). Closing the iterator before the
-request finished (a client that went away) cancels the gRPC call, which Triton passes to the
-model as a cancellation, so the request's KV pages go back to the pool. A finished request's call
-is left to end by itself: cancelling a call whose final response Triton is still writing leaves
-that response in Triton's gRPC handler, holding the model, which then cannot unload."""
+"""The OpenAI frontend's thin async adapter over the shared stream client
+(``backend/serving/decode_stream.py``, the Triton front model's too): one generation against
+Triton over a gRPC stream, the request's tensors (the prompt as ``text_input`` or as token ids,
+``input_ids``; with ``resume_token_ids`` when a request continues on another decode instance) in,
+the responses out as :class:`Delta` values, with the log-probabilities the request asked for; and
+a model's readiness (Triton's own ``ModelReady``). The stream's replies are read on a thread of
+their own and handed to the event loop. Closing the iterator before the request finished (a
+client that went away) cancels the gRPC call, which Triton passes to the model as a
+cancellation, so the request's KV pages go back to the pool. A finished request's call is left to
+end by itself: cancelling a call whose final response Triton is still writing leaves that
+response in Triton's gRPC handler, holding the model, which then cannot unload."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import threading
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
-import grpc
 import numpy as np
-import tritonclient.grpc.aio as grpcaio
-from tritonclient.grpc import InferInput
-from tritonclient.utils import InferenceServerException
 
-from backend.cluster.tracing import TRACE_HEADER
 from backend.engine.outputs import ErrorKind
+from backend.serving.decode_stream import Attempt, GrpcLink, Reply
 from backend.serving.errors import parse_error
+from backend.serving.routing import Target
 
 
 @dataclass
@@ -82,70 +82,59 @@ class StreamLost(GenerationError):
     response: nothing was said about the request itself, so it may continue elsewhere."""
 
 
-def _tensor(name: str, values, triton_type: str, np_type) -> InferInput:
-    arr = np.array(values, dtype=np_type)
-    t = InferInput(name, list(arr.shape), triton_type)
-    t.set_data_from_numpy(arr)
-    return t
-
-
 def build_inputs(
     prompt: str | list[int], params: GenerationParams, resume_token_ids: list[int] | None = None
-) -> list[InferInput]:
-    """The request's tensors; ``prompt``: text, or token ids (``input_ids``)."""
-    if isinstance(prompt, str):
-        first = _tensor("text_input", [prompt.encode("utf-8")], "BYTES", object)
-    else:
-        first = _tensor("input_ids", prompt, "INT32", np.int32)
-    ins = [
-        first,
-        _tensor("max_tokens", [params.max_tokens], "INT32", np.int32),
-        _tensor("stream", [True], "BOOL", bool),
-        _tensor("temperature", [params.temperature], "FP32", np.float32),
-    ]
+) -> dict[str, np.ndarray]:
+    """The request's tensors (name -> array); ``prompt``: text, or token ids (``input_ids``)."""
+    ins = {
+        "text_input" if isinstance(prompt, str) else "input_ids": (
+            np.array([prompt.encode("utf-8")], dtype=object)
+            if isinstance(prompt, str)
+            else np.array(prompt, dtype=np.int32)
+        ),
+        "max_tokens": np.array([params.max_tokens], dtype=np.int32),
+        "stream": np.array([True], dtype=bool),
+        "temperature": np.array([params.temperature], dtype=np.float32),
+    }
     if params.top_p is not None:
-        ins.append(_tensor("top_p", [params.top_p], "FP32", np.float32))
+        ins["top_p"] = np.array([params.top_p], dtype=np.float32)
     if params.seed is not None:
-        ins.append(_tensor("random_seed", [params.seed], "UINT64", np.uint64))
+        ins["random_seed"] = np.array([params.seed], dtype=np.uint64)
     if params.ignore_eos:
-        ins.append(_tensor("ignore_eos", [True], "BOOL", bool))
+        ins["ignore_eos"] = np.array([True], dtype=bool)
     if params.min_tokens:
-        ins.append(_tensor("min_length", [params.min_tokens], "INT32", np.int32))
+        ins["min_length"] = np.array([params.min_tokens], dtype=np.int32)
     if params.stop:
-        ins.append(_tensor("stop_words", [w.encode("utf-8") for w in params.stop], "BYTES", object))
+        ins["stop_words"] = np.array([w.encode("utf-8") for w in params.stop], dtype=object)
     if params.guided_json is not None:
-        ins.append(_tensor("guided_json", [params.guided_json.encode("utf-8")], "BYTES", object))
+        ins["guided_json"] = np.array([params.guided_json.encode("utf-8")], dtype=object)
     if params.cache_salt:
-        ins.append(_tensor("cache_salt", [params.cache_salt.encode("utf-8")], "BYTES", object))
+        ins["cache_salt"] = np.array([params.cache_salt.encode("utf-8")], dtype=object)
     if resume_token_ids:
-        ins.append(_tensor("resume_token_ids", resume_token_ids, "INT32", np.int32))
+        ins["resume_token_ids"] = np.array(resume_token_ids, dtype=np.int32)
     if params.log_probs:
-        ins.append(_tensor("return_log_probs", [True], "BOOL", bool))
+        ins["return_log_probs"] = np.array([True], dtype=bool)
     if params.prompt_log_probs:
-        ins.append(_tensor("return_prompt_log_probs", [True], "BOOL", bool))
+        ins["return_prompt_log_probs"] = np.array([True], dtype=bool)
     if params.num_top_log_probs and (params.log_probs or params.prompt_log_probs):
-        ins.append(_tensor("num_top_log_probs", [params.num_top_log_probs], "INT32", np.int32))
+        ins["num_top_log_probs"] = np.array([params.num_top_log_probs], dtype=np.int32)
     return ins
 
 
-def _text(exc: grpc.RpcError | InferenceServerException) -> str:
-    if isinstance(exc, InferenceServerException):
-        return str(exc.message())
-    details = getattr(exc, "details", None)
-    return str(details() if callable(details) else exc)
+Outputs = Mapping[str, np.ndarray]  # one response's output arrays by name
 
 
-def _ints(result, name: str) -> list[int]:
-    arr = result.as_numpy(name)
+def _ints(result: Outputs, name: str) -> list[int]:
+    arr = result.get(name)
     return [] if arr is None else [int(v) for v in arr.reshape(-1)]
 
 
-def _floats(result, name: str) -> list[float] | None:
-    arr = result.as_numpy(name)
+def _floats(result: Outputs, name: str) -> list[float] | None:
+    arr = result.get(name)
     return None if arr is None else [float(v) for v in arr.reshape(-1)]
 
 
-def _top(result, lp_name: str, id_name: str, positions: int) -> list[TopTokens] | None:
+def _top(result: Outputs, lp_name: str, id_name: str, positions: int) -> list[TopTokens] | None:
     """``positions`` rows of (token id, log-prob) from the row-major tensors ``id_name`` and
     ``lp_name`` (k per position); None when the response has none."""
     lps, ids = _floats(result, lp_name), _ints_or_none(result, id_name)
@@ -159,14 +148,13 @@ def _top(result, lp_name: str, id_name: str, positions: int) -> list[TopTokens] 
     return [list(zip(ids[i * k : (i + 1) * k], lps[i * k : (i + 1) * k], strict=True)) for i in range(positions)]
 
 
-def _ints_or_none(result, name: str) -> list[int] | None:
-    arr = result.as_numpy(name)
+def _ints_or_none(result: Outputs, name: str) -> list[int] | None:
+    arr = result.get(name)
     return None if arr is None else [int(v) for v in arr.reshape(-1)]
 
 
-def parse_delta(result) -> Delta:
-    """One Triton response (``InferResult``-like: ``as_numpy(name)``, None for an output it
-    does not carry) as a :class:`Delta`."""
+def parse_delta(result: Outputs) -> Delta:
+    """One Triton response (its output arrays by name) as a :class:`Delta`."""
     token_ids = _ints(result, "output_token_ids")
     prompt_ids = _ints_or_none(result, "prompt_token_ids")
     prompt_positions = max(0, len(prompt_ids) - 1) if prompt_ids is not None else 0
@@ -184,8 +172,8 @@ def parse_delta(result) -> Delta:
     )
 
 
-def _scalar(result, name: str, default=None):
-    arr = result.as_numpy(name)
+def _scalar(result: Outputs, name: str, default=None):
+    arr = result.get(name)
     if arr is None or not arr.size:
         return default
     value = arr.reshape(-1)[0]
@@ -193,17 +181,19 @@ def _scalar(result, name: str, default=None):
 
 
 class TritonStream:
-    """One gRPC channel to Triton, shared by every request of this frontend."""
+    """Triton at ``url``, for every request of this frontend to it."""
 
-    def __init__(self, url: str):
-        self.url = url
-        self.client = grpcaio.InferenceServerClient(url)
+    def __init__(self, url: str, probe_timeout_s: float = 5.0):
+        self.url, self.probe_timeout_s = url, probe_timeout_s
+        self._probes: dict[str, GrpcLink] = {}
+
+    def _link(self, model: str) -> GrpcLink:
+        return GrpcLink(Target(model, self.url, model), self.probe_timeout_s)
 
     async def ready(self, model: str) -> bool:
-        try:
-            return await self.client.is_server_ready() and await self.client.is_model_ready(model)
-        except InferenceServerException:
-            return False
+        """Whether Triton has ``model`` ready (one probe channel per model, kept)."""
+        link = self._probes.setdefault(model, self._link(model))
+        return (await asyncio.to_thread(link.probe)).error is None
 
     async def generate(
         self,
@@ -214,67 +204,61 @@ class TritonStream:
         traceparent: str = "",
     ) -> AsyncGenerator[Delta, None]:
         """Deltas until the one with a finish reason; :class:`GenerationError` for a refused or
-        failed request (:class:`StreamLost` for a broken call). ``prompt``: text or token ids.
-        ``resume_token_ids``: the output the client has already; the model continues after it.
-        ``traceparent``: the caller's trace context (a request parameter). Closing the iterator
-        early cancels the request in Triton."""
+        failed request (:class:`StreamLost` for a call that could not start or that ended before
+        its final response). ``prompt``: text or token ids. ``resume_token_ids``: the output the
+        client has already; the model continues after it. ``traceparent``: the caller's trace
+        context (a request parameter). Closing the iterator early cancels the request in
+        Triton."""
         inputs = build_inputs(prompt, params, resume_token_ids)
-        request: dict[str, Any] = {"model_name": model, "inputs": inputs, "request_id": uuid.uuid4().hex}
-        if traceparent:
-            request["parameters"] = {TRACE_HEADER: traceparent}
-
-        async def one_request():
-            yield request
-
-        call = self.client.stream_infer(one_request())
+        attempt = self._link(model).open(uuid.uuid4().hex, inputs, traceparent)
         ended = False  # the final response or an error arrived: nothing left to cancel
         try:
-            async for result, error in call:
-                if error is not None:
+            async for reply in _replies(attempt):
+                if reply.error is not None:
                     ended = True
-                    kind, message = parse_error(error.message())
-                    raise GenerationError(kind, message)
-                delta = parse_delta(result)
+                    if reply.unanswered:
+                        raise StreamLost(ErrorKind.OUT_OF_SERVICE, reply.error)
+                    raise GenerationError(*parse_error(reply.error))
+                delta = parse_delta(reply.outputs)
                 ended = delta.finish_reason is not None
                 yield delta
                 if ended:
                     return
             ended = True
             raise StreamLost(ErrorKind.INTERNAL, f"Triton at {self.url} closed the stream before the request finished")
-        except (grpc.RpcError, InferenceServerException) as exc:
-            ended = True
-            raise StreamLost(ErrorKind.OUT_OF_SERVICE, f"Triton at {self.url} failed the call: {_text(exc)}") from exc
         finally:
-            if not ended or not await _ended_by_server(call):
-                call.cancel()
-
-    async def model_ready(self, model: str, timeout_s: float) -> None:
-        """Returns when Triton has decode model ``model`` ready; :class:`GenerationError` when it
-        answers that it is not, :class:`StreamLost` when it cannot be reached or does not answer
-        within ``timeout_s``."""
-        try:
-            ready = await asyncio.wait_for(self.client.is_model_ready(model, client_timeout=timeout_s), timeout_s)
-        except TimeoutError:
-            raise StreamLost(ErrorKind.OUT_OF_SERVICE, f"no readiness answer within {timeout_s:g}s") from None
-        except (grpc.RpcError, InferenceServerException) as exc:
-            raise StreamLost(ErrorKind.OUT_OF_SERVICE, f"Triton at {self.url} failed the probe: {_text(exc)}") from exc
-        if not ready:
-            raise GenerationError(ErrorKind.OUT_OF_SERVICE, f"Triton at {self.url}: decode model {model} is not ready")
+            if ended:
+                attempt.finish()
+            else:
+                attempt.cancel()
 
     async def close(self) -> None:
-        await self.client.close()
+        for link in self._probes.values():
+            await asyncio.to_thread(link.close)
 
 
-async def _ended_by_server(call, timeout_s: float = 5.0) -> bool:
-    """Wait for Triton to end a call whose request finished (its request stream is closed, so
-    the server ends the call once its last response is out). False if it did not in time."""
+_END = object()
 
-    async def rest():
-        async for _ in call:
-            pass
 
-    try:
-        await asyncio.wait_for(rest(), timeout_s)
-        return True
-    except (TimeoutError, grpc.RpcError, InferenceServerException):
-        return False
+async def _replies(attempt: Attempt) -> AsyncGenerator[Reply, None]:
+    """``attempt``'s replies, read on a thread of their own (each stream blocks while it waits
+    for its next token) and handed to the event loop."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    def put(item: object) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: shutting down
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def read() -> None:
+        try:
+            for reply in attempt.replies():
+                put(reply)
+        except Exception as e:  # the client library failed: a broken call
+            put(Reply(error=f"{type(e).__name__}: {e}", unanswered=True))
+        finally:
+            put(_END)
+
+    threading.Thread(target=read, name="openai-stream", daemon=True).start()
+    while (item := await queue.get()) is not _END:
+        yield item

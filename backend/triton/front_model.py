@@ -4,15 +4,16 @@ Clients call it with the same tensors as the aggregated ``llm`` model. It tokeni
 as the decode models do and sends each request to one decode target, streaming the responses
 back as they arrive. The targets (``backend/triton/decode_targets.py``): every decode instance
 of the deployment's membership, on every server, or, with ``decode_models``, a fixed list of
-this server's decode models; each by a gRPC stream (``backend/triton/decode_link.py``), this
-server's too: a decode model answering a BLS caller whose stub died blocks for good, while a
-gRPC stream whose client is gone is cancelled there. Which one, and where a request goes when its target
-fails it, is the routing core's (``backend/serving/routing.py``, the same as the OpenAI
-frontend's): among the serving ones, the lowest KV-aware routing cost (prompt pages it does not
-cache, and load). A response whose ``finish_reason`` is set is the last one. A client that
-cancels gets its request cancelled on the target (Triton's request cancellation over gRPC; a
-control request, ``cancel_request_id``, over BLS), so the decode instance (and the prefill
-instance working for it) stop and free their pages; so does a front model whose stub dies.
+this server's decode models; each by a gRPC stream (``backend/serving/decode_stream.py``),
+this server's too: a decode model answering a BLS caller whose stub died blocks for good, while
+a gRPC stream whose client is gone is cancelled there. Which one, and where a request goes when
+its target fails it, is the shared front core's (``backend/serving/routing.py`` and the move
+loop's decisions, ``backend/serving/migration.py``, the same as the OpenAI frontend's): among
+the serving ones, the lowest KV-aware routing cost (prompt pages it does not cache, and load).
+A response whose ``finish_reason`` is set is the last one. A client that cancels gets its
+request cancelled on the target (Triton's request cancellation over gRPC; a control request,
+``cancel_request_id``, over BLS), so the decode instance (and the prefill instance working for
+it) stop and free their pages; so does a front model whose stub dies.
 
 Request migration: when a target goes down (its readiness probes fail) or leaves the membership,
 answers a request as out of service, fails in a way that is not the request's fault (Triton's
@@ -45,13 +46,13 @@ from pathlib import Path
 
 import numpy as np
 
-from backend.cluster.tracing import NO_SPAN, Span, Tracer, start_tracing
+from backend.cluster.tracing import Span, Tracer, start_tracing
 from backend.engine.outputs import ErrorKind
 from backend.serving.config import FrontConfig
-from backend.serving.errors import parse_error
+from backend.serving.migration import Migration, lost_why
 from backend.serving.perf_metrics import with_route
 from backend.serving.request import parse_request, prompt_token_ids
-from backend.serving.routing import FIRST_PICK_POLL_S, REASONS, Journey, NotMoved, move_reason
+from backend.serving.routing import FIRST_PICK_POLL_S, REASONS, NotMoved
 from backend.serving.tensors import PERF_OUTPUT
 from backend.triton.decode_targets import DecodeTargets
 from backend.triton.lifecycle import DRAIN_MESSAGE, DrainWatch
@@ -112,31 +113,32 @@ class TritonPythonModel:
                 span=span,
             )
             span.set({"triton_disagg.request_id": fwd.request_id})
-            target = None if self.draining else self.table.pick(fwd)
-            if target is None and not self.draining and self.table.awaiting_first_probe():
+            if not self._begin(fwd, 0.0):
                 threading.Thread(target=self._begin_when_served, args=(fwd,), daemon=True).start()
-                continue
-            self._begin(fwd, target)
         return None
 
-    def _begin(self, fwd: "Forwarding", target: str | None) -> None:
+    def _begin(self, fwd: "Forwarding", waited_s: float) -> bool:
+        """Send ``fwd`` to its first target, or answer it with why it cannot go anywhere; False
+        while it waits for a target's first passing probe (a server starting)."""
+        try:
+            if self.draining:
+                raise NotMoved(DRAIN_MESSAGE)
+            target = fwd.first(self.table, waited_s)
+        except NotMoved as e:
+            _send_error(self.pb, fwd, e.kind, e.message)
+            return True
         if target is None:
-            why = DRAIN_MESSAGE if self.draining else f"no {self.table.noun} is serving ({self.table.down_reasons()})"
-            _send_error(self.pb, fwd, ErrorKind.OUT_OF_SERVICE, why)
-            return
+            return False
         with fwd.lock:
             self._start(fwd, target)
+        return True
 
     def _begin_when_served(self, fwd: "Forwarding") -> None:
         """No decode model serves yet, but one has not passed a probe (the server starts): wait
         for it, at most ``health_probe_timeout_s``."""
-        deadline = time.monotonic() + self.config.health_probe_timeout_s
-        target = None
-        while not self.draining and time.monotonic() < deadline and self.table.awaiting_first_probe():
+        t0 = time.monotonic()
+        while not self._begin(fwd, time.monotonic() - t0):
             time.sleep(FIRST_PICK_POLL_S)
-        if not self.draining:
-            target = self.table.pick(fwd)
-        self._begin(fwd, target)
 
     def _route_key(self, arrays: dict) -> tuple[list[int], int, str]:
         """The prompt's token ids (empty when there is no tokenizer, or the request is malformed
@@ -160,20 +162,10 @@ class TritonPythonModel:
     def _start(self, fwd: "Forwarding", target: str) -> None:
         """Forward ``fwd`` to ``target`` as a new attempt (the caller holds ``fwd.lock``); the
         output already sent goes along as ``resume_token_ids``."""
-        fwd.attempt += 1
-        fwd.target = target
         inputs = dict(fwd.inputs)
         if fwd.sent:
             inputs[RESUME] = np.array(fwd.sent, dtype=np.int32)
-        span = fwd.attempt_span = fwd.span.child(
-            f"route {target}",
-            {
-                "triton_disagg.attempt": fwd.attempt,
-                "triton_disagg.target": target,
-                "triton_disagg.resumed_tokens": len(fwd.sent),
-            },
-            kind="client",
-        )
+        span = fwd.begin(target)
         threading.Thread(target=self._forward, args=(fwd, target, fwd.attempt, inputs, span), daemon=True).start()
 
     def _relayed(self, fwd: "Forwarding", outputs: dict) -> list:
@@ -204,24 +196,15 @@ class TritonPythonModel:
                 return  # moved or answered already
             if fwd.sender.is_cancelled():
                 return
-            fwd.attempt_span.end(error=why)  # this attempt failed, whether the request moves or not
             try:
                 if self.draining:
+                    fwd.attempt_span.end(error=why)
                     raise NotMoved(DRAIN_MESSAGE)
-                retry = self.table.move(fwd, target, why, reason)
+                retry = fwd.moved(self.table, target, why, reason)
             except NotMoved as e:
                 fwd.attempt += 1  # no relay of the old attempt may follow the error
                 _send_error(self.pb, fwd, e.kind, e.message)
                 return
-            fwd.span.event(
-                "triton_disagg.migration",
-                {
-                    "triton_disagg.from": target,
-                    "triton_disagg.to": retry,
-                    "triton_disagg.reason": reason,
-                    "triton_disagg.sent_tokens": len(fwd.sent),
-                },
-            )
             self._start(fwd, retry)
 
     def _fail_lost(self, target: str, reason: str, lost: list) -> None:
@@ -230,7 +213,7 @@ class TritonPythonModel:
         for fwd in lost:
             with fwd.lock:
                 attempt = fwd.attempt
-            self._move(fwd, attempt, target, f"stopped serving ({reason})", "instance_down")
+            self._move(fwd, attempt, target, lost_why(reason), "instance_down")
 
     def _drain(self) -> None:
         """The server stops: no new requests; those in flight go on until their decode models
@@ -284,8 +267,7 @@ class TritonPythonModel:
                 if sender.is_cancelled():
                     return None
                 if reply.error is not None:
-                    kind, message = parse_error(reply.error)
-                    moves = move_reason(kind, fwd)
+                    moves, kind, message = fwd.outcome(reply.error)
                     if moves is not None:  # a dead stub or server, or ours (draining, overloaded, ...)
                         return message, moves
                     assert kind is not None  # an error without a kind moves
@@ -349,18 +331,14 @@ class TritonPythonModel:
 
 
 @dataclass(eq=False, kw_only=True)
-class Forwarding(Journey):
-    """One client request on its way through the front (a :class:`Journey` of the routing
-    core). ``attempt``: the forwarding that owns the client's sender (a newer one supersedes an
-    attempt on a decode model that stopped serving it) and ``target`` where it runs."""
+class Forwarding(Migration):
+    """One client request on its way through the front (a :class:`Migration`: the shared move
+    loop's state). Its ``attempt`` owns the client's sender (a newer one supersedes an attempt on
+    a decode model that stopped serving it); ``lock`` guards the sender and the attempt."""
 
     sender: GuardedSender
     inputs: dict  # the client's tensors (name -> array), without resume_token_ids
-    attempt: int = 0
-    target: str = ""
     lock: threading.Lock = field(default_factory=threading.Lock)
-    span: Span = NO_SPAN  # the request's span here (tracing)
-    attempt_span: Span = NO_SPAN  # its current attempt's
     t_start: float = field(default_factory=time.perf_counter)
     t_first: float | None = None  # when its first output token was relayed
 

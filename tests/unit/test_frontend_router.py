@@ -41,10 +41,10 @@ def summary(cached: list[int] | None = None, page_size: int = 4) -> CacheSummary
 
 def router(*names: str, up: bool = True, **kw) -> Router:
     r = Router(RouterSettings(**kw))
-    r.update([record(n) for n in names], [])
+    r.watch.update([record(n) for n in names], [])
     if up:
         for n in names:
-            r.probed(n)
+            r.watch.probed(n)
     return r
 
 
@@ -108,38 +108,38 @@ def whole(deltas: list[Delta]) -> list[int]:
 def test_only_ready_members_whose_record_says_they_serve_serve():
     r = router("a", "b", up=False)
     assert r.serving() == [] and r.pick(journey([1, 2])) is None
-    r.probed("a")
+    r.watch.probed("a")
     assert [t.name for t in r.serving()] == ["a"]
-    r.update([record("b", draining=True)], [])
-    r.probed("b")
+    r.watch.update([record("b", draining=True)], [])
+    r.watch.probed("b")
     assert [t.name for t in r.serving()] == ["a"]
     assert {getattr(r.pick(journey([1, 2])), "name", None) for _ in range(6)} == {"a"}
     assert "b: draining" in r.down_reasons()
-    r.update([record("b")], [])  # it serves again
+    r.watch.update([record("b")], [])  # it serves again
     assert {t.name for t in r.serving()} == {"a", "b"}
-    r.update([record("b", health="decode instance b: no prefill instance connected")], [])
+    r.watch.update([record("b", health="decode instance b: no prefill instance connected")], [])
     assert [t.name for t in r.serving()] == ["a"] and "b: decode instance b: no prefill" in r.down_reasons()
-    r.update([record("b")], [])
-    r.update([], [record("a")])
+    r.watch.update([record("b")], [])
+    r.watch.update([], [record("a")])
     assert [t.name for t in r.serving()] == ["b"] and [t.name for t in r.targets()] == ["b"]
 
 
 def test_probe_failures_take_a_member_down_and_one_pass_brings_it_back():
     r = router("a", "b", health_probe_failures=2)
-    r.probed("a", "Triton at a:8001: decode model decode_0 is not ready")
+    r.watch.probed("a", "Triton at a:8001: decode model decode_0 is not ready")
     assert {t.name for t in r.serving()} == {"a", "b"}  # one failure is not enough
-    r.probed("a", "Stub process is not healthy")
+    r.watch.probed("a", "Stub process is not healthy")
     assert [t.name for t in r.serving()] == ["b"]
     assert "Stub process is not healthy" in r.down_reasons()
-    r.probed("a")
+    r.watch.probed("a")
     assert {t.name for t in r.serving()} == {"a", "b"}
-    r.probed("gone")  # a probe of a member that left meanwhile: ignored
+    r.watch.probed("gone")  # a probe of a member that left meanwhile: ignored
 
 
 def test_pick_prefers_the_member_that_caches_the_prompt():
     prompt = list(range(40))
     r = router("a", "b")
-    r.update([record("b", cached=prompt)], [])
+    r.watch.update([record("b", cached=prompt)], [])
     for _ in range(4):
         request = journey(prompt, 3)
         target = r.pick(request)
@@ -173,7 +173,7 @@ def test_a_failed_stream_moves_with_the_tokens_already_sent(failure):
     r = router("a", "b")
     fake = FakeDecode(10, {"a": [(4, failure)], "b": [(0, "ok")]})
     prompt = list(range(40))
-    r.update([record("a", cached=prompt)], [])  # a holds the prompt: it is picked first
+    r.watch.update([record("a", cached=prompt)], [])  # a holds the prompt: it is picked first
     out = asyncio.run(collect(r, fake, prompt))
     assert whole(out) == [token(i) for i in range(10)]  # nothing repeated, nothing lost
     assert "".join(d.text for d in out) == "".join(f"t{i} " for i in range(10))
@@ -185,8 +185,8 @@ def test_a_failed_stream_moves_with_the_tokens_already_sent(failure):
 def test_a_retry_never_goes_back_to_a_member_that_failed_it():
     prompt = list(range(40))
     r = router("a", "b", "c")
-    r.update([record("a", cached=prompt)], [])
-    r.update([record("b", cached=prompt[:20])], [])  # second best after a
+    r.watch.update([record("a", cached=prompt)], [])
+    r.watch.update([record("b", cached=prompt[:20])], [])  # second best after a
     lost = StreamLost(ErrorKind.OUT_OF_SERVICE, "connection lost")
     fake = FakeDecode(9, {"a": [(2, lost)], "b": [(3, lost)], "c": [(0, "ok")]})
     out = asyncio.run(collect(r, fake, prompt))
@@ -221,7 +221,7 @@ def test_an_overloaded_refusal_before_any_output_moves_to_a_member_with_room():
     full = GenerationError(ErrorKind.OVERLOADED, "no KV pages free on the decode instance within 10s")
     prompt = list(range(40))
     r = router("a", "b", health_probe_failures=1)
-    r.update([record("a", cached=prompt)], [])  # a holds the prompt: it is picked first
+    r.watch.update([record("a", cached=prompt)], [])  # a holds the prompt: it is picked first
     fake = FakeDecode(6, {"a": [(0, full)], "b": [(0, "ok")]})
     out = asyncio.run(collect(r, fake, prompt))
     assert whole(out) == [token(i) for i in range(6)] and [n for n, _ in fake.calls] == ["a", "b"]
@@ -234,7 +234,7 @@ def test_an_overloaded_refusal_before_any_output_moves_to_a_member_with_room():
     assert e.value.kind is ErrorKind.OVERLOADED and e.value.message == full.message
     assert alone.migrations == {}
     r = router("a", "b")
-    r.update([record("a", cached=prompt)], [])
+    r.watch.update([record("a", cached=prompt)], [])
     fake = FakeDecode(6, {"a": [(2, full)], "b": [(0, "ok")]})  # after output: not moved
     with pytest.raises(GenerationError) as e:
         asyncio.run(collect(r, fake, prompt))
@@ -259,7 +259,7 @@ def test_with_no_other_member_the_request_fails_and_a_bad_request_never_moves():
         asyncio.run(collect(r, fake))
     assert e.value is bad and len(fake.calls) == 1 and r.migrations == {}
     down = router("a", health_probe_failures=1)
-    down.probed("a", "Stub process is not healthy")
+    down.watch.probed("a", "Stub process is not healthy")
     with pytest.raises(GenerationError) as e:
         asyncio.run(collect(down, fake))  # at once: its probe failed
     assert e.value.kind is ErrorKind.OUT_OF_SERVICE and "no decode instance is serving" in e.value.message
@@ -270,7 +270,7 @@ def test_with_no_other_member_the_request_fails_and_a_bad_request_never_moves():
 def test_requests_in_flight_on_a_member_that_goes_down_move(how):
     r = router("a", "b", health_probe_failures=2)
     prompt = list(range(40))
-    r.update([record("a", cached=prompt)], [])
+    r.watch.update([record("a", cached=prompt)], [])
     fake = FakeDecode(8, {"a": [(3, "hang")], "b": [(0, "ok")]})
 
     async def run():
@@ -280,10 +280,10 @@ def test_requests_in_flight_on_a_member_that_goes_down_move(how):
         for _ in range(20):
             await asyncio.sleep(0)  # a sends its 3 tokens and hangs
         if how == "leaves":
-            r.update([], [record("a")])
+            r.watch.update([], [record("a")])
         else:
-            r.probed("a", "Stub process is not healthy")
-            r.probed("a", "Stub process is not healthy")
+            r.watch.probed("a", "Stub process is not healthy")
+            r.watch.probed("a", "Stub process is not healthy")
         return await asyncio.wait_for(task, 5)
 
     out = asyncio.run(run())
@@ -308,7 +308,7 @@ def test_closing_the_stream_early_closes_the_call():
 
 def test_metrics_exposition():
     r = router("a", "b")
-    r.update([record("b", draining=True)], [])
+    r.watch.update([record("b", draining=True)], [])
     r.migrations["stream_error"] += 2
     r.pick(journey([1]))
     text = exposition(r)

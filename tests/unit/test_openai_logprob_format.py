@@ -165,27 +165,19 @@ def test_max_tokens_zero_only_with_echo_and_chat_top_logprobs_only_with_logprobs
 
 def test_the_request_asks_triton_for_what_it_needs():
     params = GenerationParams(max_tokens=0, temperature=0.0, prompt_log_probs=True, num_top_log_probs=3)
-    ins = {t.name(): t for t in build_inputs([5, 6, 7], params)}
-    assert "text_input" not in ins and ins["input_ids"].datatype() == "INT32" and ins["input_ids"].shape() == [3]
+    ins = build_inputs([5, 6, 7], params)
+    assert "text_input" not in ins and ins["input_ids"].dtype == np.int32 and ins["input_ids"].shape == (3,)
     assert set(ins) >= {"return_prompt_log_probs", "num_top_log_probs", "max_tokens"}
     assert "return_log_probs" not in ins
-    plain = {t.name() for t in build_inputs("text", GenerationParams(max_tokens=4, temperature=1.0))}
+    plain = set(build_inputs("text", GenerationParams(max_tokens=4, temperature=1.0)))
     assert "text_input" in plain and not plain & {"input_ids", "return_log_probs", "num_top_log_probs"}
     # k without any log-probabilities asked asks for nothing
     only_k = GenerationParams(max_tokens=4, temperature=1.0, num_top_log_probs=2)
-    assert "num_top_log_probs" not in {t.name() for t in build_inputs("text", only_k)}
-
-
-class FakeResult:
-    def __init__(self, **outputs):
-        self.outputs = outputs
-
-    def as_numpy(self, name):
-        return self.outputs.get(name)
+    assert "num_top_log_probs" not in build_inputs("text", only_k)
 
 
 def test_a_triton_response_parses_with_its_log_probabilities():
-    result = FakeResult(
+    result = dict(
         text_output=np.array([b" Paris."], dtype=object),
         output_token_ids=np.array([6, 7], dtype=np.int32),
         num_input_tokens=np.array([5], dtype=np.int32),
@@ -206,9 +198,9 @@ def test_a_triton_response_parses_with_its_log_probabilities():
     assert d.top_log_probs == [[(6, -0.5), (11, -1.0)], [(7, -0.25), (8, -3.0)]]
     assert d.prompt_token_ids == [1, 2, 3] and d.prompt_log_probs == [-2.0, -0.125]
     assert d.prompt_top_log_probs == [[(12, -1.0), (2, -2.0)], [(3, -0.125), (4, -4.0)]]
-    plain = parse_delta(FakeResult(output_token_ids=np.array([6], dtype=np.int32)))
+    plain = parse_delta(dict(output_token_ids=np.array([6], dtype=np.int32)))
     assert plain.log_probs is None and plain.top_log_probs is None and plain.prompt_token_ids is None
-    bad = FakeResult(
+    bad = dict(
         output_token_ids=np.array([6, 7], dtype=np.int32),
         output_top_log_probs=np.array([-0.5, -1.0, -0.25], dtype=np.float32),
         output_top_token_ids=np.array([6, 11, 7], dtype=np.int32),
@@ -493,9 +485,9 @@ def test_a_moved_request_relays_the_prompt_logprobs_once_and_the_output_logprobs
     prompt = list(range(40))
     router = Router()
     keys = frozenset(page_key(h) for h in page_hashes(prompt, 4, bytes.fromhex(SALT)))
-    router.update([_record("a", keys), _record("b")], [])  # a holds the prompt: first pick
-    router.probed("a")
-    router.probed("b")
+    router.watch.update([_record("a", keys), _record("b")], [])  # a holds the prompt: first pick
+    router.watch.probed("a")
+    router.watch.probed("b")
     fake = MovingTriton({"a": first_sends, "b": None}, max_tokens=5)
     fleet = DecodeFleet("etcd://unused:1", "d", b"", router)
     fleet._client = fake.client_for  # type: ignore[method-assign]
