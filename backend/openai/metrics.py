@@ -1,4 +1,5 @@
-"""The frontend's ``GET /metrics``: Prometheus text exposition (format 0.0.4) of its router.
+"""The frontend's ``GET /metrics``: Prometheus text of its router, written by ``prometheus_client``
+(``backend/cluster/prometheus_text.py``).
 
 - ``triton_disagg_migrations_total{reason}``: requests moved to another decode instance
   (``instance_down``: its probes failed or it left the membership; ``stream_error``: its stream
@@ -10,54 +11,47 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
+from backend.cluster.prometheus_text import CONTENT_TYPE
+from backend.cluster.prometheus_text import exposition as _text
 from backend.openai.router import Router, Target
 from backend.serving.routing import REASONS
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-Sample = tuple[Mapping[str, str], float]
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _family(name: str, kind: str, help_: str, samples: Iterable[Sample]) -> list[str]:
-    lines = [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
-    for labels, value in samples:
-        inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-        number = str(int(value)) if value.is_integer() else repr(value)
-        lines.append(f"{name}{{{inner}}} {number}" if inner else f"{name} {number}")
-    return lines
+__all__ = ["CONTENT_TYPE", "exposition"]
+TARGET_LABELS = ["target", "grpc_url", "model"]
 
 
 def exposition(router: Router | None) -> str:
     """The metrics text; ``router`` None (no discovery): the migration counters at 0."""
     moved = router.migrations if router is not None else {}
-    lines = _family(
-        "triton_disagg_migrations_total",
-        "counter",
+    migrations = CounterMetricFamily(
+        "triton_disagg_migrations",
         "requests the frontend moved to another decode instance, by reason",
-        [({"reason": r}, float(moved.get(r, 0))) for r in REASONS],
+        labels=["reason"],
     )
+    for reason in REASONS:
+        migrations.add_metric([reason], float(moved.get(reason, 0)))
+    families: list[Metric] = [migrations]
     if router is not None:
         status = router.status()
 
-        def labels(t: Target) -> dict[str, str]:
-            return {"target": t.name, "grpc_url": t.grpc_url, "model": t.model}
+        def labels(t: Target) -> list[str]:
+            return [t.name, t.grpc_url, t.model]
 
-        lines += _family(
+        up = GaugeMetricFamily(
             "triton_disagg_decode_target_up",
-            "gauge",
             "1 while the frontend routes new requests to this decode instance",
-            [(labels(t), float(s.serving)) for t, s in status],
+            labels=TARGET_LABELS,
         )
-        lines += _family(
-            "triton_disagg_requests_routed_total",
-            "counter",
+        routed = CounterMetricFamily(
+            "triton_disagg_requests_routed",
             "requests (first attempts and moves) the frontend sent to this decode instance",
-            [(labels(t), float(s.routed)) for t, s in status],
+            labels=TARGET_LABELS,
         )
-    return "\n".join(lines) + "\n"
+        for t, s in status:
+            up.add_metric(labels(t), float(s.serving))
+            routed.add_metric(labels(t), float(s.routed))
+        families += [up, routed]
+    return _text(families)

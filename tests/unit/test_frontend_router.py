@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 
 import pytest
 
+from backend.cluster.prometheus_text import samples
 from backend.cluster.records import InstanceRecord
 from backend.engine.cache_summary import CacheSummary, page_key
 from backend.engine.outputs import ErrorKind
@@ -312,11 +312,13 @@ def test_metrics_exposition():
     r.migrations["stream_error"] += 2
     r.pick(journey([1]))
     text = exposition(r)
-    assert 'triton_disagg_migrations_total{reason="stream_error"} 2' in text
-    assert 'triton_disagg_migrations_total{reason="instance_down"} 0' in text
-    assert re.search(r'triton_disagg_decode_target_up\{target="a",grpc_url="a:8001",model="decode_0"\} 1', text)
-    assert 'triton_disagg_decode_target_up{target="b",grpc_url="b:8001",model="decode_0"} 0' in text
-    assert 'triton_disagg_requests_routed_total{target="a",grpc_url="a:8001",model="decode_0"} 1' in text
+    got = samples(text)  # prometheus_client's own parser reads it back
+    assert got[("triton_disagg_migrations_total", frozenset({("reason", "stream_error")}))] == 2
+    assert got[("triton_disagg_migrations_total", frozenset({("reason", "instance_down")}))] == 0
+    at = lambda name: frozenset({("target", name), ("grpc_url", f"{name}:8001"), ("model", "decode_0")})  # noqa: E731
+    assert got[("triton_disagg_decode_target_up", at("a"))] == 1
+    assert got[("triton_disagg_decode_target_up", at("b"))] == 0
+    assert got[("triton_disagg_requests_routed_total", at("a"))] == 1
     assert "# TYPE triton_disagg_migrations_total counter" in text
     assert exposition(None).count("triton_disagg_migrations_total{") == 3  # one per reason, moved or not
-    assert 'triton_disagg_migrations_total{reason="overloaded"} 0' in text
+    assert got[("triton_disagg_migrations_total", frozenset({("reason", "overloaded")}))] == 0
