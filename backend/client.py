@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 import queue
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -178,3 +179,29 @@ def stream_generate(
         client.stop_stream(cancel_requests=not ended)
         client.close()
     return res
+
+
+class ConcurrentStreams:
+    """Requests streamed at once over gRPC (:func:`stream_generate`), one thread each:
+    ``received[i]`` counts request i's text deltas as they arrive (to act while they stream: kill an
+    instance, drain one); :meth:`join` waits for them and gives their results, in order."""
+
+    def __init__(self, url: str, prompts: Sequence[str | list[int]], max_tokens: int, timeout_s: float = 300.0, **kw):
+        self.received = [0] * len(prompts)
+        self.results: list[GenerationResult | None] = [None] * len(prompts)
+        self.timeout_s = timeout_s
+
+        def run(i: int) -> None:
+            def on_text(_delta: str) -> None:
+                self.received[i] += 1
+
+            self.results[i] = stream_generate(url, prompts[i], max_tokens, on_text=on_text, timeout_s=timeout_s, **kw)
+
+        self.threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in self.threads:
+            t.start()
+
+    def join(self) -> list[GenerationResult | None]:
+        for t in self.threads:
+            t.join(self.timeout_s)
+        return self.results

@@ -31,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from backend.client import stream_generate
+from backend.client import ConcurrentStreams, stream_generate
 from backend.cluster.prometheus_text import metric_sum
 from backend.planner.stats import gaps as gaps_of
 from backend.planner.stats import median, percentile
@@ -83,29 +83,16 @@ def wait_back(server, old_pid: int, timeout_s: float = 180) -> None:
 def one_round(server, k: int) -> tuple[list, float, int, int]:
     """4 streams; kill decode_0 once each has 40 tokens. (results, kill time, streams on the
     victim, the victim's old pid)."""
-    counts = [0] * len(PROMPTS)
-    results: list = [None] * len(PROMPTS)
-
-    def run(i: int) -> None:
-        def on_text(_t: str) -> None:
-            counts[i] += 1
-
-        results[i] = stream_generate(
-            server.grpc_url, f"({k}) {PROMPTS[i]}", 200, ignore_eos=True, on_text=on_text, timeout_s=300
-        )
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
-    [t.start() for t in threads]
+    streams = ConcurrentStreams(server.grpc_url, [f"({k}) {p}" for p in PROMPTS], 200, ignore_eos=True)
     deadline = time.monotonic() + 120
-    while min(counts) < 40 or active(server, "decode_0") == 0:
+    while min(streams.received) < 40 or active(server, "decode_0") == 0:
         if time.monotonic() > deadline:
             raise RuntimeError(f"round {k}: streams did not reach 40 tokens on decode_0")
         time.sleep(0.02)
     on_victim = int(active(server, "decode_0"))
     t_kill = time.perf_counter()
     pid = kill_decode_0(server)
-    [t.join(300) for t in threads]
-    return results, t_kill, on_victim, pid
+    return streams.join(), t_kill, on_victim, pid
 
 
 def gap_rounds(server, rounds: int) -> dict:

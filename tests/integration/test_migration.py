@@ -19,13 +19,12 @@ import json
 import os
 import re
 import signal
-import threading
 import time
 
 import numpy as np
 import pytest
 
-from backend.client import stream_generate
+from backend.client import ConcurrentStreams, stream_generate
 from backend.serving.request import prompt_token_ids
 from tests.conftest import PROMPTS, deployment_server, hf_greedy, metric_values, wait_metric, wait_pool_free
 
@@ -57,29 +56,6 @@ def server(model_dir, tmp_path_factory):
         per_model={"front": {"health_probe_interval_s": "0.5"}, "decode_1": {"drain_timeout_s": "2"}},
     ) as s:
         yield s
-
-
-class Streams:
-    """Concurrent streamed requests through the front; counts what each has received."""
-
-    def __init__(self, url: str, prompts: list[str], n: int, **kw):
-        self.received = [0] * len(prompts)
-        self.results: list = [None] * len(prompts)
-
-        def run(i):
-            def on_text(_delta, i=i):
-                self.received[i] += 1
-
-            self.results[i] = stream_generate(url, prompts[i], n, on_text=on_text, timeout_s=300, **kw)
-
-        self.threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-        for t in self.threads:
-            t.start()
-
-    def join(self) -> list:
-        for t in self.threads:
-            t.join(300)
-        return self.results
 
 
 def active(server, model: str) -> int:
@@ -136,7 +112,7 @@ def test_streams_move_when_their_decode_instance_is_killed(server, tokenizer, hf
         wait_pool_free(server.metrics_url, m, timeout_s=30)
     before = migrations(server)
     # the guided stream first, alone: the decode instance with a request active serves it
-    g = Streams(server.grpc_url, [GUIDED_PROMPT], 400, extra=guided, chat=True)
+    g = ConcurrentStreams(server.grpc_url, [GUIDED_PROMPT], 400, extra=guided, chat=True)
     deadline = time.monotonic() + 60
     while g.received[0] < 3:
         assert time.monotonic() < deadline
@@ -148,7 +124,7 @@ def test_streams_move_when_their_decode_instance_is_killed(server, tokenizer, hf
         time.sleep(0.05)
     victim = serving[0]
     prompts = PROMPTS[:8]
-    streams = Streams(server.grpc_url, prompts, N_TOKENS, ignore_eos=True)
+    streams = ConcurrentStreams(server.grpc_url, prompts, N_TOKENS, ignore_eos=True)
     deadline = time.monotonic() + 120
     while min(streams.received) < 30:
         assert time.monotonic() < deadline, streams.received
@@ -185,7 +161,7 @@ def test_a_killed_prefill_instance_is_recomputed_elsewhere(server, tokenizer, hf
         for k in range(4)
     ]
     before = sum(metric_values(server.metrics_url, "triton_disagg_kv_loads_recomputed_total"))
-    streams = Streams(server.grpc_url, prompts, 8, ignore_eos=True)
+    streams = ConcurrentStreams(server.grpc_url, prompts, 8, ignore_eos=True)
     depth = "triton_disagg_prefill_queue_depth"
     pid = kill_when(server, "prefill_0", lambda: sum(metric_values(server.metrics_url, depth, model="prefill_0")) > 0)
     results = streams.join()
@@ -215,7 +191,7 @@ def test_streams_a_drain_ends_at_its_window_move(server, tokenizer, hf_model):
     record = find([r for r in members(etcd, "default", secret) if r.role == "decode"], "decode_1")
     prompts = PROMPTS[:6]
     before = migrations(server)
-    streams = Streams(server.grpc_url, prompts, DRAIN_TOKENS, ignore_eos=True)
+    streams = ConcurrentStreams(server.grpc_url, prompts, DRAIN_TOKENS, ignore_eos=True)
     deadline = time.monotonic() + 120
     while min(streams.received) < 10 or not active(server, "decode_1"):
         assert time.monotonic() < deadline, streams.received
@@ -235,7 +211,7 @@ def test_streams_a_drain_ends_at_its_window_move(server, tokenizer, hf_model):
         f"{moved:.0f} moved"
     )
     assert ended >= 1, "every stream on decode_1 finished within its 2 s window: none was ended"
-    again = Streams(server.grpc_url, prompts, DRAIN_TOKENS, ignore_eos=True).join()
+    again = ConcurrentStreams(server.grpc_url, prompts, DRAIN_TOKENS, ignore_eos=True).join()
     assert [x.error for x in again] == [None] * len(prompts), [x.error for x in again]
     for prompt, x, y in zip(prompts, results, again):
         assert len(x.token_ids) == DRAIN_TOKENS and x.token_ids == y.token_ids, prompt

@@ -37,7 +37,7 @@ import pytest
 import requests
 import torch
 
-from backend.client import stream_generate
+from backend.client import ConcurrentStreams
 from backend.cluster.etcd import EtcdClient
 from backend.cluster.records import InstanceRecord, decode, encode, key_of, prefix_of
 from backend.disagg.auth import SECRET_ENV, new_secret
@@ -389,22 +389,10 @@ def both_up(cluster: Cluster) -> None:
 def test_triton_api_streams_move_off_a_killed_server(cluster, tokenizer, hf_model):
     both_up(cluster)
     prompts = PROMPTS[:6]
-    received = [0] * len(prompts)
-    results: list = [None] * len(prompts)
-
-    def run(i: int) -> None:
-        def on_text(_delta: str) -> None:
-            received[i] += 1
-
-        results[i] = stream_generate(
-            cluster.a.grpc_url, prompts[i], SERVER_KILL_TOKENS, ignore_eos=True, on_text=on_text, timeout_s=300
-        )
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    [t.start() for t in threads]
+    streams = ConcurrentStreams(cluster.a.grpc_url, prompts, SERVER_KILL_TOKENS, ignore_eos=True)
     try:
-        on_b, before = kill_server_b_under(cluster, received, lambda: front_migrations(cluster.a))
-        [t.join(300) for t in threads]
+        on_b, before = kill_server_b_under(cluster, streams.received, lambda: front_migrations(cluster.a))
+        results = streams.join()
         assert [r.error for r in results] == [None] * len(prompts)
         for prompt, r in zip(prompts, results):
             want = hf_greedy(hf_model, prompt_token_ids(tokenizer, prompt, False), SERVER_KILL_TOKENS)
@@ -414,7 +402,7 @@ def test_triton_api_streams_move_off_a_killed_server(cluster, tokenizer, hf_mode
         moved -= before
         print(f"{on_b:.0f} of {len(prompts)} streams were on server B when it was killed; {moved:.0f} moved")
     finally:
-        [t.join(300) for t in threads]
+        streams.join()
 
 
 def test_openai_streams_move_off_a_killed_server(cluster, tokenizer, hf_model):
