@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from backend.engine.reference import hf_greedy
+from backend.engine.remote_admission import admit_remote
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -197,26 +198,6 @@ def check_engine_vs_transformers(args, workdir: Path) -> dict:
 
 
 # ---------------------------------------------------------------- 2./3. the two processes
-class _AllRemote:
-    """A KV loader taking every ``remote_kv`` request (its KV comes from the prefill child)."""
-
-    def load(self, req_id: str, token_ids: list[int], page_table: list[int], cached_tokens: int) -> bool:
-        return True
-
-
-def admit_for_remote_kv(engine, req_id: str, prompt: list[int], params=None) -> list[int]:
-    """Decode role: admit a ``remote_kv`` request (the scheduler gives it its pages) and return
-    its page table, where the prefill child writes its KV."""
-    if engine.kv_loader is None:
-        engine.set_kv_loader(_AllRemote())
-    engine.add_request(req_id, prompt, params, remote_kv=True)
-    for _ in range(100):
-        if req_id in engine.scheduler.parked:
-            return engine.allocator.page_table(req_id)
-        engine.step()
-    raise RuntimeError(f"{req_id}: the decode engine did not admit it")
-
-
 def nixl_importable() -> str | None:
     """None when NIXL imports, else why not."""
     try:
@@ -331,7 +312,7 @@ class PrefillChild:
         import threading
 
         n = len(prompt) - 1
-        pages = admit_for_remote_kv(self.engine, req_id, prompt, params)
+        pages = admit_remote(self.engine, req_id, prompt, params)
         dst = pages[: math.ceil(n / self.engine.kv_cache().page_size)]
         ready, got = threading.Event(), {}
 

@@ -13,6 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from backend.engine.config import EngineConfig  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.engine.outputs import EngineOutput  # noqa: E402
+from backend.engine.remote_admission import RemoteLoader, admit_remote  # noqa: E402, F401  (the engine tests import them from here)
 from backend.parallel.engine_factory import build_engine  # noqa: E402
 from tests.checkpoint import real_model_dir  # noqa: E402, F401  (the engine tests import it from here)
 
@@ -100,31 +101,3 @@ class Listener:
         assert written.wait(10.0), "the engine's device mark for a written layer never completed"
         if self.on_layer is not None:
             self.on_layer(layer, batch)
-
-
-class RemoteLoader:
-    """A KV loader (the engine's seam to a receiving connector) that takes every ``remote_kv``
-    request, or none (``remote=False``), recording the pages each got."""
-
-    def __init__(self, remote: bool = True):
-        self.remote = remote
-        self.pages: dict[str, list[int]] = {}
-        self.cached: dict[str, int] = {}
-
-    def load(self, req_id: str, token_ids: list[int], page_table: list[int], cached_tokens: int) -> bool:
-        self.pages[req_id], self.cached[req_id] = list(page_table), cached_tokens
-        return self.remote
-
-
-def admit_remote(engine: LLMEngine, req_id: str, prompt: list[int], params=None) -> list[int]:
-    """Decode role: add a ``remote_kv`` request and step until the scheduler gave it its pages and
-    it waits for its KV; returns its page table (write the KV there, then ``engine.kv_loaded``).
-    Outputs of other requests that these steps produce are dropped."""
-    if engine.kv_loader is None:
-        engine.set_kv_loader(RemoteLoader())
-    engine.add_request(req_id, prompt, params, remote_kv=True)
-    for _ in range(100):
-        if req_id in engine.scheduler.parked:
-            return engine.allocator.page_table(req_id)
-        engine.step()
-    raise AssertionError(f"{req_id} was not admitted (pool full?)")
