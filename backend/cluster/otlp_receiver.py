@@ -1,9 +1,12 @@
-"""A small OTLP/HTTP trace receiver (``POST /v1/traces``, protobuf) that keeps the spans it gets:
-what the tests and the tracing benchmark export to (no OpenTelemetry Collector package is
-available here). Decodes with ``opentelemetry-proto``."""
+"""A small OTLP/HTTP trace receiver (``POST /v1/traces``, protobuf or JSON) that keeps the spans it
+gets: what the tests and the tracing benchmark export to (no OpenTelemetry Collector package is
+available here). Decodes with ``opentelemetry-proto``; the JSON encoding (what Triton's own trace
+mode sends) is read into the same message, its hex ids turned into bytes first as OTLP specifies."""
 
 from __future__ import annotations
 
+import base64
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,6 +42,36 @@ def _attrs(kvs: Any) -> dict[str, Any]:
     return {kv.key: _value(kv.value) for kv in kvs}
 
 
+_ID_KEYS = ("traceId", "spanId", "parentSpanId")
+
+
+def _b64(hex_id: str) -> str:
+    return base64.b64encode(bytes.fromhex(hex_id)).decode()
+
+
+def _ids_to_base64(node: Any) -> Any:
+    """OTLP's JSON writes trace and span ids in hex, where protobuf's JSON mapping wants base64."""
+    if isinstance(node, dict):
+        return {k: _b64(v) if k in _ID_KEYS and isinstance(v, str) else _ids_to_base64(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_ids_to_base64(x) for x in node]
+    return node
+
+
+def parse_export(body: bytes, content_type: str):
+    """An ``ExportTraceServiceRequest`` from an OTLP/HTTP body, protobuf or JSON (by its
+    ``Content-Type``)."""
+    from google.protobuf import json_format
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    request = ExportTraceServiceRequest()
+    if content_type.split(";")[0].strip().lower() == "application/json":
+        json_format.ParseDict(_ids_to_base64(json.loads(body)), request, ignore_unknown_fields=True)
+    else:
+        request.ParseFromString(body)
+    return request
+
+
 class OTLPReceiver:
     """``with OTLPReceiver() as r:`` ... ``r.url`` (give it as the OTLP endpoint), ``r.spans()``."""
 
@@ -53,7 +86,7 @@ class OTLPReceiver:
                 body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
                 ok = self.path.rstrip("/") == "/v1/traces"
                 if ok:
-                    receiver._take(body)
+                    receiver._take(body, self.headers.get("Content-Type", ""))
                 self.send_response(200 if ok else 404)
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.send_header("Content-Length", "0")
@@ -74,11 +107,8 @@ class OTLPReceiver:
         self._server.shutdown()
         self._server.server_close()
 
-    def _take(self, body: bytes) -> None:
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-        request = ExportTraceServiceRequest()
-        request.ParseFromString(body)
+    def _take(self, body: bytes, content_type: str = "application/x-protobuf") -> None:
+        request = parse_export(body, content_type)
         spans = []
         for rs in request.resource_spans:
             resource = _attrs(rs.resource.attributes)

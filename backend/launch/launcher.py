@@ -165,6 +165,7 @@ class Launch:
                 metrics_port=self.metrics_port,
                 log_file=self.log_file,
                 extra_env=extra_env,
+                otlp_endpoint=str(overrides.get("otlp_endpoint", "")),
             )
             server.etcd = etcd
             server.kv_store = store

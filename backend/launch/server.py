@@ -34,6 +34,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("triton_disagg.server")
 
 
+def trace_arguments(otlp_endpoint: str, instance: str) -> list[str]:
+    """Triton's OpenTelemetry trace mode, every request traced: it reads the ``traceparent``
+    header of every HTTP endpoint (``generate_stream`` too, which forwards no header) and gRPC
+    call, exports Triton's own spans (the request, the model, its compute; OTLP/HTTP in JSON) to
+    the deployment's collector, and hands each model its span's context in the client's trace."""
+    config = [
+        "mode=opentelemetry",
+        "rate=1",
+        "level=TIMESTAMPS",
+        f"opentelemetry,url={otlp_endpoint}/v1/traces",
+        "opentelemetry,resource=service.name=tritonserver",
+        f"opentelemetry,resource=service.instance.id={instance}",
+    ]
+    return [arg for c in config for arg in ("--trace-config", c)]
+
+
 class TritonServer:
     """One ``tritonserver`` process bound to ``host`` with the given ports."""
 
@@ -51,6 +67,7 @@ class TritonServer:
         netns: str | None = None,
         supervise: bool = True,
         exit_timeout_s: int = 10,
+        otlp_endpoint: str = "",
     ):
         self.repo = Path(model_repository).resolve()
         self.host = host
@@ -64,6 +81,7 @@ class TritonServer:
         self.netns = netns
         self.supervise = supervise
         self.exit_timeout_s = exit_timeout_s
+        self.otlp_endpoint = otlp_endpoint.rstrip("/")
         self.supervisor: Supervisor | None = None
         self.etcd: EtcdServer | None = None  # the deployment's private etcd, if its launcher started one
         self.kv_store: KVStoreServer | None = None  # its private shared-KV-tier store, likewise
@@ -119,11 +137,13 @@ class TritonServer:
             "--load-model=*",
             f"--log-verbose={self.log_verbose}",
             # a client's W3C trace context (gRPC metadata; an HTTP header on the infer endpoint, not
-            # on generate_stream) reaches the models as a request parameter, where a traced
-            # request's spans join the client's trace
+            # on generate or generate_stream) reaches the models as a request parameter
+            # (backend/triton/trace_context.py)
             f"--http-header-forward-pattern={TRACE_HEADER}",
             f"--grpc-header-forward-pattern={TRACE_HEADER}",
         ]
+        if self.otlp_endpoint:
+            cmd += trace_arguments(self.otlp_endpoint, self.grpc_url)
         if self.netns:
             cmd = ["ip", "netns", "exec", self.netns] + cmd
         return cmd

@@ -69,8 +69,9 @@ class DecodeLink(Protocol):
     target: Target
 
     def open(self, request_id: str, inputs: dict[str, np.ndarray], traceparent: str = "") -> Attempt:
-        """Send the request (with ``traceparent``, the attempt's trace context, as the request
-        parameter of that name when it is set)."""
+        """Send the request with ``traceparent``, the attempt's trace context, when it is set (gRPC:
+        the call's metadata, which Triton forwards as the request parameter of that name; BLS:
+        that parameter)."""
         ...
 
     def probe(self) -> Reply:
@@ -143,7 +144,12 @@ class _GrpcAttempt:
                 if self._client is None:
                     self._client = grpcclient.InferenceServerClient(self.target.grpc_url)
                 client = self._client
-            client.start_stream(callback=lambda result, error: self._queue.put((result, error)))
+            # the trace context as the call's metadata: the server's Triton forwards it to the model
+            # as a request parameter and, tracing, continues the trace with its own spans
+            client.start_stream(
+                callback=lambda result, error: self._queue.put((result, error)),
+                headers={TRACE_HEADER: self.traceparent} if self.traceparent else None,
+            )
             self._started = True
             tensors = []
             for name, arr in self.inputs.items():
@@ -151,11 +157,7 @@ class _GrpcAttempt:
                 t.set_data_from_numpy(arr)
                 tensors.append(t)
             client.async_stream_infer(
-                self.target.model,
-                tensors,
-                request_id=self.request_id,
-                enable_empty_final_response=True,
-                parameters={TRACE_HEADER: self.traceparent} if self.traceparent else None,
+                self.target.model, tensors, request_id=self.request_id, enable_empty_final_response=True
             )
         except InferenceServerException as e:
             self.broken = True

@@ -2,13 +2,16 @@
 instances of a real tritonserver, real NIXL, the real model) exported over OTLP/HTTP to a real
 receiver in the test:
 
-- a request whose client sends a W3C ``traceparent`` (gRPC metadata, forwarded by Triton) yields
-  one trace with spans from three processes (front, decode, prefill) in parent/child order
-  (client -> front request -> route attempt -> decode -> KV transfer -> prefill), its KV bytes
-  equal to the transfer metric, its token counts equal to what the client got;
-- the same through Triton's HTTP ``generate_stream`` (``traceparent`` in its JSON body) and
-  through the OpenAI frontend (its own span from the HTTP ``traceparent`` header, then
-  its attempt, then the decode and prefill instances');
+- a request whose client sends a W3C ``traceparent`` (gRPC metadata) yields one trace with spans
+  from three processes (front, decode, prefill) in parent/child order (client -> front request ->
+  route attempt -> decode -> KV transfer -> prefill), Triton's own spans (its OpenTelemetry trace
+  mode: the request, the model) between the client and the front and between the route and the
+  decode instance, its KV bytes equal to the transfer metric, its token counts equal to what the
+  client got;
+- the same through Triton's HTTP ``generate_stream`` with the ``traceparent`` header (Triton's
+  trace mode reads it) or, for a client that cannot set headers, in its JSON body, and through the
+  OpenAI frontend (its own span from the HTTP ``traceparent`` header, then its attempt, then the
+  decode and prefill instances');
 - a malformed ``traceparent`` starts a new trace, and the request is served;
 - a request whose decode instance is killed mid-stream shows both attempts and the move;
 - a request that asks for its figures (``return_perf_metrics``) gets them in its last response:
@@ -77,8 +80,25 @@ def traced(model_dir, tmp_path_factory):
 
 
 def _trace(receiver: OTLPReceiver, trace_id: str, want: set[str]) -> dict:
-    spans = receiver.wait_for(lambda s: want <= {x.name.split(" ")[0] for x in s if x.trace_id == trace_id})
-    return {s.span_id: s for s in spans if s.trace_id == trace_id}
+    """The trace's spans by id, once it has spans of the names in ``want`` and is whole: every
+    span's parent is in it, or is the client's (Triton exports its own spans as each call ends)."""
+
+    def whole(got) -> bool:
+        mine = {x.span_id: x for x in got if x.trace_id == trace_id}
+        names = {x.name.split(" ")[0] for x in mine.values()}
+        return want <= names and all(x.parent_span_id in mine or x.parent_span_id == CLIENT_SPAN for x in mine.values())
+
+    return {s.span_id: s for s in receiver.wait_for(whole) if s.trace_id == trace_id}
+
+
+def _caller(span, spans: dict) -> tuple[str, list[str]]:
+    """The span's nearest ancestor that is not Triton's own, and the names of Triton's spans passed
+    on the way (its request, then the model, from the caller down)."""
+    parent, passed = span.parent_span_id, []
+    while parent in spans and spans[parent].service == "tritonserver":
+        passed.insert(0, spans[parent].name)
+        parent = spans[parent].parent_span_id
+    return parent, passed
 
 
 def test_one_request_is_one_trace_across_front_decode_and_prefill(traced, tokenizer, hf_model):
@@ -96,9 +116,11 @@ def test_one_request_is_one_trace_across_front_decode_and_prefill(traced, tokeni
     by_name = {s.name.split(" ")[0]: s for s in spans.values()}
     front, route, decode = by_name["text_completion"], by_name["route"], by_name["decode"]
     kv, prefill = by_name["kv_transfer"], by_name["prefill"]
-    # parent/child across the three processes
-    assert front.parent_span_id == CLIENT_SPAN
-    assert route.parent_span_id == front.span_id and decode.parent_span_id == route.span_id
+    model = decode.instance.rsplit("_", 2)[0]  # its Triton instance decode_<i>_0_0
+    # parent/child across the three processes, Triton's own spans between the calls it carried
+    assert _caller(front, spans) == (CLIENT_SPAN, ["InferRequest", "llm"])
+    assert route.parent_span_id == front.span_id
+    assert _caller(decode, spans) == (route.span_id, ["InferRequest", model])
     assert kv.parent_span_id == decode.span_id and prefill.parent_span_id == kv.span_id
     services = {s.service for s in (front, decode, prefill)}
     assert services == {"triton-disagg-front", "triton-disagg-decode", "triton-disagg-prefill"}
@@ -112,7 +134,6 @@ def test_one_request_is_one_trace_across_front_decode_and_prefill(traced, tokeni
     assert decode.attributes["gen_ai.usage.output_tokens"] == 8
     assert decode.attributes["gen_ai.usage.input_tokens"] == n_prompt
     assert front.attributes["gen_ai.operation.name"] == "text_completion"
-    model = decode.instance.rsplit("_", 2)[0]  # its Triton instance decode_<i>_0_0
     assert route.attributes["triton_disagg.target"].startswith(f"vm-{model}-")  # its membership name
     sent = wait_metric(server.metrics_url, "triton_disagg_kv_transfer_bytes_total", before[model] + 1, model=model)
     assert kv.attributes["triton_disagg.kv.bytes"] == sent - before[model]
@@ -151,16 +172,22 @@ def test_the_openai_frontend_joins_the_clients_trace_too(traced, tokenizer, hf_m
     by_name = {s.name.split(" ")[0]: s for s in spans.values()}
     front, route, decode = by_name["text_completion"], by_name["route"], by_name["decode"]
     assert front.service == "triton-disagg-openai" and front.parent_span_id == CLIENT_SPAN
-    assert route.parent_span_id == front.span_id and decode.parent_span_id == route.span_id
+    assert route.parent_span_id == front.span_id
+    assert _caller(decode, spans) == (route.span_id, ["InferRequest", decode.instance.rsplit("_", 2)[0]])
     assert by_name["prefill"].parent_span_id == by_name["kv_transfer"].span_id
     assert front.attributes["gen_ai.usage.output_tokens"] == 6 and front.status_code != 2
 
 
-def test_tritons_http_generate_takes_the_traceparent_as_a_parameter(traced):
-    """Triton's HTTP ``generate_stream`` does not forward headers, but a field of its JSON body
-    that is not an input is a request parameter: ``traceparent`` there joins the trace."""
+@pytest.mark.parametrize("where", ["header", "body"])
+def test_tritons_http_generate_stream_joins_the_clients_trace(traced, where):
+    """Triton's HTTP ``generate_stream`` forwards no header to the models, but Triton's trace mode
+    reads the W3C ``traceparent`` header (its spans, then ours, join the client's trace); for a
+    client that cannot set headers, a field of its JSON body that is not an input is a request
+    parameter, and ``traceparent`` there joins the trace too (Triton's spans, which saw no
+    header, are then a trace of their own)."""
     server, receiver = traced
-    trace_id = "7bf92f3577b34da6a3ce929d0e0e4739"
+    trace_id = {"header": "8bf92f3577b34da6a3ce929d0e0e4730", "body": "7bf92f3577b34da6a3ce929d0e0e4739"}[where]
+    traceparent = f"00-{trace_id}-{CLIENT_SPAN}-01"
     reply = requests.post(
         f"http://{server.http_url}/v2/models/llm/generate_stream",
         json={
@@ -168,16 +195,19 @@ def test_tritons_http_generate_takes_the_traceparent_as_a_parameter(traced):
             "max_tokens": 4,
             "stream": True,
             "ignore_eos": True,
-            "traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01",
+            **({"traceparent": traceparent} if where == "body" else {}),
         },
+        headers={"traceparent": traceparent} if where == "header" else {},
         stream=True,
         timeout=120,
     )
     events = [line for line in reply.iter_lines() if line.startswith(b"data: ")]
     assert reply.status_code == 200 and len(events) >= 1
-    spans = _trace(receiver, trace_id, {"text_completion", "route", "decode", "prefill"})
+    want = {"text_completion", "route", "decode", "prefill"} | ({"InferRequest", "llm"} if where == "header" else set())
+    spans = _trace(receiver, trace_id, want)
     front = next(s for s in spans.values() if s.name.startswith("text_completion"))
-    assert front.parent_span_id == CLIENT_SPAN and front.service == "triton-disagg-front"
+    assert front.service == "triton-disagg-front"
+    assert _caller(front, spans) == (CLIENT_SPAN, ["InferRequest", "llm"] if where == "header" else [])
 
 
 def test_a_malformed_traceparent_starts_a_new_trace(traced):
