@@ -88,6 +88,8 @@ class TritonServer:
         self.prometheus: PrometheusServer | None = None  # the Prometheus scraping the deployment, likewise
         self.proc: subprocess.Popen | None = None
         self.deployment_secret = ""  # the deployment secret, set at the first start, kept over restarts
+        self._last_exit: int | None = None  # the exit status of a start that ended before it was ready
+        self._log_offset = 0  # where the last start's output begins in the log
 
     @property
     def http_url(self) -> str:
@@ -149,6 +151,42 @@ class TritonServer:
         return cmd
 
     def start(self, timeout_s: float = 300.0) -> "TritonServer":
+        """Start ``tritonserver`` and wait until it is ready. A start that crashed (the server or
+        one of its stubs died of a signal, or of a C++ exception, before it was ready) is retried
+        once, its reason logged; one that failed otherwise (a bad configuration, a model that
+        refused to load, the timeout) is not."""
+        try:
+            return self._start_once(timeout_s)
+        except RuntimeError as e:
+            reason = self.crash_reason()
+            if reason is None:
+                raise
+            log.warning("tritonserver crashed while starting (%s): starting it again, once; %s", reason, e)
+            return self._start_once(timeout_s)
+
+    def crash_reason(self) -> str | None:
+        """Why the last start crashed, from its exit status and its log's tail (a stub's fatal
+        signal, an uncaught C++ exception); None when it did not crash."""
+        code = self._last_exit
+        if code is not None and code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        if code is None or not self.log_file:
+            return None
+        try:
+            with open(self.log_file, "rb") as f:  # what this start wrote
+                f.seek(self._log_offset)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return None
+        for line in text.splitlines():
+            for mark in ("Fatal Python error:", "terminate called after throwing"):
+                if mark in line:
+                    return line[line.index(mark) :].strip()[:200]
+        return None
+
+    def _start_once(self, timeout_s: float) -> "TritonServer":
+        self._last_exit = None
+        self._log_offset = self.log_file.stat().st_size if self.log_file and self.log_file.exists() else 0
         # the deployment secret (also under its old name, for a release): one per server unless
         # the caller shares one; kept over restarts
         env = accept_renamed({**install_stub().server_env(), **self.extra_env})
@@ -203,6 +241,7 @@ class TritonServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
+                self._last_exit = self.proc.returncode
                 raise RuntimeError(
                     f"tritonserver exited with code {self.proc.returncode} before it was ready" + self.log_tail()
                 )
