@@ -23,7 +23,7 @@ from backend.disagg.auth import SECRET_ENV, accept_renamed
 from backend.launch.ports import free_port
 from backend.launch.triton_install import install_stub
 from backend.serving.discovery import GRPC_URL_ENV, METRICS_URL_ENV
-from backend.triton.lifecycle import drain_file, drain_now_file
+from backend.triton.lifecycle import RELOAD_PREFIX, drain_file, drain_now_file
 
 if TYPE_CHECKING:
     from backend.launch.etcd_server import EtcdServer
@@ -196,6 +196,8 @@ class TritonServer:
         self.deployment_secret = env[SECRET_ENV]
         drain_file(self.repo).unlink(missing_ok=True)  # left by a stop that was cut short
         drain_now_file(self.repo).unlink(missing_ok=True)
+        for request in self.repo.glob(f"{RELOAD_PREFIX}*"):  # a reload asked of a server since gone
+            request.unlink(missing_ok=True)
         out = open(self.log_file, "ab") if self.log_file else None
         log.info(
             "starting tritonserver: repository %s, http %s, grpc %s, metrics %s",

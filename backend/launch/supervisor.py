@@ -1,5 +1,7 @@
 """Brings dead model instances back: watches a server's Python-backend stub processes and,
-when one dies, reloads its model through Triton's model-control API (unload, then load).
+when one dies, reloads its model through Triton's model-control API (unload, then load). A model
+whose instance is out of service for good (a tensor-parallel instance that lost a rank) asks for
+the same by a file in the repository (``backend/triton/lifecycle.request_reload``).
 
 Triton does not restart a dead stub by itself: every later request to the model fails with
 "stub process is not healthy" while the model still reads as ready. While a reload runs,
@@ -16,6 +18,8 @@ import time
 from dataclasses import dataclass
 
 import requests
+
+from backend.triton.lifecycle import RELOAD_PREFIX
 
 log = logging.getLogger("triton_disagg.supervisor")
 LOG_LINES = 40  # of the server's log, logged with a death: a stub's fatal error is printed there
@@ -82,6 +86,12 @@ class Supervisor:
                     continue
                 dead.setdefault(model, []).append(instance)
             self._busy.update(dead)
+        for model, reason in self._reload_requests():
+            instances = [i for i in self._expected if model_of(i) == model]
+            restart = Restart(model, instances, time.monotonic())
+            self.restarts.append(restart)
+            log.error("model %s asked to be loaded again (%s); reloading it", model, reason)
+            threading.Thread(target=self._reload, args=(restart,), name=f"reload-{model}", daemon=True).start()
         for model, instances in dead.items():
             restart = Restart(model, instances, time.monotonic())
             self.restarts.append(restart)
@@ -92,6 +102,25 @@ class Supervisor:
                 self.server.log_tail(LOG_LINES),
             )
             threading.Thread(target=self._reload, args=(restart,), name=f"reload-{model}", daemon=True).start()
+
+    def _reload_requests(self) -> list[tuple[str, str]]:
+        """The models that asked to be loaded again, with each one's reason (their request files,
+        removed as read; a request of a model being reloaded now is the old instance's, which
+        that reload answers)."""
+        asked = []
+        for path in self.server.repo.glob(f"{RELOAD_PREFIX}*"):
+            model = path.name[len(RELOAD_PREFIX) :]
+            try:
+                reason = path.read_text(errors="replace").strip()
+                path.unlink()
+            except OSError:
+                reason = "its request file could not be read"
+            with self._lock:
+                if model in self._busy:
+                    continue
+                self._busy.add(model)
+            asked.append((model, reason))
+        return asked
 
     def _reload(self, restart: Restart) -> None:
         base = f"http://{self.server.http_url}/v2/repository/models/{restart.model}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from backend.engine.cache_summary import CacheSummary
 from backend.engine.engine_loop import EngineLoop
 from backend.serving.config import InstanceConfig
@@ -46,6 +48,9 @@ class AggregatedWorker:
 
     def observations(self) -> dict[str, list[float]]:
         return {}  # TTFT, ITL and request latency come from the sessions, in the model
+
+    def on_out_of_service(self, callback: Callable[[str], None]) -> None:
+        self.engine.on_out_of_service(callback)
 
     def health(self) -> str | None:
         return self.engine.health()

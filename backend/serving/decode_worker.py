@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -679,6 +679,9 @@ class DecodeWorker:
             self._close_retired()
 
     # ------------------------------------------------------------ serving-layer interface
+    def on_out_of_service(self, callback: Callable[[str], None]) -> None:
+        self.engine.on_out_of_service(callback)
+
     def health(self) -> str | None:
         down = self.engine.health()
         if down:

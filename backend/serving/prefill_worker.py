@@ -31,6 +31,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from backend.cluster.tracing import NO_SPAN, Span, start_tracing
@@ -373,6 +374,9 @@ class PrefillWorker:
         s.update(self.sender.stats())
         s.trace_spans_dropped_total = self.tracer.stats()["spans_dropped"]
         return s
+
+    def on_out_of_service(self, callback: Callable[[str], None]) -> None:
+        self.engine.on_out_of_service(callback)
 
     def health(self) -> str | None:
         down = self.engine.health()

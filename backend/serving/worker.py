@@ -9,6 +9,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,6 +42,10 @@ class Instance(Protocol):
         """Its prefix cache and load, for KV-aware routing."""
 
     def in_flight(self) -> int: ...
+    def on_out_of_service(self, callback: Callable[[str], None]) -> None:
+        """``callback(reason)`` once if the instance goes out of service for good (a tensor-parallel
+        instance lost a rank)."""
+
     def leave(self, final: bool) -> None:
         """Draining: tell the membership this instance takes nothing new (``final``: leave it)."""
 

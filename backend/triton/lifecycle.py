@@ -34,6 +34,27 @@ def drain_now_file(repository: str | Path) -> Path:
     return Path(repository) / DRAIN_NOW_FILE
 
 
+RELOAD_PREFIX = ".reload-"  # + the model's name: the model asks its server's supervisor to load it again
+
+
+def reload_request_file(repository: str | Path, model: str) -> Path:
+    return Path(repository) / f"{RELOAD_PREFIX}{model}"
+
+
+def request_reload(model_dir: str, model: str, reason: str) -> None:
+    """Ask the supervisor of this model's server (``backend/launch/supervisor.py``) to load the
+    model again (unload, then load: its instances start afresh), for ``reason``: what a
+    tensor-parallel instance that lost a rank does. A server started without the supervisor
+    leaves the request unanswered and the instance out of service."""
+    path = reload_request_file(Path(model_dir).parent, model)
+    try:
+        path.write_text(reason)
+    except OSError as e:
+        log.error("model %s: cannot ask to be loaded again (%s): it stays out of service", model, e)
+        return
+    log.error("model %s: %s; asked the server's supervisor to load it again", model, reason)
+
+
 class DrainWatch:
     """Calls ``on_drain`` once, from its own thread, when the drain file appears in the
     repository that holds ``model_dir`` (``args["model_repository"]`` of a Python model), then

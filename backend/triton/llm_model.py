@@ -18,6 +18,7 @@ still in flight ends.
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 from backend.disagg import auth
 from backend.serving.admission import Admission
@@ -26,7 +27,7 @@ from backend.serving.drain import watch_drain_requests
 from backend.serving.roles import make_worker
 from backend.serving.session import GenerationSession
 from backend.serving.stats import InstanceStats
-from backend.triton.lifecycle import DRAIN_MESSAGE, DrainWatch
+from backend.triton.lifecycle import DRAIN_MESSAGE, DrainWatch, request_reload
 from backend.triton.metrics import InstanceMetrics
 from backend.triton.model_args import init_model
 from backend.triton.sender import TritonSink
@@ -44,6 +45,8 @@ class TritonPythonModel:
         config = InstanceConfig.from_parameters(params)  # an unknown or bad parameter fails the load
         tokenizer = AutoTokenizer.from_pretrained(config.engine.model_path)
         self.worker = make_worker(config, self.instance, cfg["name"])
+        # a tensor-parallel instance that lost a rank: the server's supervisor loads it again
+        self.worker.on_out_of_service(partial(request_reload, args["model_repository"], cfg["name"]))
         self.admission = Admission(config, self.worker, tokenizer, self.instance, on_done=self._on_done)
         self.metrics = InstanceMetrics(
             pb_utils,

@@ -11,6 +11,7 @@ first.
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 from backend.disagg import auth
 from backend.engine.outputs import ErrorKind
@@ -18,7 +19,7 @@ from backend.serving.config import InstanceConfig
 from backend.serving.drain import watch_drain_requests
 from backend.serving.prefill_worker import PrefillWorker
 from backend.serving.worker import Drain, Instance
-from backend.triton.lifecycle import DrainWatch
+from backend.triton.lifecycle import DrainWatch, request_reload
 from backend.triton.metrics import InstanceMetrics
 from backend.triton.model_args import init_model
 from backend.triton.sender import triton_error
@@ -34,6 +35,8 @@ class TritonPythonModel:
         if config.role != "prefill":
             raise ValueError(f"the prefill model needs role 'prefill', got {config.role!r}")
         self.worker: Instance = PrefillWorker(config, self.instance, cfg["name"])
+        # a tensor-parallel instance that lost a rank: the server's supervisor loads it again
+        self.worker.on_out_of_service(partial(request_reload, args["model_repository"], cfg["name"]))
         self.metrics = InstanceMetrics(pb_utils, {"model": cfg["name"], "instance": self.instance}, self.worker.stats)
         secret = auth.load_secret(config.membership.deployment_secret_file)
         drain = Drain(self.worker, f"prefill {self.instance}", config.serving.drain_timeout_s)

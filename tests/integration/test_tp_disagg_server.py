@@ -4,7 +4,8 @@ One server holds both directions: prefill_0 (TP 1) -> decode_0 (TP 3) and prefil
 -> decode_1 (TP 1), each decode model pinned to its prefill endpoint, plus llm_aggregated
 (TP 1). Greedy outputs of both pairs equal the aggregated model and transformers; the write
 counters follow the transfer plan; killing one rank process takes its instance out with
-clear errors while the other instances keep serving.
+clear errors while the other instances keep serving, and the instance asks its server's
+supervisor to load it again: it serves again, with fresh ranks, without a server restart.
 """
 
 from __future__ import annotations
@@ -120,8 +121,9 @@ def test_sharded_transfers_match_aggregated_and_transformers(tp_server, hf_model
         wait_pool_free(murl, m, timeout_s=30)
 
 
-def test_killed_rank_takes_its_instance_out(tp_server):
-    """Runs last: kill a rank of prefill_1 (TP 3) mid-prefill, then one of decode_0 (TP 3)."""
+def test_killed_rank_takes_its_instance_out_until_it_is_loaded_again(tp_server):
+    """Runs last: kill a rank of prefill_1 (TP 3) mid-prefill, then one of decode_0 (TP 3); each
+    is out of service at once, then loaded again by the supervisor, and serves again."""
     url, murl = tp_server.grpc_url, tp_server.metrics_url
     long_prompt = "Describe this list. " + " ".join(f"entry {i}" for i in range(300))
     box = {}
@@ -166,3 +168,17 @@ def test_killed_rank_takes_its_instance_out(tp_server):
     assert time.monotonic() - t0 < 10
     agg = stream_generate(url, PROMPTS[1], 4, model="llm_aggregated", ignore_eos=True)
     assert agg.error is None and len(agg.token_ids) == 4, agg.error
+    # each instance that lost a rank asked the supervisor to load it again: both serve again,
+    # decode_1 through prefill_1 (its messenger reconnects), their tokens the aggregated model's
+    want = stream_generate(url, PROMPTS[2], 4, model="llm_aggregated", ignore_eos=True)
+    for model in ("decode_0", "decode_1"):
+        deadline = time.monotonic() + 240
+        while (back := stream_generate(url, PROMPTS[2], 4, model=model, ignore_eos=True, timeout_s=60)).error:
+            assert time.monotonic() < deadline, f"{model} did not serve again: {back.error}"
+            time.sleep(1.0)
+        assert back.token_ids == want.token_ids, model
+        print(f"{model} serves again {time.monotonic() - t_kill:.0f} s after prefill_1's rank was killed")
+    reloaded = {r.model: r for r in tp_server.supervisor.restarts}
+    assert {"prefill_1", "decode_0"} <= set(reloaded) and all(r.error is None for r in reloaded.values())
+    for m in MODELS:
+        wait_pool_free(murl, m, timeout_s=30)
