@@ -85,6 +85,7 @@ class KVLoader(Protocol):
 
 class Engine(Protocol):
     max_model_len: int
+    default_end_ids: tuple[int, ...]  # the model's end-of-sequence tokens (a request may name its own)
 
     # requests (the engine loop thread calls these)
     def add_request(

@@ -112,6 +112,11 @@ class Admission:
             self.sessions[req_id] = session
             if external_id:
                 self.by_external_id[external_id] = req_id
+        ended = req.resumed_end(self.worker.end_ids)
+        if ended is not None:  # nothing left to generate: its final response, no new token
+            log.info("request %s: its resumed output is complete (%s); ending it", req_id, ended)
+            session.on_output([], True, ended)
+            return
         self.worker.submit(session)
 
     @staticmethod

@@ -20,6 +20,7 @@ class AggregatedWorker:
         self.responder = Responder(name)
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.dims().vocab_size
+        self.end_ids = tuple(self.engine.default_end_ids)
 
     def describe(self) -> str:
         c, kv = self.config.engine, self.engine.kv_cache()

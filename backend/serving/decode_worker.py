@@ -164,6 +164,7 @@ class DecodeWorker:
         self.engine = start_engine(config)
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.dims().vocab_size
+        self.end_ids = tuple(self.engine.default_end_ids)
         self.receiver = NixlKVReceiver(
             self.engine, config.connector, self.peer_name, etcd_host=config.membership.etcd_host()
         )

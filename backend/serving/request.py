@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from backend.engine.outputs import ErrorKind
+from backend.engine.outputs import ErrorKind, FinishReason
 from backend.engine.sampling_params import DRAFT_METHODS, MAX_TOP_LOGPROBS, SamplingParams
 from backend.serving.tensors import INPUTS_BY_NAME
 
@@ -61,6 +61,19 @@ class ClientRequest:
     def remaining_tokens(self) -> int:
         """Output tokens still to generate here (``max_tokens`` less the resumed ones)."""
         return self.max_tokens - len(self.resume_ids)
+
+    def resumed_end(self, model_end_ids: tuple[int, ...]) -> str | None:
+        """Why a moved request's output, as its client has it already, is complete (its end
+        token was sent, or all its tokens; the instance it was on ended it, but its last response
+        did not reach the router before the move), or None: it goes on here."""
+        if not self.resume_ids:
+            return None
+        if self.remaining_tokens <= 0:
+            return FinishReason.LENGTH
+        end_ids = (self.end_id,) if self.end_id is not None else model_end_ids
+        if not self.ignore_eos and self.resume_ids[-1] in end_ids and len(self.resume_ids) >= self.min_length:
+            return FinishReason.STOP
+        return None
 
     @property
     def score_only(self) -> bool:
@@ -218,10 +231,8 @@ def _parse_resume(get: Getter, req: ClientRequest) -> None:
     ids = [int(v) for v in arr.reshape(-1)]
     if any(v < 0 for v in ids):
         raise RequestError("'resume_token_ids' holds a negative token id")
-    if len(ids) >= req.max_tokens:
-        raise RequestError(
-            f"'resume_token_ids' has {len(ids)} tokens: max_tokens {req.max_tokens} leaves nothing to generate"
-        )
+    if len(ids) > req.max_tokens:  # as many: the output is complete (``resumed_end``)
+        raise RequestError(f"'resume_token_ids' has {len(ids)} tokens, more than max_tokens {req.max_tokens}")
     req.resume_ids = ids
 
 

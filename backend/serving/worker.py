@@ -62,6 +62,7 @@ class Worker(Instance, Protocol):
 
     max_model_len: int
     vocab_size: int
+    end_ids: tuple[int, ...]  # the model's end-of-sequence tokens
 
     def submit(self, session: GenerationSession) -> None: ...
     def cancel(self, req_id: str) -> None: ...

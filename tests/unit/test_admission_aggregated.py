@@ -113,7 +113,7 @@ def test_a_request_streams_to_its_end(admission):
         ({"text_input": "hi", "max_tokens": np.int32(0)}, "must be > 0"),
         ({"text_input": "hi", "max_tokens": np.int32(4), "top_p": np.float32(2.0)}, "top_p"),
         ({"text_input": "x" * 600, "max_tokens": np.int32(4)}, "exceeds the model context"),
-        ({"text_input": "hi", "max_tokens": np.int32(2), "resume_token_ids": [5, 6]}, "leaves nothing to generate"),
+        ({"text_input": "hi", "max_tokens": np.int32(2), "resume_token_ids": [5, 6, 7]}, "more than max_tokens 2"),
         ({"text_input": "hi", "max_tokens": np.int32(4), "resume_token_ids": [-1]}, "negative token id"),
         ({"text_input": "hi", "max_tokens": np.int32(4), "resume_token_ids": [1 << 20]}, "outside the vocabulary"),
     ],
@@ -164,6 +164,51 @@ def test_a_resumed_request_continues_where_the_output_stopped(admission):
         assert rest.tokens == whole.tokens[k:]
         assert rest.counts[-1] == (len("resume me"), 12)  # the client's prompt; the whole output
         assert whole.text == CharTokenizer().decode(whole.tokens[:k]) + rest.text
+
+
+def test_a_resumed_output_that_is_complete_ends_at_once_with_no_new_token(admission):
+    """A move after the instance had ended the request but before its last response reached the
+    router: the client has the end token (or all max_tokens tokens) already; the request ends at
+    once (its final response, the whole output counted), never generates past its end."""
+    whole = Sink()
+    admission.admit(getter(text_input="resume me", max_tokens=np.int32(6), stream=True, ignore_eos=True), whole)
+    assert whole.done.wait(20) and whole.failed is None and len(whole.tokens) == 6
+    eos = admission.worker.end_ids[0]
+    cases = [
+        (dict(max_tokens=np.int32(6), ignore_eos=True), whole.tokens, "length"),
+        (dict(max_tokens=np.int32(20)), whole.tokens[:3] + [eos], "stop"),
+        (dict(max_tokens=np.int32(20), end_id=np.int32(whole.tokens[2])), whole.tokens[:3], "stop"),
+    ]
+    for extra, sent, reason in cases:
+        rest = FinishSink()
+        admission.admit(getter(text_input="resume me", stream=True, resume_token_ids=sent, **extra), rest)
+        assert rest.done.wait(20) and rest.failed is None, rest.failed
+        assert rest.tokens == [] and rest.finish == [reason], (extra, rest.finish)
+        assert rest.counts[-1] == (len("resume me"), len(sent))
+    # an end token the client asked to ignore is output like any other: the request goes on
+    rest = FinishSink()
+    admission.admit(
+        getter(
+            text_input="resume me",
+            max_tokens=np.int32(6),
+            stream=True,
+            ignore_eos=True,
+            resume_token_ids=whole.tokens[:2] + [eos],
+        ),
+        rest,
+    )
+    assert rest.done.wait(20) and rest.failed is None and len(rest.tokens) == 3
+
+
+class FinishSink(CountingSink):
+    def __init__(self):
+        super().__init__()
+        self.finish: list[str] = []
+
+    def send(self, text, token_ids, n_input, n_output, finish_reason, final, extras=None) -> None:
+        if final:
+            self.finish.append(finish_reason)
+        super().send(text, token_ids, n_input, n_output, finish_reason, final, extras)
 
 
 class ExtrasSink(Sink):
