@@ -37,6 +37,7 @@ class Restart:
     t_detected: float
     t_ready: float | None = None
     error: str | None = None
+    reason: str = "died"  # or why the model asked to be loaded again
 
 
 class Supervisor:
@@ -88,7 +89,7 @@ class Supervisor:
             self._busy.update(dead)
         for model, reason in self._reload_requests():
             instances = [i for i in self._expected if model_of(i) == model]
-            restart = Restart(model, instances, time.monotonic())
+            restart = Restart(model, instances, time.monotonic(), reason=reason)
             self.restarts.append(restart)
             log.error("model %s asked to be loaded again (%s); reloading it", model, reason)
             threading.Thread(target=self._reload, args=(restart,), name=f"reload-{model}", daemon=True).start()

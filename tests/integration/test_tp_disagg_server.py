@@ -164,7 +164,9 @@ def test_killed_rank_takes_its_instance_out_until_it_is_loaded_again(tp_server):
     time.sleep(1.0)  # the lead's watcher notices within 0.2 s
     t0 = time.monotonic()
     down = stream_generate(url, PROMPTS[1], 4, model="decode_0", timeout_s=60)
-    assert down.error and down.error.startswith("[out_of_service]") and "signal 9" in down.error, down.error
+    # an error at once: out of service, or (its reload begun) Triton's for a model being loaded
+    out = down.error.startswith("[out_of_service]") and "signal 9" in down.error
+    assert down.error and (out or "'decode_0'" in down.error), down.error
     assert time.monotonic() - t0 < 10
     agg = stream_generate(url, PROMPTS[1], 4, model="llm_aggregated", ignore_eos=True)
     assert agg.error is None and len(agg.token_ids) == 4, agg.error
@@ -178,7 +180,9 @@ def test_killed_rank_takes_its_instance_out_until_it_is_loaded_again(tp_server):
             time.sleep(1.0)
         assert back.token_ids == want.token_ids, model
         print(f"{model} serves again {time.monotonic() - t_kill:.0f} s after prefill_1's rank was killed")
-    reloaded = {r.model: r for r in tp_server.supervisor.restarts}
-    assert {"prefill_1", "decode_0"} <= set(reloaded) and all(r.error is None for r in reloaded.values())
+    for m in ("prefill_1", "decode_0"):  # each asked with its reason, and its last reload served
+        restarts = [r for r in tp_server.supervisor.restarts if r.model == m]
+        assert any("out of service" in r.reason and "signal 9" in r.reason for r in restarts), restarts
+        assert restarts[-1].error is None and restarts[-1].t_ready is not None, restarts
     for m in MODELS:
         wait_pool_free(murl, m, timeout_s=30)

@@ -89,7 +89,7 @@ def test_a_model_that_asks_to_be_loaded_again_is_reloaded_once_with_its_reason(t
         assert done.wait(5)
         request_reload(str(tmp_path / "decode_0"), "decode_0", reason)  # asked again while it reloads
         sup._check()
-    assert [(r.model, r.instances) for r in reloads] == [("decode_0", ["decode_0_0_0"])]
+    assert [(r.model, r.instances, r.reason) for r in reloads] == [("decode_0", ["decode_0_0_0"], reason)]
     assert not list(tmp_path.iterdir())  # both requests answered: no reload of the new instance later
     (line,) = [r.getMessage() for r in caplog.records if "asked to be loaded again" in r.getMessage()]
     assert reason in line
