@@ -60,13 +60,17 @@ class OpenAIFrontend:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout_s: float = 60.0) -> None:
+    # its start imports transformers and loads the tokenizer: 55 s on a Zen 3 busy with a test
+    # suite and other deployments; a process that exits ends the wait at once
+    START_TIMEOUT_S = 300.0
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Start the process and wait until ``/health`` says the deployment's model is ready."""
         self._launch()
         self._wait(timeout_s, lambda status: status == 200, "become healthy")
         log.info("OpenAI frontend ready on %s/v1", self.url)
 
-    def start_process(self, timeout_s: float = 60.0) -> None:
+    def start_process(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Start the process and wait until it answers HTTP (healthy or not)."""
         self._launch()
         self._wait(timeout_s, lambda status: True, "answer HTTP")
