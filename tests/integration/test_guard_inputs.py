@@ -51,7 +51,8 @@ CASES = [(spec.name, label, value, spec.data_type) for spec in INPUTS for label,
 
 
 def send(url: str, model: str, overrides: dict, timeout_s: float = 60.0):
-    """One streamed request; returns (error or None, tokens received). Fails on a hang."""
+    """One streamed request; returns (error or None, tokens received, finish reason or None).
+    Fails on a hang."""
     import tritonclient.grpc as grpcclient
 
     base = {
@@ -65,7 +66,7 @@ def send(url: str, model: str, overrides: dict, timeout_s: float = 60.0):
         t = grpcclient.InferInput(name, list(arr.shape), dtype)
         t.set_data_from_numpy(arr)
         inputs.append(t)
-    done, box = threading.Event(), {"error": None, "tokens": 0}
+    done, box = threading.Event(), {"error": None, "tokens": 0, "finish": None}
 
     def callback(result, error):
         if error is not None:
@@ -74,6 +75,9 @@ def send(url: str, model: str, overrides: dict, timeout_s: float = 60.0):
             return
         ids = result.as_numpy("output_token_ids")
         box["tokens"] += 0 if ids is None else ids.size
+        reason = result.as_numpy("finish_reason")
+        if reason is not None and reason.size and reason.reshape(-1)[0]:
+            box["finish"] = reason.reshape(-1)[0].decode()
         if result.get_response().parameters.get("triton_final_response").bool_param:
             done.set()
 
@@ -85,7 +89,7 @@ def send(url: str, model: str, overrides: dict, timeout_s: float = 60.0):
     finally:
         client.stop_stream()
         client.close()
-    return box["error"], box["tokens"]
+    return box["error"], box["tokens"], box["finish"]
 
 
 def active(url: str, models) -> float:
@@ -106,9 +110,12 @@ def feed_worst(server, model: str, pool_models: list[str]) -> list:
     start_active = active(url, pool_models)
     outcomes = []
     for name, label, value, data_type in CASES:
-        error, tokens = send(server.grpc_url, model, {name: (value, TRITON_TYPES[data_type])})
-        assert error or tokens, f"{name}={label}: neither tokens nor an error"
-        outcomes.append((name, label, "error" if error else f"{tokens} tokens", (error or "")[:90]))
+        error, tokens, finish = send(server.grpc_url, model, {name: (value, TRITON_TYPES[data_type])})
+        # an answer without a token is one that says why it ended (resume_token_ids [1, 2] ends
+        # on SmolLM2's end token 2: the moved request's output is already complete)
+        assert error or tokens or finish, f"{name}={label}: neither tokens, a finish reason nor an error"
+        kind = "error" if error else f"{tokens} tokens, {finish}"
+        outcomes.append((name, label, kind, (error or "")[:90]))
     wait_active(url, pool_models, start_active)
     for m in pool_models:
         wait_pool_free(url, m, timeout_s=60)
@@ -118,13 +125,15 @@ def feed_worst(server, model: str, pool_models: list[str]) -> list:
 
 
 def assert_refusals(outcomes: list) -> None:
-    """The refusals both modes make the same way: non-finite sampling values are refused at
-    admission as bad requests, and so is a prompt past ``max_input_bytes``."""
+    """The answers both modes give the same way: non-finite sampling values are refused at
+    admission as bad requests, and so is a prompt past ``max_input_bytes``; a resumed output
+    that ends on the model's end token ends at once, with no new token."""
     out = {(n, lbl): (kind, err) for n, lbl, kind, err in outcomes}
     for label in ("nan", "inf", "-inf"):
         assert out[("temperature", label)][0] == "error" and "[bad_request]" in out[("temperature", label)][1]
         assert out[("top_p", label)][0] == "error" and "[bad_request]" in out[("top_p", label)][1]
     assert out[("text_input", "2 MiB")][0] == "error" and "max_input_bytes" in out[("text_input", "2 MiB")][1]
+    assert out[("resume_token_ids", "two values")][0] == "0 tokens, stop"
 
 
 def test_worst_values_aggregated(aggregated_server):

@@ -414,12 +414,16 @@ def test_a_drain_request_travels_through_etcd_apart_from_the_models_inputs(clien
         key = drain_key("drains", record.name)
         try:
             with caplog.at_level(logging.WARNING, logger="triton_disagg.drain"):
-                client.put(key, drain_request(b"not-the-deployment-secret", record.name).encode())
-                client.put(key, drain_request(SECRET.encode(), record.name, now=time.time() - 3600).encode())
-                deadline = time.monotonic() + 5
-                while client.get_prefix(key)[1] or caplog.text.count("drain request refused") < 2:
-                    assert time.monotonic() < deadline, (client.get_prefix(key), caplog.text)
-                    time.sleep(0.05)
+                # one at a time: the key holds one request, and a second put before the watch
+                # has read the first replaces it (only the latest request counts)
+                forged = drain_request(b"not-the-deployment-secret", record.name)
+                stale = drain_request(SECRET.encode(), record.name, now=time.time() - 3600)
+                for refusals, request in enumerate((forged, stale), start=1):
+                    client.put(key, request.encode())
+                    deadline = time.monotonic() + 30
+                    while client.get_prefix(key)[1] or caplog.text.count("drain request refused") < refusals:
+                        assert time.monotonic() < deadline, (client.get_prefix(key), caplog.text)
+                        time.sleep(0.05)
             assert drained == [] and "does not prove the deployment secret" in caplog.text and "old" in caplog.text
             drain(client.url, record, SECRET.encode(), timeout_s=5)  # returns once the record says draining
             assert drained == [record.name] and not client.get_prefix(key)[1]
