@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set everything up (idempotent) and run the whole test suite (or the pytest arguments given);
-# the 40 slowest tests are listed at the end. For the whole suite, the benchmarks' external
+# the 40 slowest tests are listed at the end. For the whole suite (or tests/integration), the benchmarks' external
 # tools (llama.cpp's server compiles for minutes) install meanwhile in the background at the
 # lowest CPU priority (perf/install_tools.py), in the CPU time the tests leave idle; a test that
 # needs one first waits for its install.
@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export CI="${CI:-true}"  # the setup is complete: a missing part of it, or a skip off tests/skips.py's list, fails
 .venv/bin/python -m build_scripts.prepare_model >/dev/null
 installer=""
-if [ "$#" -eq 0 ]; then
+if [ "$#" -eq 0 ] || [ "$*" = "tests/integration" ]; then
   mkdir -p .venv/tools
   # SCHED_IDLE (chrt -i): any test process preempts it at once on waking, which plain nice does not
   # setsid makes a new session, and with autogroup scheduling (sched_autogroup_enabled, on here)

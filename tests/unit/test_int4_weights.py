@@ -9,6 +9,7 @@ The real checkpoint's quality: ``tests/integration/test_int4w_quality.py``."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import time
@@ -191,29 +192,48 @@ def test_a_compiler_that_fails_fails_the_load_with_its_reason(tmp_path, monkeypa
     monkeypatch.setenv("CC", "false")
     group_matmul.library.cache_clear()
     try:
-        with pytest.raises(RuntimeError, match="compiling group_matmul.c failed"):
+        with pytest.raises(RuntimeError, match=r"compiling \w+\.c failed"):
             group_matmul.library()
     finally:
         group_matmul.library.cache_clear()
     assert not list(tmp_path.rglob("*.so"))  # nothing half-built left to load
 
 
+FAKE_CC = """#!{python}
+import pathlib, shutil, sys
+with open({log!r}, "a") as log:
+    log.write(" ".join(sys.argv[1:]) + "\\n")
+out = sys.argv[sys.argv.index("-o") + 1]
+if "-c" in sys.argv:
+    pathlib.Path(out).write_bytes(b"")  # an object
+else:
+    shutil.copyfile({good!r}, out)  # the link: this run's good build
+"""
+
+
 def test_a_damaged_cached_build_is_built_again_never_loaded(tmp_path, monkeypatch, caplog):
     """A cached library whose bytes no longer hash to its name (truncated), or that names its own
-    checksum but is no library, is removed and built again; the rebuilt one computes. (The good
-    build is copied from this run's cache: one compile, the rebuild.)"""
+    checksum but is no library, is removed and built again; the rebuilt one computes. The compiler
+    here is a stand-in that records its command and writes this run's good build (the real
+    compile is the one ``library()`` ran): the cache's checks, not cc, are under test."""
     import os
     import shutil
+    import sys
 
     group_matmul.library.cache_clear()
     good = Path(group_matmul.library()._name)  # this run's build (from its cache, or built now)
-    monkeypatch.setenv("TRITON_DISAGG_CACHE", str(tmp_path))
+    assert good.name.startswith(f"group_matmul-{group_matmul.build_key(os.environ.get('CC', 'cc'))}-")
+    calls = tmp_path / "cc-calls"
+    fake_cc = tmp_path / "fake-cc"
+    fake_cc.write_text(FAKE_CC.format(python=sys.executable, log=str(calls), good=str(good)))
+    fake_cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake_cc))
+    monkeypatch.setenv("TRITON_DISAGG_CACHE", str(tmp_path / "cache"))
     folder = group_matmul.cache_dir()
     folder.mkdir(parents=True)
-    key = group_matmul.build_key(os.environ.get("CC", "cc"))
-    assert good.name.startswith(f"group_matmul-{key}-")
-    truncated = folder / good.name  # its name's checksum, half its bytes
-    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    key = group_matmul.build_key(str(fake_cc))
+    truncated = folder / f"group_matmul-{key}-{hashlib.sha256(good.read_bytes()).hexdigest()[:16]}.so"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])  # its name's checksum, half its bytes
     junk = folder / f"group_matmul-{key}-{hashlib.sha256(b'junk').hexdigest()[:16]}.so"
     junk.write_bytes(b"junk")  # bytes that hash to its name, but no library
     group_matmul.library.cache_clear()
@@ -224,14 +244,17 @@ def test_a_damaged_cached_build_is_built_again_never_loaded(tmp_path, monkeypatc
         assert len(damaged) == 2, damaged
         assert any(truncated.name in m and "do not match its name's checksum" in m for m in damaged), damaged
         assert any(junk.name in m and "does not load" in m for m in damaged), damaged
+        commands = [c.split() for c in calls.read_text().splitlines()]  # built once: each source, one link
+        assert sorted(c[-1] for c in commands if "-c" in c) == sorted(map(str, group_matmul.sources())), commands
+        assert sum("-shared" in c for c in commands) == 1, commands
         assert lib.tiles_supported() in (0, 1)
         (rebuilt,) = folder.glob("group_matmul-*.so")
-        assert hashlib.sha256(rebuilt.read_bytes()).hexdigest()[:16] in rebuilt.name
+        assert rebuilt.name == truncated.name  # the good bytes, named by their checksum
         x, w = torch.randn(2, 64), torch.randn(16, 64)
         torch.testing.assert_close(group_matmul.f32_product(w, x), x @ w.t(), rtol=1e-5, atol=1e-5)
     finally:
         group_matmul.library.cache_clear()
-        shutil.rmtree(tmp_path, ignore_errors=True)
+        shutil.rmtree(tmp_path / "cache", ignore_errors=True)
 
 
 def test_int4w_is_refused_on_a_cpu_without_its_features(tiny, monkeypatch):
@@ -311,20 +334,31 @@ def test_products_split_between_threads_equal_one_threads(rows, kernels):
 
 
 @pytest.fixture(scope="module")
-def delayed_library():
-    """The library built with a pause where a helper may be preempted (``HELPER_DELAY_NS``; from
-    the build cache after the first run)."""
-    return group_matmul.build(("-DHELPER_DELAY_NS=20000",))
+def hooked_library():
+    """The library built with its test hooks (``kernels/test_hooks.h``: one build for every hook,
+    set at run time; from the build cache after the first run)."""
+    return hooked(group_matmul.build(HOOKS))
 
 
-def test_helpers_late_to_a_job_they_are_not_needed_for_never_take_the_next_one(monkeypatch, kernels, delayed_library):
+HOOKS = ("-DTEST_HOOKS",)
+
+
+def hooked(lib):
+    """``lib`` (a build with ``HOOKS``) with ``test_hooks_set(first_job, helper_delay_ns)`` typed."""
+    lib.test_hooks_set.argtypes = [ctypes.c_long, ctypes.c_long]
+    lib.test_hooks_set.restype = ctypes.c_int
+    return lib
+
+
+def test_helpers_late_to_a_job_they_are_not_needed_for_never_take_the_next_one(monkeypatch, kernels, hooked_library):
     """A helper that sees a job it is not needed for (a product on fewer threads) and is then
     preempted must not read the job that follows as that one: it ran the next job's part twice,
     counted it twice, and the next job returned before its last part was written (-inf columns in
-    CI) or ran a part against a finished product (a crash). The library is built here with a pause
-    in that window (``HELPER_DELAY_NS``), so the interleaving happens on every try; products on 1,
-    2 and 3 threads, taking turns, are each equal to one thread's, bit for bit."""
-    monkeypatch.setattr(group_matmul, "library", lambda: delayed_library)
+    CI) or ran a part against a finished product (a crash). The hooked library pauses in that
+    window (``helper_delay_ns``), so the interleaving happens on every try; products on 1, 2 and 3
+    threads, taking turns, are each equal to one thread's, bit for bit."""
+    assert hooked_library.test_hooks_set(0, 20000) == 0
+    monkeypatch.setattr(group_matmul, "library", lambda: hooked_library)
     four, eight = quantize_int4(torch.randn(256, 2048) * 0.05), quantize_int8(torch.randn(256, 2048) * 0.05)
     wrong = []
     for attempt in range(40):
@@ -343,6 +377,9 @@ import ctypes, sys, torch
 from backend.engine import group_matmul
 from backend.engine.group_matmul import product, quantize_int4
 lib = group_matmul._typed(ctypes.CDLL(sys.argv[1]))
+lib.test_hooks_set.argtypes = [ctypes.c_long, ctypes.c_long]
+if lib.test_hooks_set(int(sys.argv[2]), 0) != 0:
+    sys.exit("test_hooks_set refused the first job number")
 group_matmul.library = lambda: lib
 four = quantize_int4(torch.randn(256, 192) * 0.05)
 for i in range(120):
@@ -356,30 +393,22 @@ for i in range(120):
 WRAP_FIRST_JOBS = (2**19 - 40, 2**20 - 40)
 
 
-@pytest.fixture(scope="module")
-def wrap_builds() -> dict[int, Path]:
-    """The library built with the job numbers starting at each of ``WRAP_FIRST_JOBS``
-    (``FIRST_JOB``), the builds compiled at once (from the build cache after the first run)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(len(WRAP_FIRST_JOBS)) as pool:
-        built = pool.map(lambda job: group_matmul.build((f"-DFIRST_JOB={job}L",)), WRAP_FIRST_JOBS)
-        return {job: Path(lib._name) for job, lib in zip(WRAP_FIRST_JOBS, built)}
-
-
 @pytest.mark.parametrize("first_job", WRAP_FIRST_JOBS)
-def test_jobs_go_on_across_the_job_tags_wrap(wrap_builds, first_job):
+def test_jobs_go_on_across_the_job_tags_wrap(hooked_library, first_job):
     """The pool's cursors carry the job number's low 19 bits as a tag: across its wrap (and where a
     20-bit tag once made the cursor negative, which no thread could take from: a hang) products
-    go on, equal to one thread's. Built with the job numbers starting there (``FIRST_JOB``); run in
-    a child so that a hang fails this test, not the suite."""
+    go on, equal to one thread's. The hooked library's job numbers start there (``first_job``); run
+    in a child so that a hang fails this test, not the suite."""
     import subprocess
     import sys
 
-    built = wrap_builds[first_job]
     try:
         done = subprocess.run(
-            [sys.executable, "-c", WRAP_CHECK, str(built)], capture_output=True, text=True, timeout=60, cwd=ROOT
+            [sys.executable, "-c", WRAP_CHECK, hooked_library._name, str(first_job)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
         )
     except subprocess.TimeoutExpired:
         pytest.fail(f"products hung around job {first_job + 120}")

@@ -55,6 +55,7 @@ prepare.GGUF_PACKAGE = "no_such_gguf_package"
 def run_pytest(tmp_path: Path, files: dict[str, str], *args: str, ci: bool) -> subprocess.CompletedProcess:
     """pytest on ``files`` (written to ``tmp_path``) with the suite's hooks (tests/conftest.py),
     under ``CI=true`` or with no ``CI``."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     env = {k: v for k, v in os.environ.items() if k != "CI"} | {"PYTHONPATH": str(REPO)}
@@ -64,6 +65,30 @@ def run_pytest(tmp_path: Path, files: dict[str, str], *args: str, ci: bool) -> s
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
+BROKEN = {"test_missing_setup.py": MISSING_SETUP, "break_prepare.py": BREAK_PREPARE}
+RUNS = {  # name -> (files, arguments, CI)
+    "off-list, ci": ({"test_skipping.py": SKIPPING}, ("test_skipping.py",), True),
+    "off-list": ({"test_skipping.py": SKIPPING}, ("test_skipping.py",), False),
+    "allowed only, ci": ({"test_skipping.py": SKIPPING}, ("test_skipping.py", "-k", "cpu_feature"), True),
+    "broken setup, ci": (BROKEN, ("-p", "break_prepare", "test_missing_setup.py"), True),
+    "broken setup": (BROKEN, ("-p", "break_prepare", "test_missing_setup.py"), False),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Each of :data:`RUNS`, run at once (each pytest process spends seconds importing the
+    suite's hooks: in turn they took 25 s of the unit tests)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(name: str) -> subprocess.CompletedProcess:
+        files, args, ci = RUNS[name]
+        return run_pytest(tmp_path_factory.mktemp("run"), files, *args, ci=ci)
+
+    with ThreadPoolExecutor(len(RUNS)) as pool:
+        return dict(zip(RUNS, pool.map(one, RUNS)))
+
+
 def test_the_allowlist_takes_what_this_machine_cannot_have_only():
     assert allowed("the AVX-512 VNNI kernel needs avx512_vnni, which this CPU lacks")
     assert allowed("NIXL (nixl-cu12) is not installed") is None
@@ -71,8 +96,8 @@ def test_the_allowlist_takes_what_this_machine_cannot_have_only():
 
 
 @pytest.mark.parametrize("ci", [True, False])
-def test_a_skip_off_the_allowlist_fails_a_ci_run_only_and_every_skip_is_listed(tmp_path, ci):
-    run = run_pytest(tmp_path, {"test_skipping.py": SKIPPING}, "test_skipping.py", ci=ci)
+def test_a_skip_off_the_allowlist_fails_a_ci_run_only_and_every_skip_is_listed(runs, ci):
+    run = runs["off-list, ci" if ci else "off-list"]
     out = run.stdout + run.stderr
     assert run.returncode == (1 if ci else 0), out
     assert "test_skipping.py::test_a_cpu_feature: the example kernel needs avx512_vnni" in out, out
@@ -82,17 +107,16 @@ def test_a_skip_off_the_allowlist_fails_a_ci_run_only_and_every_skip_is_listed(t
     assert f"2 skipped, 1 not allowed: {verdict}" in out, out
 
 
-def test_a_ci_run_with_allowed_skips_only_passes(tmp_path):
-    run = run_pytest(tmp_path, {"test_skipping.py": SKIPPING}, "test_skipping.py", "-k", "cpu_feature", ci=True)
+def test_a_ci_run_with_allowed_skips_only_passes(runs):
+    run = runs["allowed only, ci"]
     out = run.stdout + run.stderr
     assert run.returncode == 0, out
     assert "1 skipped, 0 not allowed: all allowed" in out, out
 
 
 @pytest.mark.parametrize("ci", [True, False])
-def test_a_broken_prepare_or_a_missing_dependency_fails_a_ci_run_and_skips_elsewhere(tmp_path, ci):
-    files = {"test_missing_setup.py": MISSING_SETUP, "break_prepare.py": BREAK_PREPARE}
-    run = run_pytest(tmp_path, files, "-p", "break_prepare", "test_missing_setup.py", ci=ci)
+def test_a_broken_prepare_or_a_missing_dependency_fails_a_ci_run_and_skips_elsewhere(runs, ci):
+    run = runs["broken setup, ci" if ci else "broken setup"]
     out = run.stdout + run.stderr
     assert "package 'no_such_gguf_package' is not installed" in out, out
     assert "the real model checkpoint cannot be prepared" in out, out

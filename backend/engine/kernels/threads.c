@@ -37,7 +37,7 @@ typedef struct {
     _Alignas(64) atomic_long word; /* a cache line each: a part's owner takes from it alone until others steal */
 } Cursor;
 static Job job;
-static atomic_long posted = FIRST_JOB << PARTS_BITS, units_done;
+static atomic_long posted, units_done;
 static Cursor cursors[MAX_HELPERS + 1];
 static atomic_int sleeping;
 static int helpers_started;
@@ -152,3 +152,14 @@ void run_job(void (*fn)(const void *, long, long, long), const void *ctx, long t
             sched_yield(); /* a helper holding units was preempted: let it have this core */
     pthread_mutex_unlock(&post_lock);
 }
+
+#ifdef TEST_HOOKS
+int test_hooks_set(long first_job, long delay_ns) {
+    helper_delay_ns = delay_ns;
+    const long word = atomic_load(&posted);
+    if (first_job == word >> PARTS_BITS) return 0;
+    if (helpers_started || word) return -1; /* a job has run: too late to renumber them */
+    atomic_store(&posted, first_job << PARTS_BITS);
+    return 0;
+}
+#endif
