@@ -330,15 +330,19 @@ class FabricAgent:
         may be reused. ``waiting_for`` names what ``timeout_s`` bounds in a timeout's message.
         Returns the handle whose ``generation`` and ``slot`` go to the sender."""
         with_meta = self.meta is not None if with_meta is None else with_meta
-        return self._tracker.expect(
+        handle = self._tracker.expect(
             req_id, expected_writes, on_done, timeout_s, with_meta, peer, on_release, waiting_for
         )
+        self._progress.wake()
+        return handle
 
     def rearm(
         self, req_id: str, generation: int, timeout_s: float, waiting_for: str, renew_on_writes: bool = False
     ) -> bool:
         """Move a request's receive deadline to ``timeout_s`` from now (see ``CompletionTracker.rearm``)."""
-        return self._tracker.rearm(req_id, generation, timeout_s, waiting_for, renew_on_writes)
+        rearmed = self._tracker.rearm(req_id, generation, timeout_s, waiting_for, renew_on_writes)
+        self._progress.wake()
+        return rearmed
 
     # ---------------------------------------------------------------- sender side
     def post_layer(
@@ -353,7 +357,9 @@ class FabricAgent:
         """Post one xfer writing layer ``layer`` of the plan's pages (``positions``: indices into
         the plan's page lists, e.g. the pages a prefill chunk filled; default all). Returns at
         once: True if posted, False if the request was cancelled or has failed."""
-        return self._sender.post_layer(peer, req_id, generation, plan, layer, positions)
+        posted = self._sender.post_layer(peer, req_id, generation, plan, layer, positions)
+        self._progress.wake()
+        return posted
 
     def post_meta(
         self, peer: str, req_id: str, generation: int, slot: int, hidden: torch.Tensor, logits: torch.Tensor
@@ -362,12 +368,15 @@ class FabricAgent:
         ``slot``. Staged through a free local meta slot (on a GPU: waits until the staging copy
         has run, so call it off the engine's thread; ``hidden`` and ``logits`` must be computed
         by then, or be produced on this thread's stream). Returns like :meth:`post_layer`."""
-        return self._sender.post_meta(peer, req_id, generation, slot, hidden, logits)
+        posted = self._sender.post_meta(peer, req_id, generation, slot, hidden, logits)
+        self._progress.wake()
+        return posted
 
     def finish_send(self, req_id: str, on_done: SendCallback) -> None:
         """No more posts for ``req_id``; ``on_done(req_id, ok, err)`` fires once all its xfers
         are done (ok) or once it failed and nothing is in flight (source pages free again)."""
         self._sender.finish_send(req_id, on_done)
+        self._progress.wake()
 
     # ---------------------------------------------------------------- both sides
     def cancel(
@@ -381,6 +390,7 @@ class FabricAgent:
         if stop is not None and stop[0] is not None:
             self._sender.notify(stop[0], Kind.CANCELLED_BY_RECEIVER, req_id, stop[1])
         self._sender.cancel(req_id, reason, peer, generation)
+        self._progress.wake()
 
     def pending(self) -> int:
         """Requests with state on this agent (in flight, expected or quarantined)."""

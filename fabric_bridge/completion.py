@@ -238,6 +238,10 @@ class CompletionTracker:
         """True while some request waits for writes (the agent then polls faster)."""
         return bool(self._active)
 
+    def quarantined(self) -> bool:
+        """True while some failed request's pages wait for its sender's stop (polled faster too)."""
+        return bool(self._quarantined)
+
     def pending(self) -> int:
         with self._lock:
             return len(self._active) + len(self._quarantined)
