@@ -131,6 +131,7 @@ class InstanceMetrics:
         self._stats = stats
         self._observations = observations
         self._last_totals: dict[str, float] = {}
+        self._last_gauges: dict[str, float] = {}  # each gauge's value as last set
         self._unknown: set[str] = set()
         self._period = period_s
         self._stop = threading.Event()
@@ -156,7 +157,11 @@ class InstanceMetrics:
                 with self._lock:
                     for k, v in stats.items():
                         if k in self.gauges:
-                            self.gauges[k].set(float(v))
+                            # only a change is set: each set is a message to the server, and
+                            # setting every gauge 4 times a second kept an idle stub busy
+                            if self._last_gauges.get(k) != float(v):
+                                self.gauges[k].set(float(v))
+                                self._last_gauges[k] = float(v)
                         elif k in self.counters:
                             if v > self._last_totals.get(k, 0.0):
                                 self.counters[k].increment(float(v) - self._last_totals.get(k, 0.0))
