@@ -9,6 +9,8 @@ tokens against transformers': ``tests/integration/test_lean_decoder_real.py``.""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -162,7 +164,7 @@ def test_without_the_kernel_library_float_formats_run_torchs_kernels(tiny, fmt, 
         with caplog.at_level("INFO", logger="triton_disagg.engine"):
             engine = make_engine(tiny, weights_dtype=fmt)
         assert engine.runner.decoder == "lean" and engine.runner._fused is None
-        assert "compiling group_matmul.c failed" in caplog.text
+        assert re.search(r"group kernels: compiling \w+\.c failed", caplog.text), caplog.text
         modules = list(engine.runner.model.modules())
         assert not any(isinstance(m, SmallBatchLinear) for m in modules)
         assert all(m.half_weight is None for m in modules if isinstance(m, Fp16Linear))
