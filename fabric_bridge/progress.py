@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from .completion import CompletionTracker
@@ -55,7 +56,8 @@ class ProgressLoop:
         self._thread.join(timeout=timeout)
 
     def wake(self) -> None:
-        """Run a round now (work has started: the loop may be in a long idle wait)."""
+        """Run a round now (work has started: the loop may be in a long idle wait). A busy loop
+        polls every 1 ms without looking at it, so the posts that follow each other add no round."""
         self._wake.set()
 
     def _loop(self) -> None:
@@ -69,11 +71,13 @@ class ProgressLoop:
                 log.exception("fabric progress loop error")
             run_callbacks(fired)
             if busy:
-                delay, idle_s = _POLL_BUSY_S, _POLL_IDLE_S
-            else:
-                delay, idle_s = idle_s, min(2 * idle_s, _POLL_IDLE_MAX_S)
-            if self._wake.wait(delay):
+                idle_s = _POLL_IDLE_S
+                time.sleep(_POLL_BUSY_S)
+                continue
+            if self._wake.wait(idle_s):  # set since the round began: work started, no wait
                 self._wake.clear()
+            else:
+                idle_s = min(2 * idle_s, _POLL_IDLE_MAX_S)
 
     def step(self, fired: Fired) -> bool:
         """One round (see module docstring); True while there is work in flight."""
