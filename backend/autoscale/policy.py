@@ -8,6 +8,8 @@ Scale out a role (one at a time, or straight to what the model says is needed) w
   SLO) and decode up otherwise; the inter-token p90 above ``threatened`` x the ITL SLO, or the
   decode KV pools fuller than ``kv_high``, sends decode up;
 - or the model says the predicted load needs more of it.
+A threatened SLO in an interval in which nothing arrived holds: its latency is that of requests
+already placed on their instances (a backlog being served), which a new instance would not take.
 Scale in a role by one when, for ``scale_in_intervals`` intervals in a row, its latency stayed
 under ``low_water`` x the SLO (no queue, KV pools under half full), and the predicted load is
 below ``scale_in_rate_fraction`` of the rate at which it last had to grow past that size (or,
@@ -153,9 +155,17 @@ class Policy:
             if n > hi:
                 out.append(Decision(role, n, hi, f"above the maximum of {hi}"))
                 continue
-            up_reason = threatened[role] or (
+            backlog = threatened[role] if o.arrivals_per_s <= 0 else ""
+            up_reason = (threatened[role] if not backlog else "") or (
                 f"the model needs {want} for the predicted load" if want is not None and want > n else ""
             )
+            if backlog and not up_reason:
+                out.append(
+                    Decision(
+                        role, n, n, f"hold: nothing arrived in the interval, the latency is a backlog's; {backlog}"
+                    )
+                )
+                continue
             if up_reason:
                 if n >= hi:
                     out.append(Decision(role, n, n, f"hold at the maximum {hi}: {up_reason}; {load}"))
@@ -174,7 +184,7 @@ class Policy:
                 grew = self._grew_at.get((role, n - 1))
                 if want is not None:
                     ok, why = want < n, f"the model needs {want}"
-                elif grew is not None:
+                elif grew:  # a rate of 0 records no load to fall below
                     ok = predicted.arrivals_per_s < c.scale_in_rate_fraction * grew
                     why = (
                         f"predicted {predicted.arrivals_per_s:.2f}/s vs {c.scale_in_rate_fraction:g} x the "

@@ -27,7 +27,8 @@ def config(**changes) -> PolicyConfig:
 
 
 def obs(**figures) -> Observation:
-    return Observation("decode", 1, 10.0, **figures)
+    """An interval's figures; one request a second arrived unless said otherwise."""
+    return Observation("decode", 1, 10.0, **{"arrivals_per_s": 1.0, **figures})
 
 
 def calm(rate: float = 1.0) -> Observation:
@@ -116,6 +117,24 @@ def test_ttft_threatened_with_little_queue_sends_decode_up():
     # no queue histogram at all (NaN) is little queue too
     d = decide(Policy(config()), 0.0, 1, 1, obs(ttft_p90_s=1.5, itl_p90_s=CALM_ITL))
     assert d["decode"].direction == "up" and d["prefill"].direction == "hold"
+
+
+def test_a_threat_with_no_arrivals_holds_and_a_growth_at_no_load_does_not_block_the_scale_in():
+    # the backlog of a burst, served after it: late first tokens and a slow decode, nothing new
+    backlog = obs(arrivals_per_s=0.0, ttft_p90_s=40.0, itl_p90_s=HOT_ITL)
+    d = decide(Policy(config()), 0.0, 1, 1, backlog, load(0.04))
+    assert d["decode"].direction == d["prefill"].direction == "hold"
+    assert d["decode"].reason.startswith("hold: nothing arrived in the interval") and "ITL" in d["decode"].reason
+    # the model's answer is about the predicted load, not the interval's: it still scales out
+    d = decide(Policy(config()), 0.0, 1, 1, backlog, load(0.04), needed={"prefill": 1, "decode": 2})
+    assert d["decode"].direction == "up" and "the model needs 2" in d["decode"].reason
+    # a role that grew when the recorded rate was 0 shrinks once comfortable (0 has no fraction)
+    p = Policy(config(scale_in_intervals=1, cooldown_s=0.0))
+    d = decide(p, 0.0, 1, 1, obs(itl_p90_s=HOT_ITL, arrivals_per_s=0.0), load(0.0), needed={"prefill": 1, "decode": 2})
+    assert d["decode"].desired == 2
+    p.changed("decode", 0.0)
+    d = decide(p, 10.0, 1, 2, calm(0.0), load(0.0))
+    assert d["decode"].direction == "down" and "no record of needing more" in d["decode"].reason
 
 
 def test_hold_at_the_maximum():
