@@ -386,7 +386,7 @@ def cmd_autoscale(args) -> int:
     from backend.cluster.etcd import EtcdClient
     from backend.cluster.membership import Membership
     from backend.disagg.auth import AuthError, load_secret
-    from backend.planner.profile import EngineProfile
+    from backend.engine.step_profile import EngineProfile
     from backend.planner.slo import SLO
 
     try:
@@ -518,8 +518,8 @@ def _ints(text: str) -> list[int]:
 
 
 def cmd_plan(args) -> int:
+    from backend.engine.step_profile import EngineProfile
     from backend.planner.planner import evaluate, machine_candidates, node_candidates, table
-    from backend.planner.profile import EngineProfile
     from backend.planner.slo import SLO
     from backend.planner.workload import load_trace, poisson, scaled
 

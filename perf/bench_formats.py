@@ -130,7 +130,7 @@ def _teacher_forced(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     """Logits at every position of ``ids`` but the last: its first WINDOW tokens prefilled in
     chunks of PREFILL_CHUNK (logits of every position), the rest one decode step each. Runs the
     engine's runner directly, on pages of the idle engine's pool (prefix caching off)."""
-    from backend.engine.paged_attention import BatchEntry
+    from backend.engine.protocol import BatchEntry
 
     runner = engine.runner
     pages = list(range(-(-len(ids) // runner.pool.page_size)))

@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from backend.planner.profile import EngineProfile
+from backend.engine.step_profile import EngineProfile
 from backend.planner.simulator import Deployment, InstanceSpec, RequestResult, simulate
 from backend.planner.slo import SLO, attainment, summary
 from backend.planner.workload import TraceRequest

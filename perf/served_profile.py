@@ -29,8 +29,8 @@ import os
 import statistics
 from pathlib import Path
 
+from backend.engine.step_profile import EngineProfile
 from backend.launch.deployment import core_split
-from backend.planner.profile import EngineProfile
 from backend.planner.stats import median
 from perf.lib import loadgen, results, servers
 

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from backend.autoscale.predictor import Load
-from backend.planner.profile import EngineProfile
+from backend.engine.step_profile import EngineProfile
 from backend.planner.simulator import Deployment, InstanceSpec, simulate
 from backend.planner.slo import ATTAINMENT_GOAL, SLO, attainment, summary
 from backend.planner.workload import poisson

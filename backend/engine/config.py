@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from backend.engine.cpu_kernels import missing_flags, requirement
 from backend.engine.formats import DTYPES, WEIGHT_FORMATS, choose_kv_format, choose_weights_format, weight_format
+from backend.engine.step_profile import profile_path
 
 if TYPE_CHECKING:
     import torch
@@ -68,6 +69,12 @@ class EngineConfig:
     file I/O; ``nixl``: NIXL's or refuse to start; ``plain``; the serving layer builds it); a shared
     tier in the store at ``kv_store_url`` (``redis://HOST:PORT``; empty: none), every call to it
     bounded by ``kv_store_timeout_s`` (the serving layer connects: ``backend/cluster/kv_store.py``).
+
+    ``emulate``: an engine profile (a name shipped in ``backend/engine/profiles/``, or a JSON
+    file's path; ``step_profile.py``): the instance loads no model and computes nothing; each step
+    waits what the profile says it takes, and its tokens come from a deterministic generator that
+    reads the KV cache (``emulated_runner.py``). The checkpoint still gives the tokenizer and the
+    vocabulary. One process only; the weight and KV formats are float32 unless set.
     """
 
     model_path: str
@@ -93,6 +100,7 @@ class EngineConfig:
     kv_disk_reader: str = "auto"
     kv_store_url: str = ""
     kv_store_timeout_s: float = 0.5
+    emulate: str = ""
     # why weights_dtype is what it is (set by __post_init__; "" where it was set explicitly)
     weights_choice: str = field(default="", init=False, compare=False)
     kv_choice: str = field(default="", init=False, compare=False)  # why kv_dtype is what it is (auto)
@@ -104,6 +112,12 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.emulate:
+            profile_path(self.emulate)  # a name or path that is not there fails here, naming the shipped ones
+            if self.tensor_parallel_size != 1:
+                raise ValueError("EngineConfig.emulate runs in one process: tensor_parallel_size must be 1")
+            if self.weights_dtype == "auto":
+                self.weights_dtype, self.weights_choice = self.dtype, "emulated: no weights are loaded"
         if self.weights_dtype == "auto":
             self.weights_dtype, self.weights_choice = choose_weights_format(
                 self.dtype, self.torch_device.type, self.tensor_parallel_size, self.model_path
@@ -112,6 +126,8 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.weights_dtype must be one of {list(WEIGHT_FORMATS)}, got {self.weights_dtype!r}"
             )
+        if self.emulate and self.kv_dtype in ("auto", ""):
+            self.kv_dtype, self.kv_choice = self.dtype, "emulated"
         if self.kv_dtype in ("auto", ""):
             self.kv_dtype, self.kv_choice = choose_kv_format(self.dtype, self.weights_format, self.torch_device.type)
         if self.kv_format not in DTYPES:

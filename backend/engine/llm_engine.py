@@ -42,11 +42,9 @@ from backend.engine.disk_tier import DiskTier
 from backend.engine.file_reader import FileReader
 from backend.engine.kv_block import BlockCodec, layout_digest
 from backend.engine.kv_tiers import KVTiers, TierLoad
-from backend.engine.model_runner import ModelRunner
 from backend.engine.outputs import EngineOutput, ErrorKind, FinishReason, TokenLogprobs
 from backend.engine.page_allocator import PageAllocator
-from backend.engine.paged_attention import BatchEntry
-from backend.engine.protocol import DeviceMark, KVCacheSpec, KVLoader, KVStepListener, ModelDims
+from backend.engine.protocol import BatchEntry, DeviceMark, KVCacheSpec, KVLoader, KVStepListener, ModelDims, Runner
 from backend.engine.sampling.decode_sampler import DecodeSampler
 from backend.engine.sampling.logprobs import token_logprobs
 from backend.engine.sampling.sampler import make_generator, sample
@@ -61,16 +59,29 @@ TIER_WAIT_S = 0.05  # a step with nothing to run but tier loads waits this long 
 LOOKUP_WAIT_S = 1.0  # a request waits this long at most for the shared tier's answer, then queues
 
 
+def make_runner(config: EngineConfig) -> Runner:
+    """The runner of a one-process instance: the model's, or the emulated engine's (which loads no
+    model: its module imports no transformers)."""
+    if config.emulate:
+        from backend.engine.emulated_runner import EmulatedRunner
+
+        return EmulatedRunner(config)
+    from backend.engine.model_runner import ModelRunner
+
+    return ModelRunner(config)
+
+
 class LLMEngine:
     def __init__(
         self,
         config: EngineConfig,
-        runner: ModelRunner | None = None,
+        runner: Runner | None = None,
         store: BlockStore | None = None,
         disk_reader: Callable[[], FileReader | None] | None = None,
     ):
         """``runner``: the model runner to drive (a tensor-parallel lead is built by
-        ``backend.parallel.engine_factory.build_engine``); default: a plain ``ModelRunner``.
+        ``backend.parallel.engine_factory.build_engine``); default: a plain ``ModelRunner``, or
+        with ``config.emulate`` the emulated engine's ``EmulatedRunner``.
         ``store``: the shared KV tier's store (``config.kv_store_url``'s, built by the serving
         layer), or None. ``disk_reader``: builds what the disk tier reads its files with, called
         only when there is one (the serving layer's, from ``config.kv_disk_reader``; None, or
@@ -82,7 +93,7 @@ class LLMEngine:
                 raise ValueError(
                     "tensor_parallel_size > 1: build the engine with backend.parallel.engine_factory.build_engine"
                 )
-            runner = ModelRunner(config)
+            runner = make_runner(config)
         self.runner = runner
         assert config.num_pages is not None  # EngineConfig resolves it from kv_cache_tokens
         salt = self._cache_salt()

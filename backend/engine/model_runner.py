@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,26 +21,17 @@ from backend.engine.int4_linear import quantize_linear_int4
 from backend.engine.int8_group_linear import quantize_lm_head_int8
 from backend.engine.kv_pool import KVPool
 from backend.engine.lean_decoder import LeanDecoder, fuse_projections, unsupported_reason
-from backend.engine.paged_attention import ATTN_IMPLEMENTATION, BatchEntry, build_paged_batch
-from backend.engine.protocol import DeviceMark, ModelDims
+from backend.engine.paged_attention import ATTN_IMPLEMENTATION, build_paged_batch
+from backend.engine.protocol import BatchEntry, DeviceMark, ModelDims, StepResult
 from backend.engine.small_batch_linear import use_small_batch_linears
 
 log = logging.getLogger("triton_disagg.engine")
 
-__all__ = ["ModelRunner", "StepResult"]
+__all__ = ["ModelRunner"]
 
 # torch's thread count when this module was imported: what a runner without num_threads uses (a
 # runner built after another one's few-row step must not read that step's single thread)
 _PROCESS_THREADS = torch.get_num_threads()
-
-
-@dataclass
-class StepResult:
-    logits: torch.Tensor  # [num_entries, vocab]: logits of each entry's last scheduled token
-    hidden: torch.Tensor  # [num_entries, hidden]: final hidden state (after the final norm) there
-    # with run(..., num_logits=n): per entry, its last n[i] positions: [n[i], vocab] / [n[i], hidden]
-    position_logits: list[torch.Tensor] | None = None
-    position_hidden: list[torch.Tensor] | None = None
 
 
 class ModelRunner:

@@ -22,17 +22,9 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from backend.engine.kv_pool import KVPool
+from backend.engine.protocol import BatchEntry
 
 ATTN_IMPLEMENTATION = "paged_hnd"
-
-
-@dataclass
-class BatchEntry:
-    """One sequence's share of a step: tokens at positions ``start .. start+len(token_ids)-1``."""
-
-    token_ids: list[int]
-    start: int
-    page_table: list[int]
 
 
 @dataclass

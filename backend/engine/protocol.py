@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from backend.engine.cache_summary import CacheSummary
 from backend.engine.outputs import EngineOutput, ErrorKind
@@ -18,6 +18,26 @@ from backend.engine.scheduler import StepBatch
 
 if TYPE_CHECKING:
     import torch
+
+    from backend.engine.kv_pool import KVPool
+
+
+@dataclass
+class BatchEntry:
+    """One sequence's share of a step: tokens at positions ``start .. start+len(token_ids)-1``."""
+
+    token_ids: list[int]
+    start: int
+    page_table: list[int]
+
+
+@dataclass
+class StepResult:
+    logits: torch.Tensor  # [num_entries, vocab]: logits of each entry's last scheduled token
+    hidden: torch.Tensor  # [num_entries, hidden]: final hidden state (after the final norm) there
+    # with run(..., num_logits=n): per entry, its last n[i] positions: [n[i], vocab] / [n[i], hidden]
+    position_logits: list[torch.Tensor] | None = None
+    position_hidden: list[torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +77,30 @@ class DeviceMark(Protocol):
     def done(self) -> bool: ...
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until done; False if ``timeout_s`` passed first."""
+
+
+class Runner(Protocol):
+    """What the engine drives: the model (``model_runner.py``; a tensor-parallel lead in
+    ``backend/parallel/``; the emulated engine's stand-in, ``emulated_runner.py``) and its KV pool."""
+
+    pool: KVPool
+    device: torch.device
+    vocab_size: int
+
+    def run(
+        self, entries: list[BatchEntry], hook_arg: object = None, num_logits: list[int] | None = None
+    ) -> StepResult:
+        """One step over ``entries``; ``num_logits[i]``: how many trailing positions of entry i need
+        logits (default: its last); the layer hook fires as each layer's KV write is queued."""
+
+    def set_layer_hook(self, hook: Callable[[int, Any, DeviceMark], None] | None) -> None: ...
+    def device_mark(self) -> DeviceMark: ...
+    def dims(self) -> ModelDims: ...
+    def shard_pools(self) -> list[torch.Tensor]: ...
+    def end_token_ids(self) -> tuple[int, ...]: ...
+    def health(self) -> str | None: ...
+    def add_failure_callback(self, callback: Callable[[str], None]) -> None: ...
+    def close(self) -> None: ...
 
 
 class KVStepListener(Protocol):

@@ -29,8 +29,7 @@ import uuid
 from collections.abc import Callable
 
 from backend.engine.config import EngineConfig
-from backend.engine.model_runner import StepResult
-from backend.engine.paged_attention import BatchEntry
+from backend.engine.protocol import BatchEntry, StepResult
 from backend.parallel.comm import host_store, join_group
 from backend.parallel.processes import RankProcesses
 from backend.parallel.rank_runner import GROUP_TIMEOUT_S, TPModelRunner, rank_device

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from backend.planner.profile import EngineProfile
+from backend.engine.step_profile import EngineProfile
 from backend.planner.simulator import Deployment, InstanceSpec, simulate
 from backend.planner.slo import SLO, attainment, goodput, summary
 from backend.planner.workload import TraceRequest

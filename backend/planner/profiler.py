@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from backend.engine.config import EngineConfig
+from backend.engine.formats import kernel_path_line
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.sampling_params import SamplingParams
-from backend.planner.profile import EngineProfile, StepSample, ThreadProfile
+from backend.engine.step_profile import EngineProfile, StepSample, ThreadProfile
 
 log = logging.getLogger("triton_disagg.planner")
 
@@ -204,4 +205,5 @@ def profile_engine(
         threads=per,
         corun_slowdown=measure_corun(model_path, weights_dtype) if corun else 1.0,
         handoff_s=handoff_s,
+        source=f"measured by the profiler (backend/planner/profiler.py) on {kernel_path_line(weights_dtype)}",
     )

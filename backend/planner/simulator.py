@@ -31,7 +31,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from backend.planner.profile import EngineProfile
+from backend.engine.step_profile import EngineProfile
 from backend.planner.workload import TraceRequest
 
 

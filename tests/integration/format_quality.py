@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from backend.engine.config import EngineConfig
 from backend.engine.heldout import heldout_windows
 from backend.engine.model_runner import ModelRunner
-from backend.engine.paged_attention import BatchEntry
+from backend.engine.protocol import BatchEntry
 
 TEXT = Path(__file__).resolve().parents[2] / "perf" / "data" / "heldout_en.txt"
 PROMPT, DECODE, CHUNK, PAGE = 512, 32, 256, 16

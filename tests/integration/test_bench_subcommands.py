@@ -334,7 +334,7 @@ def _plan_check(run: Run) -> None:
 
 @check("served-profile")
 def _served_profile(run: Run) -> None:
-    from backend.planner.profile import EngineProfile
+    from backend.engine.step_profile import EngineProfile
 
     measured = run.figure("served_profile.measured.json")
     for mode in ("aggregated", "disagg"):

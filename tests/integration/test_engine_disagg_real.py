@@ -17,7 +17,7 @@ from engine_helpers import (
 )
 
 from backend.engine.outputs import FinishReason
-from backend.engine.paged_attention import BatchEntry
+from backend.engine.protocol import BatchEntry
 from backend.engine.sampling_params import SamplingParams
 
 LOGIT_TOLERANCE = 1e-3

@@ -6,7 +6,7 @@ import pytest
 import torch
 from engine_helpers import assert_pool_idle, make_engine, real_model_dir, run_to_completion, tokens_of
 
-from backend.engine.paged_attention import BatchEntry
+from backend.engine.protocol import BatchEntry
 from backend.engine.sampling_params import SamplingParams
 
 NEW_TOKENS = 20

@@ -4,7 +4,7 @@ composition, and the co-run slowdown against a second process, and writes a prof
 
 from __future__ import annotations
 
-from backend.planner.profile import EngineProfile
+from backend.engine.step_profile import EngineProfile
 
 
 def test_profiler_measures_a_loadable_profile_on_the_real_engine(tmp_path):

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from backend.engine.paged_attention import BatchEntry
+from backend.engine.protocol import BatchEntry
 from backend.engine.sampling_params import SamplingParams
 from backend.parallel.lead import TPInstanceDown
 from tests.engine_helpers import make_engine, real_model_dir, run_to_completion, tokens_of

@@ -13,11 +13,11 @@ from backend.autoscale.autoscaler import Autoscaler
 from backend.autoscale.model import PerformanceModel
 from backend.autoscale.policy import Policy, PolicyConfig
 from backend.autoscale.predictor import Load
-from backend.planner.profile import EngineProfile, StepSample, ThreadProfile, features
+from backend.engine.step_profile import EngineProfile, StepSample, ThreadProfile, features
 from backend.planner.slo import SLO
 
 # a step costs 10 ms + 2 ms per sequence + 1 ms per new token: a 256-token prompt takes ~0.27 s
-COEF = [0.010, 0.002, 0.001, 0.0, 0.0]
+COEF = [0.010, 0.002, 0.001, 0.0, 0.0, 0.0]
 GRID = [[(1, 64)] * b for b in (1, 2, 4, 8)] + [[(n, 0)] for n in (16, 64, 256)] + [[(1, 128)] * 2 + [(64, 0)]]
 SLO_ = SLO(ttft_s=1.0, itl_p90_s=0.1)
 BOUNDS = {"prefill": (1, 4), "decode": (1, 4)}

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from backend.engine.fused_decode import FusedDecode
-from backend.engine.paged_attention import BatchEntry, build_paged_batch
+from backend.engine.paged_attention import build_paged_batch
+from backend.engine.protocol import BatchEntry
 from backend.engine.sampling_params import SamplingParams
 from tests.engine_helpers import (
     assert_pool_idle,

@@ -10,7 +10,7 @@ import torch
 from backend.engine.config import EngineConfig
 from backend.engine.lean_decoder import unsupported_reason
 from backend.engine.model_runner import ModelRunner
-from backend.engine.paged_attention import BatchEntry
+from backend.engine.protocol import BatchEntry
 from backend.engine.sampling_params import SamplingParams
 from tests.engine_helpers import build_tiny_llama, make_engine, run_to_completion, tokens_of
 

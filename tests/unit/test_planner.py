@@ -9,14 +9,14 @@ import shlex
 
 import pytest
 
-from backend.planner.profile import EngineProfile, StepCost, StepSample, ThreadProfile, features
+from backend.engine.step_profile import EngineProfile, StepCost, StepSample, ThreadProfile, features
 from backend.planner.simulator import Deployment, InstanceSpec, simulate
 from backend.planner.slo import SLO, attainment, goodput, measured_goodput
 from backend.planner.stats import percentile
 from backend.planner.workload import TraceRequest, load_trace, poisson, save_trace, scaled
 
 # a step costs 10 ms + 2 ms per sequence + 1 ms per new token (no attention or batched term)
-COEF = [0.010, 0.002, 0.001, 0.0, 0.0]
+COEF = [0.010, 0.002, 0.001, 0.0, 0.0, 0.0]
 GRID = [[(1, 64)] * b for b in (1, 2, 4, 8)] + [[(n, 0)] for n in (16, 64, 256)] + [[(1, 128)] * 2 + [(64, 0)]]
 
 
@@ -76,6 +76,9 @@ def test_profile_file_round_trip_and_errors(tmp_path):
     with pytest.raises(KeyError, match="no 4-thread"):
         back.cost(4)
     obj = json.loads(path.read_text())
+    # a version 2 file (one attention term for prefill and decode) loads, refitted from its samples
+    old = {**obj, "version": 2, "features": ["step", "sequence", "token", "attention_kpairs", "batched"]}
+    assert EngineProfile.from_json(json.dumps(old)).cost(2).coef == pytest.approx(COEF, abs=1e-9)
     with pytest.raises(ValueError, match="unknown profile fields: \\['surprise'\\]"):
         EngineProfile.from_json(json.dumps({**obj, "surprise": 1}))
     with pytest.raises(ValueError, match="version"):

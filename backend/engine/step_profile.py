@@ -1,12 +1,16 @@
 """The engine profile: how long one scheduler step takes, as a function of what it runs, per
-torch thread count; stored as JSON and re-used by every plan.
+torch thread count; stored as JSON and re-used by every plan (``backend/planner/``) and by the
+emulated engine, which waits this long instead of computing (``emulated_runner.py``).
 
 A step runs chunks, each ``(new tokens, tokens already in the KV cache)``. Its time is modelled
-as ``a + b * sequences + c * new tokens + d * attention + e * batched`` where attention counts
-the query-key pairs of the step in thousands (``new * (context + (new + 1) / 2) / 1000`` per
-chunk) and batched is 1 when the step runs more than one token: the linear layers then use
-matrix-matrix kernels, which on this CPU cost about twice the matrix-vector ones of a single
-decode token (measured: a batch of 2 decode tokens takes ~1.5x the step time of 1).
+as ``a + b * sequences + c * new tokens + d * prefill attention + e * batched + f * decode
+attention`` where the attention terms count the query-key pairs of the step in thousands
+(``new * (context + (new + 1) / 2) / 1000`` per chunk), of chunks of several tokens and of single
+decode tokens apart: on a GPU a decode token's attention reads the whole KV context from memory
+(~17 us per 1000 pairs for an 8B model on an H100) while a prefill chunk's is compute bound (~1 us).
+Batched is 1 when the step runs more than one token: the linear layers then use matrix-matrix
+kernels, which on this CPU cost about twice the matrix-vector ones of a single decode token
+(measured: a batch of 2 decode tokens takes ~1.5x the step time of 1).
 The coefficients are fitted, non-negative and by relative error, to measured steps: decode
 batches of several sizes and contexts, prefill chunks of several sizes, and mixes. The samples
 are kept in the file, so a profile can be refitted or checked; how much the measured steps
@@ -33,16 +37,20 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PROFILE_VERSION = 2
-FEATURES = ("step", "sequence", "token", "attention_kpairs", "batched")
+PROFILES = Path(__file__).resolve().parent / "profiles"  # the profiles shipped with the engine
+PROFILE_VERSION = 3
+FEATURES = ("step", "sequence", "token", "prefill_attention_kpairs", "batched", "decode_attention_kpairs")
+# a version 2 file (one attention term) still loads: its samples are kept, and refitted with these
+_V2_FEATURES = ["step", "sequence", "token", "attention_kpairs", "batched"]
 
 Chunk = tuple[int, int]  # (new tokens, context tokens before them)
 
 
 def features(chunks: list[Chunk]) -> list[float]:
     new = sum(n for n, _ in chunks)
-    attn = sum(n * (ctx + (n + 1) / 2) for n, ctx in chunks) / 1000.0
-    return [1.0, float(len(chunks)), float(new), attn, 1.0 if new > 1 else 0.0]
+    prefill = sum(n * (ctx + (n + 1) / 2) for n, ctx in chunks if n > 1) / 1000.0
+    decode = sum(ctx + 1 for n, ctx in chunks if n == 1) / 1000.0
+    return [1.0, float(len(chunks)), float(new), prefill, 1.0 if new > 1 else 0.0, decode]
 
 
 @dataclass
@@ -112,6 +120,7 @@ class EngineProfile:
     served_overhead_s: dict[int, list[float]] = field(default_factory=dict)
     request_overhead_s: float = 0.0
     version: int = PROFILE_VERSION
+    source: str = ""  # where the samples come from: the machine measured, or the published figures
 
     def cost(self, threads: int) -> StepCost:
         if threads not in self.threads:
@@ -145,6 +154,7 @@ class EngineProfile:
             self.handoff_s,
             {t: [v / speedup for v in oh] for t, oh in self.served_overhead_s.items()},
             self.request_overhead_s,
+            source=f"{self.source} (every step / {speedup:g})",
         )
 
     def to_json(self) -> str:
@@ -152,6 +162,7 @@ class EngineProfile:
             {
                 "version": self.version,
                 "model": self.model,
+                "source": self.source,
                 "weights_dtype": self.weights_dtype,
                 "page_size": self.page_size,
                 "corun_slowdown": self.corun_slowdown,
@@ -173,13 +184,13 @@ class EngineProfile:
     @classmethod
     def from_json(cls, text: str) -> "EngineProfile":
         obj = json.loads(text)
-        if obj.get("version") != PROFILE_VERSION:
+        if obj.get("version") not in (2, PROFILE_VERSION):
             raise ValueError(f"profile version {obj.get('version')!r} is not {PROFILE_VERSION}: profile again")
         known = {f for f in cls.__dataclass_fields__} | {"features"}
         unknown = sorted(set(obj) - known)
         if unknown:
             raise ValueError(f"unknown profile fields: {unknown}")
-        if obj.get("features") != list(FEATURES):
+        if obj.get("features") != (list(FEATURES) if obj["version"] == PROFILE_VERSION else _V2_FEATURES):
             raise ValueError(f"profile features {obj.get('features')} are not {list(FEATURES)}: profile again")
         threads = {
             int(t): ThreadProfile(
@@ -197,6 +208,7 @@ class EngineProfile:
             handoff_s=float(obj.get("handoff_s", 0.0)),
             served_overhead_s={int(t): [float(x) for x in v] for t, v in obj.get("served_overhead_s", {}).items()},
             request_overhead_s=float(obj.get("request_overhead_s", 0.0)),
+            source=str(obj.get("source", "")),
         )
 
     def save(self, path: Path) -> None:
@@ -222,3 +234,15 @@ class EngineProfile:
 
 def _mean(v: list[float]) -> float:
     return sum(v) / len(v) if v else float("nan")
+
+
+def profile_path(name: str) -> Path:
+    """A profile's file: ``name`` is one shipped in :data:`PROFILES` (without ``.json``) or a path."""
+    shipped = PROFILES / f"{name}.json"
+    if "/" not in name and shipped.is_file():
+        return shipped
+    path = Path(name)
+    if path.is_file():
+        return path
+    names = sorted(p.stem for p in PROFILES.glob("*.json"))
+    raise ValueError(f"engine profile {name!r}: no such file, and not one of the shipped profiles {names}")
