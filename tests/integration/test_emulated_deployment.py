@@ -58,7 +58,8 @@ def test_streams_give_the_emulated_tokens_in_both_modes(server, tokenizer, model
     # sampled, the generator's token still has all the probability
     (r,) = ConcurrentStreams(server.grpc_url, prompts[:1], 8, temperature=1.3, seed=5).join()
     assert r.error is None and r.token_ids == generate(prompts[0], 8, vocab, frozenset(end_ids))
-    cost = EngineProfile.load(profile_path(PROFILE)).cost(min(EngineProfile.load(profile_path(PROFILE)).threads))
+    profile = EngineProfile.load(profile_path(PROFILE))
+    cost = profile.cost(min(profile.threads))
     gaps = [b - a for x in results for a, b in zip(x.times[1:], x.times[2:])]
     print(
         f"mean inter-token gap {1e3 * sum(gaps) / len(gaps):.1f} ms; the profile's decode step of "

@@ -39,8 +39,8 @@ def checkpoint(tmp_path) -> Path:
 
 
 def engine(checkpoint: Path, **kw) -> LLMEngine:
-    settings = dict(model_path=str(checkpoint), emulate=PROFILE, kv_cache_tokens=1024, page_size=4) | kw
-    return LLMEngine(EngineConfig(**settings), EmulatedRunner(EngineConfig(**settings), sleep=lambda s: None))
+    config = EngineConfig(**(dict(model_path=str(checkpoint), emulate=PROFILE, kv_cache_tokens=1024, page_size=4) | kw))
+    return LLMEngine(config, EmulatedRunner(config, sleep=lambda s: None))
 
 
 def run(e: LLMEngine, prompts: dict[str, list[int]], n: int, **params) -> dict[str, list[int]]:
